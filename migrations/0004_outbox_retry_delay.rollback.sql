@@ -1,0 +1,1 @@
+DROP FUNCTION outbox_retry_delay(integer, interval, interval);

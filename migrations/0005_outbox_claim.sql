@@ -1,0 +1,122 @@
+-- outboxpg 0005: handing out events to workers.
+--
+--   SELECT * FROM outbox_claim(100);                    -- 100 events, default lease
+--   SELECT * FROM outbox_claim(100, '2 minutes', 'w1');
+--
+-- Each call leases up to batch_size due events under one fresh lease_token, which the caller
+-- passes back to outbox_complete / outbox_fail / outbox_release. The lease is committed with
+-- the caller's statement: claim in its own short transaction, publish outside any transaction.
+--
+-- Rules kept here:
+--   * Exclusive: FOR UPDATE SKIP LOCKED, so concurrent claimers never get the same event and
+--     never wait on each other.
+--   * Head of line per aggregate: an event is handed out only when no earlier event (lower id)
+--     of its (aggregate_type, aggregate_id) is unfinished: pending (including waiting for a
+--     retry), processing or dead. So at most one event per aggregate is in flight, and a dead
+--     event holds back its own aggregate only. This stays correct under concurrency because an
+--     event never goes from finished back to unfinished: a claimer that sees every earlier event
+--     finished in its snapshot is right, and one that sees an earlier event unfinished (even one
+--     a concurrent claimer is taking) skips the later one.
+--   * Expired leases are reclaimed here, first, so no separate reaper is needed. An expired
+--     lease is a failed attempt (the worker died or hung): retried after a backoff, or dead once
+--     max_attempts is reached.
+--
+-- batch_size below 1 or NULL is an error; above outbox_settings.max_claim_batch it is clamped.
+-- depends: 0002_outbox_table 0004_outbox_retry_delay
+DO $$ BEGIN PERFORM set_config('search_path', format('%I, pg_temp', current_schema()), false); END $$;
+
+-- Complete, fail and release find a batch by its lease token: one probe per partition, where
+-- "id = ANY(ids)" would cost one per partition and id.
+CREATE INDEX outbox_lease_token_idx ON outbox (lease_token) WHERE state = 'processing';
+
+CREATE FUNCTION outbox_claim(batch_size integer, lease interval DEFAULT NULL, worker text DEFAULT NULL)
+RETURNS TABLE (
+    id             bigint,
+    subject        text,
+    aggregate_type text,
+    aggregate_id   text,
+    event_type     text,
+    payload        jsonb,
+    headers        jsonb,
+    msg_id         text,
+    attempts       integer,
+    created_at     timestamptz,
+    lease_token    uuid,
+    locked_until   timestamptz
+)
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+#variable_conflict use_column
+DECLARE
+    cfg    outbox_settings;
+    token  uuid := gen_random_uuid();
+    -- The lease runs from the moment of the claim, not from the start of the caller's transaction.
+    t      timestamptz := clock_timestamp();
+    owner  text;
+    n      integer;
+BEGIN
+    IF batch_size IS NULL OR batch_size < 1 THEN
+        RAISE EXCEPTION 'outbox_claim: batch_size must be 1 or more, got %', coalesce(batch_size::text, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    SELECT * INTO STRICT cfg FROM outbox_settings;
+    n := least(batch_size, cfg.max_claim_batch);
+    lease := coalesce(lease, cfg.default_lease);
+    IF lease <= interval '0' THEN
+        RAISE EXCEPTION 'outbox_claim: lease must be positive, got %', lease
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    owner := coalesce(worker, nullif(current_setting('application_name'), ''), 'backend ' || pg_backend_pid());
+
+    -- Reclaim expired leases. SKIP LOCKED: a lease being completed right now is left alone.
+    UPDATE outbox o
+       SET state           = CASE WHEN o.attempts >= cfg.max_attempts THEN 'dead' ELSE 'pending' END::outbox_state,
+           next_attempt_at = t + outbox_retry_delay(o.attempts, cfg.backoff_base, cfg.backoff_cap),
+           dead_at         = CASE WHEN o.attempts >= cfg.max_attempts THEN t END,
+           last_error      = format('lease expired at %s (held by %s)', o.locked_until, o.locked_by),
+           locked_until    = NULL,
+           lease_token     = NULL
+      FROM (SELECT e.id, e.created_at
+              FROM outbox e
+             WHERE e.state = 'processing' AND e.locked_until < t
+               FOR UPDATE SKIP LOCKED) expired
+     WHERE o.id = expired.id AND o.created_at = expired.created_at;
+
+    RETURN QUERY
+    WITH candidates AS (
+        SELECT c.id, c.created_at
+          FROM outbox c
+         WHERE c.state = 'pending'
+           AND c.next_attempt_at <= t
+           AND NOT EXISTS (
+                 SELECT 1
+                   FROM outbox earlier
+                  WHERE earlier.aggregate_type = c.aggregate_type
+                    AND earlier.aggregate_id = c.aggregate_id
+                    AND earlier.id < c.id
+                    AND earlier.state IN ('pending', 'processing', 'dead'))
+         ORDER BY c.id
+         LIMIT n
+           FOR UPDATE SKIP LOCKED
+    ), claimed AS (
+        UPDATE outbox o
+           SET state        = 'processing',
+               attempts     = o.attempts + 1,
+               locked_by    = owner,
+               claimed_at   = t,
+               locked_until = t + lease,
+               lease_token  = token
+          FROM candidates c
+         WHERE o.id = c.id AND o.created_at = c.created_at
+     RETURNING o.id,
+               coalesce(o.subject, cfg.subject_prefix || '.' || o.aggregate_type || '.' || o.event_type),
+               o.aggregate_type, o.aggregate_id, o.event_type, o.payload, o.headers, o.msg_id,
+               o.attempts, o.created_at, o.lease_token, o.locked_until
+    )
+    SELECT * FROM claimed ORDER BY 1;
+END;
+$$;
+
+COMMENT ON FUNCTION outbox_claim(integer, interval, text) IS
+    'Lease up to batch_size due events (one per aggregate, oldest first) under a new lease_token; reclaims expired leases first.';

@@ -1,0 +1,67 @@
+-- outboxpg 0007: dead letters, for operators.
+--
+--   SELECT * FROM outbox_dead_letters;                      -- what is dead, and why
+--   SELECT outbox_requeue(ARRAY[42]);                       -- try again from attempt 1
+--   SELECT outbox_discard(ARRAY[43], 'superseded by #44');   -- give up on it, keeping the reason
+--
+-- A dead event holds back the later events of its aggregate (order beats liveness for one
+-- aggregate) until it is requeued or discarded; other aggregates are not affected.
+-- depends: 0002_outbox_table
+DO $$ BEGIN PERFORM set_config('search_path', format('%I, pg_temp', current_schema()), false); END $$;
+
+CREATE VIEW outbox_dead_letters AS
+SELECT id, aggregate_type, aggregate_id, event_type, subject, attempts, last_error, dead_at, created_at, msg_id
+  FROM outbox
+ WHERE state = 'dead';
+
+COMMENT ON VIEW outbox_dead_letters IS
+    'Dead events (out of attempts or failed permanently), with the last error. Repair with outbox_requeue(ids) or outbox_discard(ids, reason).';
+
+CREATE FUNCTION outbox_requeue(ids bigint[]) RETURNS integer
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    requeued integer;
+BEGIN
+    IF ids IS NULL THEN
+        RAISE EXCEPTION 'outbox_requeue: ids must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    -- last_error is kept: it says why the event died the last time.
+    UPDATE outbox o
+       SET state = 'pending', attempts = 0, next_attempt_at = clock_timestamp(), dead_at = NULL
+     WHERE o.state = 'dead' AND o.id = ANY (ids);
+    GET DIAGNOSTICS requeued = ROW_COUNT;
+    RETURN requeued;
+END;
+$$;
+
+COMMENT ON FUNCTION outbox_requeue(bigint[]) IS
+    'Send dead events back to pending with attempts reset; returns how many were dead (other ids are left alone).';
+
+CREATE FUNCTION outbox_discard(ids bigint[], reason text) RETURNS integer
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    discarded integer;
+BEGIN
+    IF ids IS NULL THEN
+        RAISE EXCEPTION 'outbox_discard: ids must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    IF reason IS NULL OR btrim(reason) = '' THEN
+        RAISE EXCEPTION 'outbox_discard: a reason is required (it is kept with the event)'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    -- Dead events, and pending ones an operator wants out of the way; never a leased one,
+    -- whose worker may be publishing it right now.
+    UPDATE outbox o
+       SET state = 'discarded', discarded_at = clock_timestamp(), discard_reason = left(reason, 8000)
+     WHERE o.state IN ('dead', 'pending') AND o.id = ANY (ids);
+    GET DIAGNOSTICS discarded = ROW_COUNT;
+    RETURN discarded;
+END;
+$$;
+
+COMMENT ON FUNCTION outbox_discard(bigint[], text) IS
+    'Take dead (or pending) events out of the flow for good, keeping the reason; returns how many changed. Leased events are left alone.';

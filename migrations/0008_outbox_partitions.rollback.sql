@@ -1,0 +1,2 @@
+DROP FUNCTION outbox_maintain(boolean);
+DROP VIEW outbox_partitions;

@@ -1,0 +1,1 @@
+DROP VIEW outbox_stats;

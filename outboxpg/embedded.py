@@ -1,0 +1,112 @@
+"""Throwaway servers for the demo, the tests and the benchmarks.
+
+``EmbeddedPostgres`` initialises and starts a private PostgreSQL cluster on a free loopback
+port. PostgreSQL refuses to run as root, so when we are root the cluster is created and run as
+an unprivileged user (``postgres`` by default) through ``runuser``. Only processes started here
+are ever stopped here.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import tempfile
+from pathlib import Path
+from types import TracebackType
+
+__all__ = ["EmbeddedPostgres", "free_port", "find_pg_bindir"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def find_pg_bindir() -> Path:
+    """Where initdb and pg_ctl live: $OUTBOXPG_PG_BINDIR, pg_config, PATH, or the newest Debian layout."""
+    if env := os.environ.get("OUTBOXPG_PG_BINDIR"):
+        return Path(env)
+    if pg_config := shutil.which("pg_config"):
+        out = subprocess.run([pg_config, "--bindir"], capture_output=True, text=True, check=False)
+        if out.returncode == 0 and (Path(out.stdout.strip()) / "initdb").exists():
+            return Path(out.stdout.strip())
+    candidates = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"),
+                        key=lambda p: int(Path(p).parent.parent.name) if Path(p).parent.parent.name.isdigit() else 0)
+    if candidates:
+        return Path(candidates[-1]).parent
+    if initdb := shutil.which("initdb"):
+        return Path(os.path.realpath(initdb)).parent
+    raise FileNotFoundError("PostgreSQL server binaries (initdb, pg_ctl) not found; set OUTBOXPG_PG_BINDIR")
+
+
+class EmbeddedPostgres:
+    """A private PostgreSQL cluster: ``with EmbeddedPostgres() as pg: psycopg.connect(pg.dsn)``."""
+
+    def __init__(self, *, port: int | None = None, run_as: str = "postgres",
+                 settings: dict[str, str] | None = None, base_dir: str | None = None) -> None:
+        self.port = port or free_port()
+        self.bindir = find_pg_bindir()
+        self._as_root = os.geteuid() == 0
+        self._run_as = run_as
+        self._base = Path(tempfile.mkdtemp(prefix="outboxpg-pg-", dir=base_dir))
+        self.datadir = self._base / "data"
+        self.logfile = self._base / "postgres.log"
+        # A throwaway cluster: durability traded for speed, and room for many test clients.
+        self.settings = {"port": str(self.port), "listen_addresses": "127.0.0.1", "unix_socket_directories": str(self._base),
+                         "fsync": "off", "synchronous_commit": "off", "full_page_writes": "off",
+                         "max_connections": "200", **(settings or {})}
+        self.user = "postgres"
+        self._started = False
+
+    @property
+    def dsn(self) -> str:
+        return f"host=127.0.0.1 port={self.port} user={self.user} dbname=postgres"
+
+    def dsn_for(self, dbname: str) -> str:
+        return f"host=127.0.0.1 port={self.port} user={self.user} dbname={dbname}"
+
+    def _run(self, *args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [str(self.bindir / args[0]), *args[1:]]
+        if self._as_root:
+            cmd = ["runuser", "-u", self._run_as, "--", *cmd]
+        result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            log = self.logfile.read_text(errors="replace")[-2000:] if self.logfile.exists() else ""
+            raise RuntimeError(f"{args[0]} failed ({result.returncode}): {result.stderr.strip()}\n{log}")
+        return result
+
+    def start(self) -> "EmbeddedPostgres":
+        if self._as_root:
+            pw = pwd.getpwnam(self._run_as)
+            os.chown(self._base, pw.pw_uid, pw.pw_gid)
+        self._run("initdb", "-D", str(self.datadir), "-U", self.user, "-A", "trust", "-E", "UTF8",
+                  "--no-sync", "--locale=C")
+        options = " ".join(f"-c {k}={v}" for k, v in self.settings.items())
+        self._run("pg_ctl", "-D", str(self.datadir), "-l", str(self.logfile), "-o", options, "-w", "-t", "60", "start")
+        self._started = True
+        return self
+
+    def restart(self, mode: str = "fast") -> None:
+        """Restart the server (``mode``: smart, fast or immediate), keeping its data."""
+        self._run("pg_ctl", "-D", str(self.datadir), "-m", mode, "-w", "-t", "60", "restart")
+
+    def stop(self) -> None:
+        if self._started:
+            try:
+                self._run("pg_ctl", "-D", str(self.datadir), "-m", "fast", "-w", "-t", "60", "stop")
+            finally:
+                self._started = False
+        shutil.rmtree(self._base, ignore_errors=True)
+
+    def __enter__(self) -> "EmbeddedPostgres":
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
