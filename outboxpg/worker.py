@@ -1,0 +1,351 @@
+"""The relay: claim events, publish them, report back. Thin on purpose: every decision about
+an event (order, retries, dead letters, fencing) is made by the SQL functions it calls.
+
+    worker = Worker(WorkerConfig(dsn="..."), publisher=NatsPublisher("nats://127.0.0.1:4222"))
+    await worker.run()          # until worker.stop()
+
+Loop: drain (claim -> publish -> complete/fail, in up to ``concurrency`` lanes, until a claim
+comes back short), then go idle (take the wakeup lock, claim once more, sleep) until a
+notification, the next retry or lease expiry (outbox_next_wakeup), or the fallback poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import psycopg
+from psycopg.adapt import Buffer, Loader
+from psycopg_pool import AsyncConnectionPool
+
+from outboxpg.events import CLAIM_COLUMNS, OutboxEvent, PermanentError, event_from_row
+from outboxpg.publishers import as_publisher
+from outboxpg.wakeup import CONNECT_OPTIONS, IdleLock, Listener
+
+__all__ = ["Worker", "WorkerConfig", "WorkerStats"]
+
+log = logging.getLogger("outboxpg.worker")
+
+_CLAIM = f"SELECT {CLAIM_COLUMNS} FROM outbox_claim(%s, %s, %s)"
+_COMPLETE = "SELECT outbox_complete(%s::bigint[], %s)"
+_FAIL = "SELECT outbox_fail(%s, %s, %s, %s)"
+_RELEASE = "SELECT outbox_release(%s::bigint[], %s)"
+_SLEEP_FOR = "SELECT extract(epoch FROM outbox_next_wakeup() - clock_timestamp())::float8"
+
+
+class RawJsonLoader(Loader):
+    """Load json/jsonb as the bytes PostgreSQL sent: the worker forwards payloads, it never
+    needs to parse them."""
+
+    def load(self, data: Buffer) -> bytes:
+        return bytes(data)
+
+
+@dataclass
+class WorkerConfig:
+    dsn: str
+    batch_size: int = 500
+    concurrency: int = 4
+    lease: float = 30.0
+    poll_interval: float = 30.0
+    poll_only: bool = False
+    publish_timeout: float = 10.0
+    name: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
+    summary_interval: float = 60.0
+
+    def validate(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError("batch size must be at least 1")
+        if self.concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        if self.poll_interval <= 0:
+            raise ValueError("poll interval must be positive")
+        if self.publish_timeout <= 0:
+            raise ValueError("publish timeout must be positive")
+        if self.lease < 2 * self.publish_timeout:
+            raise ValueError(
+                f"lease ({self.lease:g}s) must be at least twice the publish timeout ({self.publish_timeout:g}s): "
+                "a batch has to be reported before its lease can expire")
+
+
+@dataclass
+class WorkerStats:
+    delivered: int = 0
+    failed: int = 0
+    dead: int = 0
+    lost_leases: int = 0
+    claims: int = 0
+    lag_sum: float = 0.0
+    lag_max: float = 0.0
+    lag_count: int = 0
+    last_claim_at: float | None = None
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig, publisher: Any) -> None:
+        config.validate()
+        self.cfg = config
+        self.publisher = as_publisher(publisher)
+        self.stats = WorkerStats()
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._stopped = asyncio.Event()
+        self._lease = timedelta(seconds=config.lease)
+        self._db_delay = 0.0
+        self.pool: AsyncConnectionPool | None = None
+        self.listener = Listener(config.dsn, self._wake)
+        self.idle_lock = IdleLock(config.dsn)
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Stop claiming; in-flight batches are finished and reported, then run() returns."""
+        if not self._stopping:
+            log.info("event=shutdown_requested worker=%s", self.cfg.name)
+        self._stopping = True
+        self._wake.set()
+
+    async def run(self) -> None:
+        cfg = self.cfg
+        log.info("event=start worker=%s batch_size=%d concurrency=%d lease=%gs poll_interval=%gs "
+                 "poll_only=%s publish_timeout=%gs", cfg.name, cfg.batch_size, cfg.concurrency, cfg.lease,
+                 cfg.poll_interval, cfg.poll_only, cfg.publish_timeout)
+        self.pool = AsyncConnectionPool(
+            cfg.dsn, min_size=1, max_size=cfg.concurrency + 1, open=False, timeout=10,
+            kwargs={"autocommit": True, **CONNECT_OPTIONS}, configure=self._configure,
+            name="outboxpg-worker")
+        await self.pool.open(wait=False)
+        background: list[asyncio.Task[None]] = []
+        if not cfg.poll_only:
+            background.append(asyncio.create_task(self.listener.run(), name="outboxpg-listener"))
+        background.append(asyncio.create_task(self._summaries(), name="outboxpg-summary"))
+        try:
+            if hasattr(self.publisher, "start"):
+                await self.publisher.start()
+            await self._loop()
+        finally:
+            for task in background:
+                task.cancel()
+            for task in background:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            await self.idle_lock.close()
+            if hasattr(self.publisher, "close"):
+                with contextlib.suppress(Exception):
+                    await self.publisher.close()
+            await self.pool.close()
+            self._log_summary(final=True)
+            log.info("event=stopped worker=%s", cfg.name)
+            self._stopped.set()
+
+    async def _configure(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        conn.adapters.register_loader("jsonb", RawJsonLoader)
+        conn.adapters.register_loader("json", RawJsonLoader)
+
+    # -- the loop ------------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        while not self._stopping:
+            claimed = await self._drain()
+            if self._stopping:
+                break
+            if claimed and self.idle_lock.held:
+                await self.idle_lock.release()   # busy: producers need not notify
+            if claimed:
+                continue
+            if self.cfg.poll_only:
+                await self._sleep(await self._sleep_seconds())
+                continue
+            if not self.idle_lock.held:
+                try:
+                    granted = await self.idle_lock.acquire(self._wake)
+                except psycopg.Error as exc:
+                    log.warning("event=idle_lock_failed error=%r", _first_line(exc))
+                    await self.idle_lock.close()
+                    await self._db_backoff()
+                    continue
+                # Granted: producers that skipped NOTIFY have all committed; the next drain
+                # sees their events. Not granted: a notification came first; drain.
+                continue
+            why = await self._sleep(await self._sleep_seconds())
+            if why == "wake" and not self._stopping:
+                await self.idle_lock.release()
+
+    async def _sleep(self, seconds: float) -> str:
+        """Sleep until a notification, the lock's connection dying, or ``seconds``."""
+        if self._wake.is_set():
+            return "wake"
+        waits = [asyncio.ensure_future(self._wake.wait())]
+        if self.idle_lock.held:
+            waits.append(asyncio.ensure_future(self.idle_lock.lost.wait()))
+        try:
+            done, _ = await asyncio.wait(waits, timeout=max(seconds, 0.0), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        if not done:
+            return "timer"
+        if self._wake.is_set():
+            return "wake"
+        log.warning("event=idle_lock_lost worker=%s", self.cfg.name)
+        return "lost"
+
+    async def _sleep_seconds(self) -> float:
+        """Until the next retry or lease expiry, at most the poll interval."""
+        assert self.pool is not None
+        try:
+            async with self.pool.connection() as conn:
+                row = await (await conn.execute(_SLEEP_FOR)).fetchone()
+        except psycopg.Error as exc:
+            log.warning("event=db_error during=next_wakeup error=%r", _first_line(exc))
+            return min(self.cfg.poll_interval, 5.0)
+        seconds = row[0] if row else None
+        if seconds is None:
+            return self.cfg.poll_interval
+        return min(self.cfg.poll_interval, max(seconds, 0.0) + 0.005)
+
+    async def _drain(self) -> int:
+        """Claim and deliver until a claim comes back short; returns how many were claimed.
+
+        Starts with one lane; each full claim opens another lane, up to ``concurrency``.
+        """
+        self._wake.clear()
+        total = 0
+        lanes: set[asyncio.Task[None]] = set()
+
+        async def lane() -> None:
+            nonlocal total
+            while not self._stopping:
+                n, full = await self._one_batch()
+                total += n
+                if not full:
+                    return
+                if len(lanes) < self.cfg.concurrency:
+                    lanes.add(asyncio.create_task(lane()))
+
+        lanes.add(asyncio.create_task(lane()))
+        while lanes:
+            done, _ = await asyncio.wait(set(lanes), return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                lanes.discard(task)
+                if task.exception() is not None:
+                    log.error("event=lane_crashed error=%r", task.exception())
+        return total
+
+    async def _one_batch(self) -> tuple[int, bool]:
+        assert self.pool is not None
+        try:
+            async with self.pool.connection() as conn:
+                cur = await conn.execute(_CLAIM, (self.cfg.batch_size, self._lease, self.cfg.name), prepare=True)
+                rows = await cur.fetchall()
+        except psycopg.Error as exc:
+            log.warning("event=db_error during=claim error=%r", _first_line(exc))
+            await self._db_backoff()
+            return 0, False
+        self._db_delay = 0.0
+        self.stats.claims += 1
+        if not rows:
+            return 0, False
+        self.stats.last_claim_at = time.time()
+        token = rows[0][10]
+        events = [event_from_row(row) for row in rows]
+        try:
+            outcomes: Sequence[BaseException | None] = await self.publisher.publish_batch(events)
+        except Exception as exc:  # noqa: BLE001 - a publisher that raises fails the whole batch
+            outcomes = [exc] * len(events)
+        await self._report(events, outcomes, token)
+        return len(rows), len(rows) >= self.cfg.batch_size
+
+    async def _report(self, events: Sequence[OutboxEvent], outcomes: Sequence[BaseException | None],
+                      token: Any) -> None:
+        assert self.pool is not None
+        acked_at = datetime.now(timezone.utc)
+        ok = [e.id for e, o in zip(events, outcomes) if o is None]
+        failed = [(e, o) for e, o in zip(events, outcomes) if o is not None]
+        for attempt in range(3):
+            try:
+                async with self.pool.connection() as conn:
+                    async with conn.pipeline():
+                        done_cur = await conn.execute(_COMPLETE, (ok, token), prepare=True) if ok else None
+                        fail_curs = [await conn.execute(_FAIL, (e.id, token, _error_text(o),
+                                                                isinstance(o, PermanentError)), prepare=True)
+                                     for e, o in failed]
+                    completed = (await done_cur.fetchone())[0] if done_cur else 0  # type: ignore[index]
+                    states = [(await c.fetchone())[0] for c in fail_curs]  # type: ignore[index]
+                break
+            except psycopg.Error as exc:
+                log.warning("event=db_error during=report attempt=%d error=%r", attempt + 1, _first_line(exc))
+                if attempt == 2:
+                    log.error("event=report_failed events=%d note=%r", len(events),
+                              "leases will expire and the events be retried (deduplicated by msg_id)")
+                    return
+                await asyncio.sleep(0.2 * (attempt + 1))
+        st = self.stats
+        st.delivered += completed
+        if completed < len(ok):
+            st.lost_leases += len(ok) - completed
+            log.warning("event=lease_lost worker=%s events=%d note=%r", self.cfg.name, len(ok) - completed,
+                        "published after the lease expired and was taken over; the new holder republishes "
+                        "(same msg_id)")
+        for e in events:
+            lag = (acked_at - e.created_at).total_seconds()
+            st.lag_sum += lag
+            st.lag_count += 1
+            if lag > st.lag_max:
+                st.lag_max = lag
+        for (event, outcome), state in zip(failed, states):
+            if state == "dead":
+                st.dead += 1
+                log.warning("event=dead_letter id=%d aggregate=%s/%s event_type=%s attempt=%d error=%r",
+                            event.id, event.aggregate_type, event.aggregate_id, event.event_type, event.attempt,
+                            _error_text(outcome))
+            elif state == "pending":
+                st.failed += 1
+                log.debug("event=publish_failed id=%d attempt=%d error=%r", event.id, event.attempt,
+                          _error_text(outcome))
+            else:
+                st.lost_leases += 1
+
+    async def _db_backoff(self) -> None:
+        self._db_delay = min(max(self._db_delay * 2, 0.1), 5.0)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._stopped_or_stopping(), self._db_delay)
+
+    async def _stopped_or_stopping(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(0.05)
+
+    # -- reporting -----------------------------------------------------------------------
+
+    async def _summaries(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.summary_interval)
+            self._log_summary()
+
+    def _log_summary(self, final: bool = False) -> None:
+        st = self.stats
+        avg = st.lag_sum / st.lag_count if st.lag_count else 0.0
+        log.info("event=%s worker=%s delivered=%d failed=%d dead=%d lost_leases=%d lag_avg_ms=%.1f lag_max_ms=%.1f "
+                 "listener_up=%s", "final_summary" if final else "summary", self.cfg.name, st.delivered, st.failed,
+                 st.dead, st.lost_leases, avg * 1000, st.lag_max * 1000, self.listener.up)
+        st.lag_sum, st.lag_count, st.lag_max = 0.0, 0, 0.0
+
+
+def _error_text(exc: BaseException | None) -> str:
+    if exc is None:
+        return ""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,0 +1,91 @@
+"""Test harness: a real PostgreSQL, one fresh migrated database per test.
+
+Two ways to get the server, chosen with OUTBOXPG_TEST_PG:
+  throwaway (default)  a private cluster started for this session (as user postgres when we
+                       are root), stopped at the end;
+  running              the server already running at OUTBOXPG_TEST_PG_HOST:OUTBOXPG_TEST_PG_PORT
+                       (default 127.0.0.1:5432, user postgres); only databases this session
+                       created are dropped.
+Each test database is cloned (pytest-postgresql's janitor) from a template that was migrated
+once with `outboxpg.schema.migrate`, so every test starts from the real install.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from pytest_postgresql import factories
+from pytest_postgresql.executors import NoopExecutor
+from pytest_postgresql.janitor import DatabaseJanitor
+
+from outboxpg import schema
+from outboxpg.embedded import EmbeddedPostgres
+
+
+def _dsn(host: str, port: int | str, user: str, dbname: str, password: str | None = None) -> str:
+    dsn = f"host={host} port={port} user={user} dbname={dbname}"
+    return dsn + (f" password={password}" if password else "")
+
+
+def migrate_loader(host: str, port: int, user: str, dbname: str, password: str | None = None, **_: Any) -> None:
+    """pytest-postgresql template loader: install the outbox schema with the real migrations."""
+    schema.migrate(_dsn(host, port, user, dbname, password))
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[NoopExecutor]:
+    mode = os.environ.get("OUTBOXPG_TEST_PG", "throwaway")
+    dbname = f"outboxpg_test_{os.getpid()}"
+    if mode == "running":
+        yield NoopExecutor(host=os.environ.get("OUTBOXPG_TEST_PG_HOST", "127.0.0.1"),
+                           port=int(os.environ.get("OUTBOXPG_TEST_PG_PORT", "5432")),
+                           user=os.environ.get("OUTBOXPG_TEST_PG_USER", "postgres"),
+                           password=os.environ.get("OUTBOXPG_TEST_PG_PASSWORD"),
+                           options="", dbname=dbname)
+    elif mode == "throwaway":
+        with EmbeddedPostgres() as pg:
+            yield NoopExecutor(host="127.0.0.1", port=pg.port, user=pg.user, options="", dbname=dbname)
+    else:
+        raise pytest.UsageError(f"OUTBOXPG_TEST_PG must be 'throwaway' or 'running', not {mode!r}")
+
+
+@pytest.fixture(scope="session")
+def outbox_template(pg_server: NoopExecutor) -> Iterator[NoopExecutor]:
+    """The migrated template every test database is cloned from."""
+    janitor = DatabaseJanitor(user=pg_server.user, host=pg_server.host, port=pg_server.port,
+                              password=pg_server.password, dbname=pg_server.template_dbname,
+                              version=pg_server.version, as_template=True)
+    with janitor:
+        janitor.load(migrate_loader)
+        yield pg_server
+
+
+postgresql = factories.postgresql("outbox_template")
+
+
+@pytest.fixture
+def dsn(postgresql: psycopg.Connection[Any], pg_server: NoopExecutor) -> str:
+    """Connection string of this test's own freshly migrated database."""
+    return _dsn(pg_server.host, pg_server.port, pg_server.user, postgresql.info.dbname, pg_server.password)
+
+
+@pytest.fixture
+def empty_dsn(pg_server: NoopExecutor) -> Iterator[str]:
+    """A database with nothing installed (for migration tests)."""
+    name = f"outboxpg_empty_{os.getpid()}"
+    janitor = DatabaseJanitor(user=pg_server.user, host=pg_server.host, port=pg_server.port,
+                              password=pg_server.password, dbname=name, version=pg_server.version)
+    with janitor:
+        yield _dsn(pg_server.host, pg_server.port, pg_server.user, name, pg_server.password)
+
+
+@pytest.fixture
+def conn(dsn: str) -> Iterator[psycopg.Connection[Any]]:
+    """An autocommit connection to the test database: each statement is its own transaction,
+    as a worker's claim and complete calls are."""
+    with psycopg.connect(dsn, autocommit=True) as c:
+        yield c
