@@ -49,6 +49,7 @@ class NatsPublisher:
         self.connect_deadline = connect_deadline
         self.nc: Client | None = None
         self.js: JetStreamContext | None = None
+        self._closing = False
 
     async def start(self) -> None:
         delay = 0.2
@@ -71,7 +72,8 @@ class NatsPublisher:
         self.js = self.nc.jetstream(publish_async_max_pending=self.max_pending)
 
     async def _on_disconnected(self) -> None:
-        log.warning("event=nats_disconnected url=%s", self.url)
+        if not self._closing:
+            log.warning("event=nats_disconnected url=%s", self.url)
 
     async def _on_reconnected(self) -> None:
         log.info("event=nats_reconnected url=%s", self.url)
@@ -80,6 +82,7 @@ class NatsPublisher:
         log.debug("event=nats_error error=%r", str(exc))
 
     async def close(self) -> None:
+        self._closing = True
         if self.nc is not None and not self.nc.is_closed:
             try:
                 await asyncio.wait_for(self.nc.close(), 5)
