@@ -46,6 +46,9 @@ RETURNS TABLE (
 )
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
+-- Generic plans: a custom plan would re-plan every statement below on each call, over every
+-- partition (milliseconds), for plans that do not depend on the arguments.
+SET plan_cache_mode = force_generic_plan
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -55,6 +58,9 @@ DECLARE
     t      timestamptz := clock_timestamp();
     owner  text;
     n      integer;
+    ids    bigint[];
+    oldest timestamptz;
+    newest timestamptz;
 BEGIN
     IF batch_size IS NULL OR batch_size < 1 THEN
         RAISE EXCEPTION 'outbox_claim: batch_size must be 1 or more, got %', coalesce(batch_size::text, 'NULL')
@@ -80,26 +86,36 @@ BEGIN
       FROM (SELECT e.id, e.created_at
               FROM outbox e
              WHERE e.state = 'processing' AND e.locked_until < t
+             ORDER BY e.locked_until  -- walks outbox_leased_idx from its oldest end
                FOR UPDATE SKIP LOCKED) expired
      WHERE o.id = expired.id AND o.created_at = expired.created_at;
 
+    -- Lock the candidates first and update them by id afterwards: joining the update to a
+    -- list of candidates lets the planner hash the whole table, where "id = ANY(ids)" within
+    -- the candidates' created_at range is a few index probes in the one or two partitions
+    -- that hold them.
+    SELECT array_agg(c.id), min(c.created_at), max(c.created_at)
+      INTO ids, oldest, newest
+      FROM (SELECT o.id, o.created_at
+              FROM outbox o
+             WHERE o.state = 'pending'
+               AND o.next_attempt_at <= t
+               AND NOT EXISTS (
+                     SELECT 1
+                       FROM outbox earlier
+                      WHERE earlier.aggregate_type = o.aggregate_type
+                        AND earlier.aggregate_id = o.aggregate_id
+                        AND earlier.id < o.id
+                        AND earlier.state IN ('pending', 'processing', 'dead'))
+             ORDER BY o.id
+             LIMIT n
+               FOR UPDATE SKIP LOCKED) c;
+    IF ids IS NULL THEN
+        RETURN;
+    END IF;
+
     RETURN QUERY
-    WITH candidates AS (
-        SELECT c.id, c.created_at
-          FROM outbox c
-         WHERE c.state = 'pending'
-           AND c.next_attempt_at <= t
-           AND NOT EXISTS (
-                 SELECT 1
-                   FROM outbox earlier
-                  WHERE earlier.aggregate_type = c.aggregate_type
-                    AND earlier.aggregate_id = c.aggregate_id
-                    AND earlier.id < c.id
-                    AND earlier.state IN ('pending', 'processing', 'dead'))
-         ORDER BY c.id
-         LIMIT n
-           FOR UPDATE SKIP LOCKED
-    ), claimed AS (
+    WITH claimed AS (
         UPDATE outbox o
            SET state        = 'processing',
                attempts     = o.attempts + 1,
@@ -107,8 +123,9 @@ BEGIN
                claimed_at   = t,
                locked_until = t + lease,
                lease_token  = token
-          FROM candidates c
-         WHERE o.id = c.id AND o.created_at = c.created_at
+         WHERE o.id = ANY (ids)
+           AND o.created_at BETWEEN oldest AND newest
+           AND o.state = 'pending'
      RETURNING o.id,
                coalesce(o.subject, cfg.subject_prefix || '.' || o.aggregate_type || '.' || o.event_type),
                o.aggregate_type, o.aggregate_id, o.event_type, o.payload, o.headers, o.msg_id,

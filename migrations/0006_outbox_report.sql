@@ -10,12 +10,14 @@
 -- token matches nothing: a worker that hung past its lease cannot overwrite the newer claim,
 -- and the return value says so (a count lower than asked, or NULL from outbox_fail). A late
 -- report on an expired lease that nobody reclaimed yet still counts: the work was done.
+-- These run once per batch or event: like outbox_claim they use generic plans.
 -- depends: 0005_outbox_claim
 DO $$ BEGIN PERFORM set_config('search_path', format('%I, pg_temp', current_schema()), false); END $$;
 
 CREATE FUNCTION outbox_complete(ids bigint[], lease_token uuid) RETURNS integer
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
+SET plan_cache_mode = force_generic_plan  -- see outbox_claim
 AS $$
 DECLARE
     done integer;
@@ -41,6 +43,7 @@ CREATE FUNCTION outbox_fail(id bigint, lease_token uuid, error text, permanent b
 RETURNS text
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
+SET plan_cache_mode = force_generic_plan  -- see outbox_claim
 AS $$
 DECLARE
     cfg       outbox_settings;
@@ -76,6 +79,7 @@ COMMENT ON FUNCTION outbox_fail(bigint, uuid, text, boolean) IS
 CREATE FUNCTION outbox_release(ids bigint[], lease_token uuid) RETURNS integer
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
+SET plan_cache_mode = force_generic_plan  -- see outbox_claim
 AS $$
 DECLARE
     released integer;

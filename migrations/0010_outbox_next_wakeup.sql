@@ -10,14 +10,22 @@
 -- depends: 0005_outbox_claim
 DO $$ BEGIN PERFORM set_config('search_path', format('%I, pg_temp', current_schema()), false); END $$;
 
+-- plpgsql rather than SQL: a SQL function with a SET clause is planned anew on every call.
 CREATE FUNCTION outbox_next_wakeup() RETURNS timestamptz
-LANGUAGE sql
+LANGUAGE plpgsql
 STABLE
 SET search_path FROM CURRENT
+-- Statistics taken during a burst say "most rows are pending", and the planner then scans the
+-- whole table in parallel (tens of ms). When a worker asks, the pending rows are few: walk the
+-- partial indexes.
+SET enable_seqscan = off
+SET max_parallel_workers_per_gather = 0
 AS $$
-    SELECT least(
+BEGIN
+    RETURN least(
         (SELECT min(next_attempt_at) FROM outbox WHERE state = 'pending' AND next_attempt_at > now()),
-        (SELECT min(locked_until) FROM outbox WHERE state = 'processing'))
+        (SELECT min(locked_until) FROM outbox WHERE state = 'processing'));
+END;
 $$;
 
 COMMENT ON FUNCTION outbox_next_wakeup() IS

@@ -1,0 +1,320 @@
+"""End-to-end benchmark of the worker: commit -> JetStream ack -> marked published.
+
+    .venv/bin/python bench/e2e.py            # full run (about 6 minutes)
+    .venv/bin/python bench/e2e.py --quick    # smaller counts, shorter phases
+
+Uses the PostgreSQL and NATS servers given by --dsn / --nats-url (default: the local services),
+in a database and a stream of its own that it removes at the end. Workers run as separate
+outboxpg-worker processes, as in production. Prints:
+
+  * throughput: 200,000 pre-filled events drained by 1 and by 2 worker processes, and by a naive
+    relay (claim 100 -> publish_async -> await acks -> complete, nothing overlapped) in the same
+    run, with the ratio;
+  * latency commit -> delivery to a JetStream consumer (an upper bound of commit -> ack), p50 /
+    p99 / max, at steady 100, 1,000 and 5,000 events/s, one event per transaction;
+  * queries per second issued by an idle worker over 60 s (pg_stat_database.xact_commit: every
+    statement the worker sends in autocommit is one transaction).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import nats
+import psycopg
+from nats.js.api import DeliverPolicy, StreamConfig
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from outboxpg import schema  # noqa: E402
+from outboxpg.events import CLAIM_COLUMNS  # noqa: E402
+
+WORKER = str(Path(sys.executable).parent / "outboxpg-worker")
+
+
+def log(text: str) -> None:
+    print(text, flush=True)
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.tag = f"{os.getpid()}"
+        self.admin_dsn = args.dsn
+        self.dbname = f"outboxpg_e2e_{self.tag}"
+        self.dsn = make_conninfo(args.dsn, dbname=self.dbname)
+        self.stream = f"E2E{self.tag}"
+        self.prefix = f"e2e{self.tag}"
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    # -- setup ----------------------------------------------------------------------------
+
+    def create_db(self) -> None:
+        with psycopg.connect(self.admin_dsn, autocommit=True) as c:
+            c.execute(f'DROP DATABASE IF EXISTS "{self.dbname}"')
+            c.execute(f'CREATE DATABASE "{self.dbname}"')
+        schema.migrate(self.dsn)
+        with psycopg.connect(self.dsn, autocommit=True) as c:
+            c.execute("UPDATE outbox_settings SET subject_prefix = %s", (self.prefix,))
+
+    def drop_db(self) -> None:
+        with psycopg.connect(self.admin_dsn, autocommit=True) as c:
+            c.execute(f'DROP DATABASE IF EXISTS "{self.dbname}" WITH (FORCE)')
+
+    async def reset_stream(self) -> None:
+        nc = await nats.connect(self.args.nats_url)
+        js = nc.jetstream()
+        try:
+            await js.delete_stream(self.stream)
+        except Exception:  # noqa: BLE001 - not there yet
+            pass
+        await js.add_stream(StreamConfig(name=self.stream, subjects=[f"{self.prefix}.>"], duplicate_window=600))
+        await nc.close()
+
+    async def drop_stream(self) -> None:
+        nc = await nats.connect(self.args.nats_url)
+        try:
+            await nc.jetstream().delete_stream(self.stream)
+        except Exception:  # noqa: BLE001
+            pass
+        await nc.close()
+
+    def truncate(self) -> None:
+        with psycopg.connect(self.dsn, autocommit=True) as c:
+            c.execute("TRUNCATE outbox")
+            c.execute("VACUUM ANALYZE outbox")
+
+    def fill(self, n: int, aggregates: int) -> None:
+        with psycopg.connect(self.dsn, autocommit=True) as c:
+            c.execute("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
+                      "SELECT 'order', (g %% %s)::text, 'updated', "
+                      "jsonb_build_object('order', g %% %s, 'n', g, 'note', 'a typical small event payload') "
+                      "FROM generate_series(1, %s) g", (aggregates, aggregates, n))
+            c.execute("VACUUM ANALYZE outbox")
+
+    def published(self) -> int:
+        with psycopg.connect(self.dsn, autocommit=True) as c:
+            return int(c.execute("SELECT count(*) FROM outbox WHERE state = 'published'").fetchone()[0])  # type: ignore[index]
+
+    def start_worker(self, name: str, *extra: str) -> subprocess.Popen[bytes]:
+        p = subprocess.Popen([WORKER, "--dsn", self.dsn, "--nats-url", self.args.nats_url, "--name", name,
+                              "--batch-size", str(self.args.batch_size), "--concurrency", str(self.args.concurrency),
+                              "--log-level", "WARNING", *extra],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.procs.append(p)
+        return p
+
+    def stop_workers(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.procs.clear()
+
+    # -- throughput ------------------------------------------------------------------------
+
+    def drain_rate(self, total: int) -> tuple[float, float]:
+        """Events/s from the first progress seen to the last event published (startup excluded)."""
+        start_count, start_t = None, None
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            n = self.published()
+            now = time.monotonic()
+            if start_count is None and n > 0:
+                start_count, start_t = n, now
+            if n >= total:
+                assert start_t is not None and start_count is not None
+                return (total - start_count) / (now - start_t), now - start_t
+            time.sleep(0.05)
+        raise RuntimeError("drain did not finish within 600 s")
+
+    def throughput(self, workers: int, total: int, aggregates: int) -> tuple[float, float]:
+        self.truncate()
+        asyncio.run(self.reset_stream())
+        self.fill(total, aggregates)
+        for i in range(workers):
+            self.start_worker(f"bench{i}")
+        try:
+            return self.drain_rate(total)
+        finally:
+            self.stop_workers()
+
+    def naive(self, total: int, aggregates: int) -> tuple[float, float]:
+        self.truncate()
+        asyncio.run(self.reset_stream())
+        self.fill(total, aggregates)
+        return asyncio.run(self._naive(total))
+
+    async def _naive(self, total: int) -> tuple[float, float]:
+        nc = await nats.connect(self.args.nats_url)
+        js = nc.jetstream()
+        done = 0
+        async with await psycopg.AsyncConnection.connect(self.dsn, autocommit=True) as c:
+            t0 = time.monotonic()
+            while True:
+                rows = await (await c.execute(f"SELECT {CLAIM_COLUMNS} FROM outbox_claim(100)")).fetchall()
+                if not rows:
+                    break
+                futs = [await js.publish_async(r[1], r[5].encode() if isinstance(r[5], str) else
+                                               psycopg.types.json.Jsonb(r[5]).dumps(r[5]) if False else
+                                               str(r[5]).encode(), headers={"Nats-Msg-Id": r[7]})
+                        for r in rows]
+                await asyncio.gather(*futs)
+                await c.execute("SELECT outbox_complete(%s::bigint[], %s)", ([r[0] for r in rows], rows[0][10]))
+                done += len(rows)
+            elapsed = time.monotonic() - t0
+        await nc.close()
+        return done / elapsed, elapsed
+
+    # -- latency ---------------------------------------------------------------------------
+
+    def latency(self, rate: int, seconds: float) -> dict[str, float]:
+        self.truncate()
+        asyncio.run(self.reset_stream())
+        self.start_worker("lat")
+        time.sleep(2.0)  # worker up and idle
+        try:
+            return asyncio.run(self._latency(rate, seconds))
+        finally:
+            self.stop_workers()
+
+    async def _latency(self, rate: int, seconds: float) -> dict[str, float]:
+        committed: dict[str, float] = {}
+        lat: list[float] = []
+        nc = await nats.connect(self.args.nats_url)
+        js = nc.jetstream()
+
+        async def on_msg(msg: nats.aio.msg.Msg) -> None:
+            t = time.monotonic()
+            mid = (msg.headers or {}).get("Nats-Msg-Id")
+            c = committed.pop(mid, None) if mid else None
+            if c is not None:
+                lat.append(t - c)
+
+        sub = await js.subscribe(f"{self.prefix}.>", ordered_consumer=True, cb=on_msg,
+                                 deliver_policy=DeliverPolicy.NEW)
+        producers = max(1, min(8, rate // 800 + 1))
+        per = rate / producers
+        sent = 0
+
+        async def produce(k: int) -> None:
+            nonlocal sent
+            async with await psycopg.AsyncConnection.connect(self.dsn, autocommit=True) as c:
+                await c.execute("SELECT 1")
+                t0 = time.monotonic()
+                i = 0
+                while time.monotonic() - t0 < seconds:
+                    mid = f"{k}-{i}-{self.tag}"
+                    await c.execute("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, msg_id) "
+                                    "VALUES ('order', %s, 'updated', '{\"n\": 1}', %s)",
+                                    (f"{k}-{i % 500}", mid), prepare=True)
+                    committed[mid] = time.monotonic()
+                    sent += 1
+                    i += 1
+                    ahead = i / per - (time.monotonic() - t0)
+                    if ahead > 0:
+                        await asyncio.sleep(ahead)
+
+        await asyncio.gather(*(produce(k) for k in range(producers)))
+        end = time.monotonic() + 10
+        while committed and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        await sub.unsubscribe()
+        await nc.close()
+        lat.sort()
+        if not lat:
+            raise RuntimeError("no latency samples")
+        return {"sent": sent, "received": len(lat), "achieved_rate": sent / seconds,
+                "p50": lat[len(lat) // 2] * 1000, "p99": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1000,
+                "max": lat[-1] * 1000, "missing": len(committed)}
+
+    # -- idle ------------------------------------------------------------------------------
+
+    def idle_qps(self, seconds: float) -> tuple[float, int]:
+        self.truncate()
+        self.start_worker("idle")
+        time.sleep(5.0)
+        try:
+            with psycopg.connect(self.dsn, autocommit=True) as c:
+                def commits() -> int:
+                    c.execute("SELECT pg_stat_clear_snapshot()")
+                    return int(c.execute("SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()")
+                               .fetchone()[0])  # type: ignore[index]
+                time.sleep(1.5)  # let pending statistics flush
+                before = commits()
+                time.sleep(seconds)
+                time.sleep(1.5)
+                after = commits()
+            own = 2  # our own two snapshot queries (the clear_snapshot calls read no counts)
+            queries = after - before - own
+            return queries / seconds, queries
+        finally:
+            self.stop_workers()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dsn", default=os.environ.get("OUTBOXPG_BENCH_DSN", "host=127.0.0.1 user=postgres dbname=postgres"))
+    ap.add_argument("--nats-url", default=os.environ.get("OUTBOXPG_BENCH_NATS", "nats://127.0.0.1:4222"))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--events", type=int, default=None)
+    ap.add_argument("--aggregates", type=int, default=20_000)
+    ap.add_argument("--batch-size", type=int, default=500)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--only", choices=["throughput", "latency", "idle"], default=None)
+    args = ap.parse_args()
+    total = args.events or (40_000 if args.quick else 200_000)
+    lat_seconds = 5.0 if args.quick else 15.0
+    idle_seconds = 15.0 if args.quick else 60.0
+
+    b = Bench(args)
+    log(f"outboxpg e2e benchmark  {time.strftime('%Y-%m-%d %H:%M:%S')}  {platform.node()}  "
+        f"{os.cpu_count()} cpus  python {platform.python_version()}")
+    with psycopg.connect(args.dsn) as c:
+        log(f"PostgreSQL {c.info.server_version}  at {conninfo_to_dict(args.dsn).get('host')}; NATS {args.nats_url}")
+    log(f"worker: --batch-size {args.batch_size} --concurrency {args.concurrency}; "
+        f"{total} events over {args.aggregates} aggregates")
+    b.create_db()
+    results: list[str] = []
+    try:
+        if args.only in (None, "throughput"):
+            naive_rate, naive_s = b.naive(total, args.aggregates)
+            log(f"naive relay (claim 100 -> publish_async -> acks -> complete): {naive_rate:9.0f} events/s ({naive_s:.1f} s)")
+            for workers in (1, 2):
+                rate, secs = b.throughput(workers, total, args.aggregates)
+                log(f"outboxpg-worker x{workers}: {rate:9.0f} events/s ({secs:.1f} s)   "
+                    f"ratio to naive {rate / naive_rate:4.2f}")
+                results.append(f"throughput workers={workers} {rate:.0f}/s ratio={rate / naive_rate:.2f}")
+        if args.only in (None, "latency"):
+            for rate in (100, 1000, 5000):
+                r = b.latency(rate, lat_seconds)
+                log(f"latency at {rate:5d}/s (achieved {r['achieved_rate']:.0f}/s, {int(r['received'])} samples): "
+                    f"p50 {r['p50']:6.2f} ms  p99 {r['p99']:6.2f} ms  max {r['max']:7.2f} ms"
+                    + (f"  MISSING {int(r['missing'])}" if r["missing"] else ""))
+        if args.only in (None, "idle"):
+            qps, q = b.idle_qps(idle_seconds)
+            log(f"idle worker: {q} queries in {idle_seconds:.0f} s = {qps:.3f} queries/s "
+                f"(one per {idle_seconds / q if q else float('inf'):.1f} s)")
+    finally:
+        b.stop_workers()
+        asyncio.run(b.drop_stream())
+        b.drop_db()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
