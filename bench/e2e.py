@@ -37,6 +37,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from outboxpg import schema  # noqa: E402
 from outboxpg.events import CLAIM_COLUMNS  # noqa: E402
+from outboxpg.worker import RawJsonLoader  # noqa: E402
 
 WORKER = str(Path(sys.executable).parent / "outboxpg-worker")
 
@@ -164,15 +165,13 @@ class Bench:
         js = nc.jetstream()
         done = 0
         async with await psycopg.AsyncConnection.connect(self.dsn, autocommit=True) as c:
+            c.adapters.register_loader("jsonb", RawJsonLoader)  # payload bytes as stored, like the worker
             t0 = time.monotonic()
             while True:
                 rows = await (await c.execute(f"SELECT {CLAIM_COLUMNS} FROM outbox_claim(100)")).fetchall()
                 if not rows:
                     break
-                futs = [await js.publish_async(r[1], r[5].encode() if isinstance(r[5], str) else
-                                               psycopg.types.json.Jsonb(r[5]).dumps(r[5]) if False else
-                                               str(r[5]).encode(), headers={"Nats-Msg-Id": r[7]})
-                        for r in rows]
+                futs = [await js.publish_async(r[1], r[5], headers={"Nats-Msg-Id": r[7]}) for r in rows]
                 await asyncio.gather(*futs)
                 await c.execute("SELECT outbox_complete(%s::bigint[], %s)", ([r[0] for r in rows], rows[0][10]))
                 done += len(rows)

@@ -106,8 +106,11 @@ class NatsPublisher:
                 outcomes[i] = PermanentError("a header value contains a line break, which NATS headers cannot carry")
                 continue
             try:
-                fut = await self.js.publish_async(event.subject, event.payload, headers=headers,
-                                                  wait_stall=self.ack_timeout)
+                # No wait_stall: with a timeout, nats-py waits through asyncio.wait_for, which
+                # yields to the event loop on every message, so the batch leaves as one small
+                # write per message instead of one large write. The pending-ack limit cannot
+                # stall us for long anyway: unacked futures are cancelled after ack_timeout.
+                fut = await self.js.publish_async(event.subject, event.payload, headers=headers)
             except (nats.errors.MaxPayloadError, nats.errors.BadSubjectError, nats.errors.BadHeaderError) as exc:
                 outcomes[i] = PermanentError(f"{type(exc).__name__}: {exc}")
                 continue
