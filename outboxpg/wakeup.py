@@ -127,14 +127,14 @@ class IdleLock:
 
     async def release(self) -> None:
         """Let go of the lock (producers stop notifying)."""
+        was_held, self.held = self.held, False
         if self._watch is not None:
             self._watch.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._watch
             self._watch = None
-        if not self.held:
+        if not was_held:
             return
-        self.held = False
         conn = self.conn
         try:
             if conn is not None and not conn.closed:

@@ -4,8 +4,8 @@ an event (order, retries, dead letters, fencing) is made by the SQL functions it
     worker = Worker(WorkerConfig(dsn="..."), publisher=NatsPublisher("nats://127.0.0.1:4222"))
     await worker.run()          # until worker.stop()
 
-Loop: drain (claim -> publish -> complete/fail, in up to ``concurrency`` lanes, until a claim
-comes back short), then go idle (take the wakeup lock, claim once more, sleep) until a
+Loop: drain (claim after claim until one comes back short; each batch is published and
+completed/failed by a task of its own, up to ``concurrency`` batches in flight), then go idle (take the wakeup lock, claim once more, sleep) until a
 notification, the next retry or lease expiry (outbox_next_wakeup), or the fallback poll.
 """
 
@@ -100,6 +100,8 @@ class Worker:
         self._stopped = asyncio.Event()
         self._lease = timedelta(seconds=config.lease)
         self._db_delay = 0.0
+        self._inflight: set[asyncio.Task[None]] = set()
+        self._releasing: asyncio.Future[None] | None = None
         self.pool: AsyncConnectionPool | None = None
         self.listener = Listener(config.dsn, self._wake)
         self.idle_lock = IdleLock(config.dsn)
@@ -119,7 +121,7 @@ class Worker:
                  "poll_only=%s publish_timeout=%gs", cfg.name, cfg.batch_size, cfg.concurrency, cfg.lease,
                  cfg.poll_interval, cfg.poll_only, cfg.publish_timeout)
         self.pool = AsyncConnectionPool(
-            cfg.dsn, min_size=1, max_size=cfg.concurrency + 1, open=False, timeout=10,
+            cfg.dsn, min_size=1, max_size=cfg.concurrency + 2, open=False, timeout=10,
             kwargs={"autocommit": True, **CONNECT_OPTIONS}, configure=self._configure,
             name="outboxpg-worker")
         await self.pool.open(wait=False)
@@ -149,35 +151,58 @@ class Worker:
     async def _configure(self, conn: psycopg.AsyncConnection[Any]) -> None:
         conn.adapters.register_loader("jsonb", RawJsonLoader)
         conn.adapters.register_loader("json", RawJsonLoader)
+        if not self.cfg.poll_only:
+            # Claims and reports commit without waiting for the WAL flush (about 2 ms a commit on
+            # this kind of disk, on every event's path). What a server crash can lose is a lease
+            # or a "published" mark, never an event: the event is then published again with the
+            # same msg_id, and JetStream drops the duplicate. Not done in --poll-only mode, where
+            # a pooler in transaction mode would carry a session SET over to other clients.
+            await conn.execute("SET synchronous_commit = off")
 
     # -- the loop ------------------------------------------------------------------------
 
     async def _loop(self) -> None:
-        while not self._stopping:
-            claimed = await self._drain()
-            if self._stopping:
-                break
-            if claimed and self.idle_lock.held:
-                await self.idle_lock.release()   # busy: producers need not notify
-            if claimed:
-                continue
-            if self.cfg.poll_only:
-                await self._sleep(await self._sleep_seconds())
-                continue
-            if not self.idle_lock.held:
-                try:
-                    granted = await self.idle_lock.acquire(self._wake)
-                except psycopg.Error as exc:
-                    log.warning("event=idle_lock_failed error=%r", _first_line(exc))
-                    await self.idle_lock.close()
-                    await self._db_backoff()
+        try:
+            while not self._stopping:
+                claimed = await self._drain()
+                if self._stopping:
+                    break
+                if claimed:
+                    if self.idle_lock.held:
+                        self._release_lock_soon()   # busy: producers need not notify
                     continue
-                # Granted: producers that skipped NOTIFY have all committed; the next drain
-                # sees their events. Not granted: a notification came first; drain.
-                continue
-            why = await self._sleep(await self._sleep_seconds())
-            if why == "wake" and not self._stopping:
-                await self.idle_lock.release()
+                await self._lock_released()
+                if self.cfg.poll_only:
+                    await self._sleep(await self._sleep_seconds())
+                    continue
+                if not self.idle_lock.held:
+                    try:
+                        await self.idle_lock.acquire(self._wake)
+                    except psycopg.Error as exc:
+                        log.warning("event=idle_lock_failed error=%r", _first_line(exc))
+                        await self.idle_lock.close()
+                        await self._db_backoff()
+                    # Granted: producers that skipped NOTIFY have all committed; the next drain
+                    # sees their events. Not granted: a notification came first. Either way: drain.
+                    continue
+                why = await self._sleep(await self._sleep_seconds())
+                if why == "wake" and not self._stopping:
+                    self._release_lock_soon()       # in parallel with the claim that follows
+        finally:
+            # Finish and report every batch already claimed before returning.
+            if self._inflight:
+                await asyncio.gather(*self._inflight, return_exceptions=True)
+            await self._lock_released()
+
+    def _release_lock_soon(self) -> None:
+        if self._releasing is None or self._releasing.done():
+            self._releasing = asyncio.ensure_future(self.idle_lock.release())
+
+    async def _lock_released(self) -> None:
+        if self._releasing is not None:
+            with contextlib.suppress(Exception):
+                await self._releasing
+            self._releasing = None
 
     async def _sleep(self, seconds: float) -> str:
         """Sleep until a notification, the lock's connection dying, or ``seconds``."""
@@ -213,34 +238,28 @@ class Worker:
         return min(self.cfg.poll_interval, max(seconds, 0.0) + 0.005)
 
     async def _drain(self) -> int:
-        """Claim and deliver until a claim comes back short; returns how many were claimed.
+        """Claim until a claim comes back short; returns how many events were claimed.
 
-        Starts with one lane; each full claim opens another lane, up to ``concurrency``.
+        Claims follow each other at once: each batch is published and reported by a task of its
+        own, so the next claim overlaps the previous batch's publishing. At most ``concurrency``
+        batches are in flight.
         """
         self._wake.clear()
         total = 0
-        lanes: set[asyncio.Task[None]] = set()
-
-        async def lane() -> None:
-            nonlocal total
-            while not self._stopping:
-                n, full = await self._one_batch()
-                total += n
-                if not full:
-                    return
-                if len(lanes) < self.cfg.concurrency:
-                    lanes.add(asyncio.create_task(lane()))
-
-        lanes.add(asyncio.create_task(lane()))
-        while lanes:
-            done, _ = await asyncio.wait(set(lanes), return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                lanes.discard(task)
-                if task.exception() is not None:
-                    log.error("event=lane_crashed error=%r", task.exception())
+        while not self._stopping:
+            while len(self._inflight) >= self.cfg.concurrency:
+                await asyncio.wait(self._inflight, return_when=asyncio.FIRST_COMPLETED)
+            rows = await self._claim()
+            total += len(rows)
+            if rows:
+                task = asyncio.create_task(self._deliver(rows))
+                self._inflight.add(task)
+                task.add_done_callback(self._inflight.discard)
+            if len(rows) < self.cfg.batch_size:
+                break
         return total
 
-    async def _one_batch(self) -> tuple[int, bool]:
+    async def _claim(self) -> list[tuple[Any, ...]]:
         assert self.pool is not None
         try:
             async with self.pool.connection() as conn:
@@ -249,20 +268,24 @@ class Worker:
         except psycopg.Error as exc:
             log.warning("event=db_error during=claim error=%r", _first_line(exc))
             await self._db_backoff()
-            return 0, False
+            return []
         self._db_delay = 0.0
         self.stats.claims += 1
-        if not rows:
-            return 0, False
-        self.stats.last_claim_at = time.time()
+        if rows:
+            self.stats.last_claim_at = time.time()
+        return rows
+
+    async def _deliver(self, rows: list[tuple[Any, ...]]) -> None:
         token = rows[0][10]
         events = [event_from_row(row) for row in rows]
         try:
             outcomes: Sequence[BaseException | None] = await self.publisher.publish_batch(events)
         except Exception as exc:  # noqa: BLE001 - a publisher that raises fails the whole batch
             outcomes = [exc] * len(events)
-        await self._report(events, outcomes, token)
-        return len(rows), len(rows) >= self.cfg.batch_size
+        try:
+            await self._report(events, outcomes, token)
+        except Exception as exc:  # noqa: BLE001 - never lose the worker over one batch
+            log.error("event=report_crashed error=%r", exc)
 
     async def _report(self, events: Sequence[OutboxEvent], outcomes: Sequence[BaseException | None],
                       token: Any) -> None:
