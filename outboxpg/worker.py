@@ -27,6 +27,7 @@ from psycopg.adapt import Buffer, Loader
 from psycopg_pool import AsyncConnectionPool
 
 from outboxpg.events import CLAIM_COLUMNS, OutboxEvent, PermanentError, event_from_row
+from outboxpg.metrics import WorkerMetrics
 from outboxpg.publishers import as_publisher
 from outboxpg.wakeup import CONNECT_OPTIONS, IdleLock, Listener
 
@@ -60,6 +61,9 @@ class WorkerConfig:
     publish_timeout: float = 10.0
     name: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
     summary_interval: float = 60.0
+    # outbox_maintain() at start and then every this many seconds (0: never). Workers take
+    # turns through the advisory lock inside outbox_maintain(): one of many does the work.
+    maintenance_interval: float = 3600.0
 
     def validate(self) -> None:
         if self.batch_size < 1:
@@ -90,9 +94,10 @@ class WorkerStats:
 
 
 class Worker:
-    def __init__(self, config: WorkerConfig, publisher: Any) -> None:
+    def __init__(self, config: WorkerConfig, publisher: Any, metrics: WorkerMetrics | None = None) -> None:
         config.validate()
         self.cfg = config
+        self.metrics = metrics
         self.publisher = as_publisher(publisher)
         self.stats = WorkerStats()
         self._wake = asyncio.Event()
@@ -129,6 +134,10 @@ class Worker:
         if not cfg.poll_only:
             background.append(asyncio.create_task(self.listener.run(), name="outboxpg-listener"))
         background.append(asyncio.create_task(self._summaries(), name="outboxpg-summary"))
+        if cfg.maintenance_interval > 0:
+            background.append(asyncio.create_task(self._maintenance(), name="outboxpg-maintenance"))
+        if self.metrics is not None:
+            self.metrics.listener_up.set_function(lambda: 1.0 if self.listener.up else 0.0)
         try:
             if hasattr(self.publisher, "start"):
                 await self.publisher.start()
@@ -273,15 +282,21 @@ class Worker:
         self.stats.claims += 1
         if rows:
             self.stats.last_claim_at = time.time()
+            if self.metrics is not None:
+                self.metrics.claim_size.observe(len(rows))
+                self.metrics.last_claim.set(self.stats.last_claim_at)
         return rows
 
     async def _deliver(self, rows: list[tuple[Any, ...]]) -> None:
         token = rows[0][10]
         events = [event_from_row(row) for row in rows]
+        started = time.monotonic()
         try:
             outcomes: Sequence[BaseException | None] = await self.publisher.publish_batch(events)
         except Exception as exc:  # noqa: BLE001 - a publisher that raises fails the whole batch
             outcomes = [exc] * len(events)
+        if self.metrics is not None:
+            self.metrics.publish_seconds.observe(time.monotonic() - started)
         try:
             await self._report(events, outcomes, token)
         except Exception as exc:  # noqa: BLE001 - never lose the worker over one batch
@@ -318,13 +333,26 @@ class Worker:
             log.warning("event=lease_lost worker=%s events=%d note=%r", self.cfg.name, len(ok) - completed,
                         "published after the lease expired and was taken over; the new holder republishes "
                         "(same msg_id)")
+        m = self.metrics
         for e in events:
             lag = (acked_at - e.created_at).total_seconds()
             st.lag_sum += lag
             st.lag_count += 1
             if lag > st.lag_max:
                 st.lag_max = lag
+            if m is not None:
+                m.lag_seconds.observe(lag)
+        if m is not None:
+            # Which reports were refused for a lost lease is not known one by one: count the
+            # first `completed` delivered events by type (exact whenever no lease was lost).
+            delivered = [e for e, o in zip(events, outcomes) if o is None][:completed]
+            for e in delivered:
+                m.delivered.labels(e.event_type).inc()
+            if completed < len(ok):
+                m.lost_leases.inc(len(ok) - completed)
         for (event, outcome), state in zip(failed, states):
+            if m is not None and state in ("dead", "pending"):
+                (m.dead if state == "dead" else m.failed).labels(event.event_type).inc()
             if state == "dead":
                 st.dead += 1
                 log.warning("event=dead_letter id=%d aggregate=%s/%s event_type=%s attempt=%d error=%r",
@@ -345,6 +373,30 @@ class Worker:
     async def _stopped_or_stopping(self) -> None:
         while not self._stopping:
             await asyncio.sleep(0.05)
+
+    # -- maintenance ---------------------------------------------------------------------
+
+    async def _maintenance(self) -> None:
+        """outbox_maintain() now and every maintenance_interval. A failure is logged and the
+        next run tries again; delivery never depends on it (inserts fall back to the default
+        partition)."""
+        assert self.pool is not None
+        while True:
+            try:
+                async with self.pool.connection() as conn:
+                    rows = await (await conn.execute(
+                        "SELECT action, partition, detail FROM outbox_maintain()")).fetchall()
+                for action, partition, detail in rows:
+                    if action == "skip" and partition is None:
+                        log.debug("event=maintenance_skipped reason=%r", detail)
+                    else:
+                        log.info("event=maintenance action=%s partition=%s detail=%r", action, partition, detail)
+            except psycopg.Error as exc:
+                log.warning("event=maintenance_failed error=%r retry_in=%gs", _first_line(exc),
+                            self.cfg.maintenance_interval)
+                if self.metrics is not None:
+                    self.metrics.maintenance_failures.inc()
+            await asyncio.sleep(self.cfg.maintenance_interval)
 
     # -- reporting -----------------------------------------------------------------------
 

@@ -63,6 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="worker name recorded in locked_by [OUTBOXPG_NAME]")
     p.add_argument("--summary-interval", type=float, default=float(_env("SUMMARY_INTERVAL", d.summary_interval)),
                    help="seconds between summary log lines [OUTBOXPG_SUMMARY_INTERVAL]")
+    p.add_argument("--maintenance-interval", type=float,
+                   default=float(_env("MAINTENANCE_INTERVAL", d.maintenance_interval)),
+                   help="run outbox_maintain() at start and every this many seconds; 0: never "
+                        "(one worker of many does it, under an advisory lock) [OUTBOXPG_MAINTENANCE_INTERVAL]")
+    p.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", 0)),
+                   help="serve Prometheus metrics on this port; 0: off [OUTBOXPG_METRICS_PORT]")
+    p.add_argument("--metrics-addr", default=_env("METRICS_ADDR", "127.0.0.1"),
+                   help="address the metrics server binds to [OUTBOXPG_METRICS_ADDR]")
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"),
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level [OUTBOXPG_LOG_LEVEL]")
     return p
@@ -89,7 +97,7 @@ async def _main(args: argparse.Namespace) -> int:
     cfg = WorkerConfig(dsn=args.dsn, batch_size=args.batch_size, concurrency=args.concurrency, lease=args.lease,
                        poll_interval=args.poll_interval, poll_only=args.poll_only,
                        publish_timeout=args.publish_timeout, name=args.name,
-                       summary_interval=args.summary_interval)
+                       summary_interval=args.summary_interval, maintenance_interval=args.maintenance_interval)
     cfg.validate()
     # Fail fast, in one line, on a wrong DSN or a database without the schema.
     async with await psycopg.AsyncConnection.connect(cfg.dsn, autocommit=True, connect_timeout=10) as conn:
@@ -109,7 +117,14 @@ async def _main(args: argparse.Namespace) -> int:
         publisher = NatsPublisher(args.nats_url, ack_timeout=cfg.publish_timeout)
         await publisher.start()
         await _stream_setup(args, publisher, cfg)
-    worker = Worker(cfg, publisher)
+    metrics = None
+    if args.metrics_port:
+        from outboxpg.metrics import WorkerMetrics
+
+        metrics = WorkerMetrics(cfg.dsn)
+        metrics.serve(args.metrics_port, args.metrics_addr)
+        log.info("event=metrics_serving addr=%s port=%d", args.metrics_addr, args.metrics_port)
+    worker = Worker(cfg, publisher, metrics)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.stop)

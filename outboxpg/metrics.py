@@ -1,0 +1,98 @@
+"""Prometheus metrics of a worker (``outboxpg-worker --metrics-port N``).
+
+Counters and histograms are updated by the worker as it goes. The gauges that come from the
+database (backlog, oldest pending age) are read only when Prometheus scrapes, at most once per
+``sample_every`` seconds: a worker that nobody scrapes sends no extra queries.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+__all__ = ["WorkerMetrics"]
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+_BATCH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+
+
+class _DatabaseGauges(Collector):
+    """Backlog and oldest pending age, read from the database on scrape (cached)."""
+
+    def __init__(self, dsn: str, sample_every: float) -> None:
+        self.dsn = dsn
+        self.sample_every = sample_every
+        self._lock = threading.Lock()
+        self._at = 0.0
+        self._values: tuple[float, float, float] | None = None
+
+    def _sample(self) -> tuple[float, float, float] | None:
+        with self._lock:
+            if self._values is not None and time.monotonic() - self._at < self.sample_every:
+                return self._values
+            try:
+                with psycopg.connect(self.dsn, autocommit=True, connect_timeout=5) as conn:
+                    row = conn.execute(
+                        "SELECT count(*) FILTER (WHERE state IN ('pending', 'processing')),"
+                        "       count(*) FILTER (WHERE state = 'dead'),"
+                        "       coalesce(extract(epoch FROM now() - min(created_at)"
+                        "                FILTER (WHERE state IN ('pending', 'processing'))), 0)"
+                        "  FROM outbox WHERE state IN ('pending', 'processing', 'dead')").fetchone()
+            except psycopg.Error:
+                return self._values
+            assert row is not None
+            self._values = (float(row[0]), float(row[1]), float(row[2]))
+            self._at = time.monotonic()
+            return self._values
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        values = self._sample()
+        if values is None:
+            return
+        backlog, dead, age = values
+        yield GaugeMetricFamily("outboxpg_backlog_events", "Events pending or leased (sampled from the database).",
+                                value=backlog)
+        yield GaugeMetricFamily("outboxpg_dead_events", "Dead events waiting for an operator (sampled).", value=dead)
+        yield GaugeMetricFamily("outboxpg_oldest_pending_age_seconds",
+                                "Age of the oldest event not yet delivered (sampled).", value=age)
+
+
+class WorkerMetrics:
+    """The worker's metrics, in a registry of their own."""
+
+    def __init__(self, dsn: str, sample_every: float = 5.0) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.delivered = Counter("outboxpg_events_delivered_total", "Events published and marked published.",
+                                 ["event_type"], registry=r)
+        self.failed = Counter("outboxpg_events_failed_total", "Failed attempts scheduled for a retry.",
+                              ["event_type"], registry=r)
+        self.dead = Counter("outboxpg_events_dead_lettered_total", "Events dead-lettered by this worker.",
+                            ["event_type"], registry=r)
+        self.lost_leases = Counter("outboxpg_lost_leases_total",
+                                   "Reports refused because the lease had been taken over.", registry=r)
+        self.publish_seconds = Histogram("outboxpg_publish_batch_seconds",
+                                         "Time to publish one batch and receive its acks.",
+                                         buckets=_LATENCY_BUCKETS, registry=r)
+        self.lag_seconds = Histogram("outboxpg_event_lag_seconds",
+                                     "From the event's created_at (its transaction's start) to the broker's ack.",
+                                     buckets=_LATENCY_BUCKETS, registry=r)
+        self.claim_size = Histogram("outboxpg_claim_batch_size", "Events returned by each non-empty claim.",
+                                    buckets=_BATCH_BUCKETS, registry=r)
+        self.listener_up = Gauge("outboxpg_listener_up", "1 while the LISTEN connection is up.", registry=r)
+        self.last_claim = Gauge("outboxpg_last_claim_timestamp_seconds",
+                                "Unix time of the last claim that returned events.", registry=r)
+        self.maintenance_failures = Counter("outboxpg_maintenance_failures_total",
+                                            "outbox_maintain() runs that failed.", registry=r)
+        r.register(_DatabaseGauges(dsn, sample_every))
+
+    def serve(self, port: int, addr: str = "127.0.0.1") -> Any:
+        """Serve /metrics on addr:port from a background thread."""
+        return start_http_server(port, addr=addr, registry=self.registry)
