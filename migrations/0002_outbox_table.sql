@@ -66,9 +66,10 @@ CREATE TABLE outbox (
         AND coalesce(subject, 'p.' || aggregate_type || '.' || event_type)
             ~ '^[^.*>[:space:][:cntrl:]]+(\.[^.*>[:space:][:cntrl:]]+)*$'),
     -- NATS headers are name: value lines: names without whitespace or ':', values are strings.
+    -- strict: in lax mode the filter would unwrap an array value and let ["a"] or [] through.
     CONSTRAINT outbox_headers_are_string_map CHECK (
         jsonb_typeof(headers) = 'object'
-        AND NOT jsonb_path_exists(headers, '$.* ? (@.type() != "string")')
+        AND NOT jsonb_path_exists(headers, 'strict $.* ? (@.type() != "string")')
         AND NOT jsonb_path_exists(headers, '$.keyvalue() ? (@.key like_regex "[[:space:][:cntrl:]:]|^$")')),
     CONSTRAINT outbox_attempts_not_negative CHECK (attempts >= 0)
 ) PARTITION BY RANGE (created_at);

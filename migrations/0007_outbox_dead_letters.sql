@@ -49,7 +49,7 @@ BEGIN
     IF ids IS NULL THEN
         RAISE EXCEPTION 'outbox_discard: ids must not be NULL' USING ERRCODE = 'null_value_not_allowed';
     END IF;
-    IF reason IS NULL OR btrim(reason) = '' THEN
+    IF reason IS NULL OR reason !~ '[^[:space:]]' THEN  -- blank: empty or only whitespace
         RAISE EXCEPTION 'outbox_discard: a reason is required (it is kept with the event)'
             USING ERRCODE = 'invalid_parameter_value';
     END IF;

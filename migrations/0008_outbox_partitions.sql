@@ -37,6 +37,9 @@ CREATE FUNCTION outbox_maintain(dry_run boolean DEFAULT false)
 RETURNS TABLE (action text, partition text, range_start timestamptz, range_end timestamptz, detail text)
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
+-- Scopes the lock_timeout set below (from outbox_settings) to this call: without a SET clause
+-- of its own it would last for the rest of the caller's transaction.
+SET lock_timeout = '1s'
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -78,10 +81,15 @@ BEGIN
         ORDER BY 1
     LOOP
         hi := lo + width;
-        -- Fit between existing partitions (partition_width may have changed since they were made).
-        SELECT max(ep.range_end) INTO edge FROM outbox_partitions ep
-         WHERE NOT ep.is_default AND ep.range_start <= lo AND ep.range_end > lo;
-        lo := coalesce(edge, lo);
+        -- Fit between existing partitions (partition_width may have changed since they were made):
+        -- step past every partition that covers lo (the end of one can be the start of the next),
+        -- then stop at the start of the next one.
+        LOOP
+            SELECT max(ep.range_end) INTO edge FROM outbox_partitions ep
+             WHERE NOT ep.is_default AND ep.range_start <= lo AND ep.range_end > lo;
+            EXIT WHEN edge IS NULL OR lo >= hi;
+            lo := edge;
+        END LOOP;
         SELECT min(ep.range_start) INTO edge FROM outbox_partitions ep
          WHERE NOT ep.is_default AND ep.range_start > lo AND ep.range_start < hi;
         hi := coalesce(edge, hi);

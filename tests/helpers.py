@@ -1,0 +1,220 @@
+"""Small helpers shared by the SQL tests: inserting, claiming, settings, notifications."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
+from psycopg.rows import dict_row
+
+WAKEUP_LOCK = (1868724336, 1)
+
+
+def connect(dsn: str, autocommit: bool = True, lock_timeout: str = "10s") -> psycopg.Connection[Any]:
+    """A connection whose lock waits are bounded: a wakeup-lock call that should return but
+    blocks fails the test after ``lock_timeout`` instead of hanging it."""
+    return psycopg.connect(dsn, autocommit=autocommit, options=f"-c lock_timeout={lock_timeout}")
+
+
+def insert(conn: psycopg.Connection[Any], aggregate_type: str = "order", aggregate_id: str = "1",
+           event_type: str = "created", payload: str = "{}", **cols: Any) -> int:
+    """INSERT one event (extra columns as keyword arguments); returns its id."""
+    names = ["aggregate_type", "aggregate_id", "event_type", "payload", *cols]
+    values = [aggregate_type, aggregate_id, event_type, payload, *cols.values()]
+    stmt = sql.SQL("INSERT INTO outbox ({}) VALUES ({}) RETURNING id").format(
+        sql.SQL(", ").join(map(sql.Identifier, names)), sql.SQL(", ").join(sql.Placeholder() * len(names)))
+    row = conn.execute(stmt, values).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def insert_series(conn: psycopg.Connection[Any], aggregates: Iterable[str], aggregate_type: str = "order",
+                  event_type: str = "created", created_at: str | None = None) -> list[int]:
+    """One event per entry of ``aggregates`` (aggregate ids), in that order, in one statement;
+    returns their ids in insert order. ``created_at``: an SQL expression, e.g. "now() - interval '30 days'"."""
+    aggs = list(aggregates)
+    created = sql.SQL(created_at) if created_at else sql.SQL("now()")
+    rows = conn.execute(
+        sql.SQL("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, created_at) "
+                "SELECT %s, a, %s, jsonb_build_object('n', n), {} "
+                "FROM unnest(%s::text[]) WITH ORDINALITY AS u(a, n) ORDER BY n RETURNING id").format(created),
+        (aggregate_type, event_type, aggs)).fetchall()
+    return sorted(int(r[0]) for r in rows)
+
+
+def claim(conn: psycopg.Connection[Any], batch: int | None = 10, lease: str | None = None,
+          worker: str | None = None) -> list[dict[str, Any]]:
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute("SELECT * FROM outbox_claim(%s, %s::interval, %s)", (batch, lease, worker)).fetchall()
+
+
+def complete(conn: psycopg.Connection[Any], ids: list[int] | None, token: Any) -> int:
+    row = conn.execute("SELECT outbox_complete(%s::bigint[], %s::uuid)", (ids, token)).fetchone()
+    assert row is not None
+    return row[0]
+
+
+def fail(conn: psycopg.Connection[Any], id: int | None, token: Any, error: str | None = "boom",
+         permanent: bool | None = False) -> str | None:
+    row = conn.execute("SELECT outbox_fail(%s::bigint, %s::uuid, %s::text, %s::boolean)",
+                       (id, token, error, permanent)).fetchone()
+    assert row is not None
+    return row[0]
+
+
+def release(conn: psycopg.Connection[Any], ids: list[int] | None, token: Any) -> int:
+    row = conn.execute("SELECT outbox_release(%s::bigint[], %s::uuid)", (ids, token)).fetchone()
+    assert row is not None
+    return row[0]
+
+
+def requeue(conn: psycopg.Connection[Any], ids: list[int] | None) -> int:
+    row = conn.execute("SELECT outbox_requeue(%s::bigint[])", (ids,)).fetchone()
+    assert row is not None
+    return row[0]
+
+
+def discard(conn: psycopg.Connection[Any], ids: list[int] | None, reason: str | None) -> int:
+    row = conn.execute("SELECT outbox_discard(%s::bigint[], %s::text)", (ids, reason)).fetchone()
+    assert row is not None
+    return row[0]
+
+
+def event(conn: psycopg.Connection[Any], id: int) -> dict[str, Any]:
+    """The whole row of one event (plus the partition it lives in)."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        row = cur.execute("SELECT o.*, c.relname::text AS partition FROM outbox o JOIN pg_class c ON c.oid = o.tableoid "
+                          "WHERE id = %s",
+                          (id,)).fetchone()
+    assert row is not None, f"event {id} not found"
+    return row
+
+
+def events(conn: psycopg.Connection[Any]) -> list[dict[str, Any]]:
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute("SELECT o.*, c.relname::text AS partition FROM outbox o JOIN pg_class c ON c.oid = o.tableoid "
+                           "ORDER BY id").fetchall()
+
+
+def states(conn: psycopg.Connection[Any]) -> dict[str, int]:
+    return {s: n for s, n in conn.execute("SELECT state::text, count(*) FROM outbox GROUP BY 1").fetchall()}
+
+
+def set_settings(conn: psycopg.Connection[Any], **values: Any) -> None:
+    """UPDATE outbox_settings SET k = v, ... (values as SQL literals, e.g. '1 millisecond')."""
+    conn.execute(sql.SQL("UPDATE outbox_settings SET {}").format(sql.SQL(", ").join(
+        sql.SQL("{} = {}").format(sql.Identifier(k), sql.Literal(v)) for k, v in values.items())))
+
+
+def server_now(conn: psycopg.Connection[Any]) -> Any:
+    row = conn.execute("SELECT clock_timestamp()").fetchone()
+    assert row is not None
+    return row[0]
+
+
+def make_due(conn: psycopg.Connection[Any], ids: list[int]) -> None:
+    """Skip a retry's backoff (test shortcut): the events become due at once."""
+    conn.execute("UPDATE outbox SET next_attempt_at = clock_timestamp() WHERE id = ANY(%s)", (ids,))
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, interval: float = 0.005,
+               message: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {message}")
+        time.sleep(interval)
+
+
+class Listener:
+    """LISTENs on channel 'outbox'. ``collect()`` returns every notification that arrived for
+    transactions committed before the call, without guessing a wait time: it sends a sentinel
+    notification from another session and reads until the sentinel arrives (notifications are
+    delivered in commit order)."""
+
+    def __init__(self, dsn: str) -> None:
+        self.conn = psycopg.connect(dsn, autocommit=True)
+        self.poke = psycopg.connect(dsn, autocommit=True)
+        self.conn.execute("LISTEN outbox")
+
+    def collect(self, timeout: float = 10.0) -> list[str]:
+        token = f"sentinel-{uuid.uuid4()}"
+        self.poke.execute("SELECT pg_notify('outbox', %s)", (token,))
+        got: list[str] = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for n in self.conn.notifies(timeout=max(0.01, deadline - time.monotonic())):
+                if n.payload == token:
+                    return got
+                got.append(n.payload)
+        raise AssertionError(f"sentinel notification not received within {timeout}s (got {got!r})")
+
+    def close(self) -> None:
+        self.conn.close()
+        self.poke.close()
+
+    def __enter__(self) -> "Listener":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def waiting_for_advisory_lock(conn: psycopg.Connection[Any], pid: int) -> bool:
+    """Whether backend ``pid`` waits for the wakeup advisory lock."""
+    row = conn.execute(
+        "SELECT count(*) FROM pg_locks WHERE pid = %s AND locktype = 'advisory' AND NOT granted "
+        "AND classid = %s AND objid = %s", (pid, WAKEUP_LOCK[0], WAKEUP_LOCK[1])).fetchone()
+    assert row is not None
+    return bool(row[0])
+
+
+class Background(threading.Thread):
+    """Run fn() in a thread; ``result()`` re-raises its exception in the caller."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        super().__init__(daemon=True)
+        self.fn = fn
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.value = self.fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            self.error = exc
+
+    def result(self, timeout: float) -> Any:
+        self.join(timeout)
+        if self.is_alive():
+            raise AssertionError(f"background call did not finish within {timeout}s")
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def psql_args(dsn: str) -> list[str]:
+    """Connection arguments for psql from a libpq key=value DSN."""
+    p = conninfo_to_dict(dsn)
+    args = []
+    for key, flag in (("host", "-h"), ("port", "-p"), ("user", "-U"), ("dbname", "-d")):
+        if p.get(key):
+            args += [flag, str(p[key])]
+    return args
+
+
+def psql_env(dsn: str) -> dict[str, str]:
+    import os
+
+    env = dict(os.environ)
+    p = conninfo_to_dict(dsn)
+    if p.get("password"):
+        env["PGPASSWORD"] = str(p["password"])
+    env["PGOPTIONS"] = "--client-min-messages=warning"
+    return env
