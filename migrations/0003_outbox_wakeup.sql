@@ -37,16 +37,42 @@ CREATE TRIGGER outbox_wake_workers
     AFTER INSERT ON outbox
     FOR EACH STATEMENT EXECUTE FUNCTION outbox_wake_workers();
 
+-- Idempotent: advisory locks count re-acquisitions, and a worker that called this twice and
+-- outbox_worker_busy() once must not stay "idle" for the producers.
 CREATE FUNCTION outbox_worker_idle() RETURNS void
-LANGUAGE sql
-AS $$ SELECT pg_advisory_lock(1868724336, 1) $$;
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_locks
+                    WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted
+                      AND classid = 1868724336 AND objid = 1 AND objsubid = 2) THEN
+        PERFORM pg_advisory_lock(1868724336, 1);
+    END IF;
+END;
+$$;
 
 COMMENT ON FUNCTION outbox_worker_idle() IS
     'Call on a dedicated session before sleeping: from its return until outbox_worker_busy() every insert into outbox NOTIFYs channel outbox. Claim once more after it returns.';
 
 CREATE FUNCTION outbox_worker_busy() RETURNS boolean
-LANGUAGE sql
-AS $$ SELECT pg_advisory_unlock(1868724336, 1) $$;
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    held boolean := false;
+BEGIN
+    -- Every hold this session has, so the lock is free whatever happened before (checked
+    -- first: unlocking a lock not held logs a warning).
+    WHILE EXISTS (SELECT 1 FROM pg_locks
+                   WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted
+                     AND classid = 1868724336 AND objid = 1 AND objsubid = 2) LOOP
+        PERFORM pg_advisory_unlock(1868724336, 1);
+        held := true;
+    END LOOP;
+    RETURN held;
+END;
+$$;
 
 COMMENT ON FUNCTION outbox_worker_busy() IS
     'Call on the session that called outbox_worker_idle() when the worker wakes: producers stop notifying while workers drain.';

@@ -180,6 +180,12 @@ class Worker:
                     if self.idle_lock.held:
                         self._release_lock_soon()   # busy: producers need not notify
                     continue
+                if self._inflight:
+                    # Never sleep with batches in flight: their reports can make events claimable
+                    # that no NOTIFY will announce (the next event of the same aggregate, a retry
+                    # due soon). Wait for them, then look again.
+                    await asyncio.wait(self._inflight)
+                    continue
                 await self._lock_released()
                 if self.cfg.poll_only:
                     await self._sleep(await self._sleep_seconds())

@@ -315,3 +315,23 @@ def test_sync_function_publisher_works(dsn, conn):
 
     asyncio.run(main())
     assert sorted(seen) == ids
+
+
+async def test_next_event_of_an_aggregate_follows_without_waiting_for_the_poll(dsn, conn):
+    """Events of one aggregate go out one after another; each is claimable only once the
+    previous one is reported, and no NOTIFY announces that: the worker must not sleep then."""
+    seen: list[tuple[int, float]] = []
+
+    async def publish(event: OutboxEvent) -> None:
+        await asyncio.sleep(0.02)  # a slow broker: the report comes well after the next claim
+        seen.append((event.id, time.monotonic()))
+
+    running = start(dsn, FunctionPublisher(publish), poll_interval=120)
+    await wait_until(running.idle, 10, "worker idle")
+    with conn.transaction():
+        ids = [enqueue(conn, "order", "hot", "step", {"n": n}) for n in range(5)]
+    t0 = time.monotonic()
+    await wait_until(lambda: _eq(count_in(dsn, "published"), 5), 10, "all five published")
+    await running.stop()
+    assert [i for i, _ in seen] == ids
+    assert seen[-1][1] - t0 < 3.0, "each next event was claimed right after the previous report"
