@@ -17,6 +17,9 @@
 --     event never goes from finished back to unfinished: a claimer that sees every earlier event
 --     finished in its snapshot is right, and one that sees an earlier event unfinished (even one
 --     a concurrent claimer is taking) skips the later one.
+--   * Commit order: an event is handed out only once no open transaction can still commit an
+--     earlier id (outbox_commit_horizon), so "earlier" means earlier in id order AND nothing
+--     earlier is still on its way.
 --   * Expired leases are reclaimed here, first, so no separate reaper is needed. An expired
 --     lease is a failed attempt (the worker died or hung): retried after a backoff, or dead once
 --     max_attempts is reached.
@@ -28,6 +31,30 @@ DO $$ BEGIN PERFORM set_config('search_path', format('%I, pg_temp', current_sche
 -- Complete, fail and release find a batch by its lease token: one probe per partition, where
 -- "id = ANY(ids)" would cost one per partition and id.
 CREATE INDEX outbox_lease_token_idx ON outbox (lease_token) WHERE state = 'processing';
+
+-- The largest id no open transaction can still precede, or NULL for no limit. Producers mark
+-- "this transaction may still commit ids above L" with a shared advisory lock keyed -(L + 1)
+-- (see 0013_outbox_commit_order.sql); this reads the smallest such L. outbox_claim calls it
+-- before taking the snapshot it claims from: a transaction that commits in between was still
+-- listed here, so its events are either visible or above the horizon.
+CREATE FUNCTION outbox_commit_horizon() RETURNS bigint
+LANGUAGE plpgsql
+STABLE
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    RETURN (SELECT min(-((l.classid::bigint << 32) | l.objid::bigint) - 1)
+              FROM pg_locks l
+             WHERE l.locktype = 'advisory'
+               AND l.objsubid = 1                    -- one-bigint keys
+               AND l.classid >= 2147483648           -- negative ones: outboxpg's
+               AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+               AND l.pid <> pg_backend_pid());
+END;
+$$;
+
+COMMENT ON FUNCTION outbox_commit_horizon() IS
+    'Largest outbox id that no open producing transaction can still precede (NULL: no limit); outbox_claim hands out ids up to it.';
 
 CREATE FUNCTION outbox_claim(batch_size integer, lease interval DEFAULT NULL, worker text DEFAULT NULL)
 RETURNS TABLE (
@@ -59,6 +86,7 @@ DECLARE
     owner  text;
     n      integer;
     ids    bigint[];
+    horizon bigint;
     oldest timestamptz;
     newest timestamptz;
 BEGIN
@@ -94,12 +122,16 @@ BEGIN
     -- list of candidates lets the planner hash the whole table, where "id = ANY(ids)" within
     -- the candidates' created_at range is a few index probes in the one or two partitions
     -- that hold them.
+    -- Commit order: see outbox_commit_horizon(). Read before the snapshot of the next statement.
+    horizon := coalesce(outbox_commit_horizon(), 9223372036854775807);
+
     SELECT array_agg(c.id), min(c.created_at), max(c.created_at)
       INTO ids, oldest, newest
       FROM (SELECT o.id, o.created_at
               FROM outbox o
              WHERE o.state = 'pending'
                AND o.next_attempt_at <= t
+               AND o.id <= horizon
                AND NOT EXISTS (
                      SELECT 1
                        FROM outbox earlier
