@@ -17,7 +17,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from helpers import (Background, Listener, claim, complete, connect, event, fail, insert, insert_series, set_settings,
+from helpers import (WAKEUP_LOCK, Background, Listener, claim, complete, connect, event, fail, insert, insert_series, set_settings,
                      states, wait_until, waiting_for_advisory_lock)
 
 Conn = psycopg.Connection[Any]
@@ -308,7 +308,13 @@ def test_notify_once_per_statement_while_a_worker_is_idle(dsn: str, conn: Conn, 
         idle.execute("SELECT outbox_worker_idle()")
         insert(conn, aggregate_id="again")
         assert listener.collect() == [""]
-    # the idle session ended: its session lock is gone, nobody is notified
+    # the idle session ended: its session lock is gone (once its backend has exited, which
+    # closing the connection does not wait for), nobody is notified
+    deadline = time.monotonic() + 10
+    while conn.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = %s "
+                       "AND objid = %s", WAKEUP_LOCK).fetchone()[0]:
+        assert time.monotonic() < deadline, "the closed session's lock was never released"
+        time.sleep(0.01)
     insert(conn, aggregate_id="closed")
     assert listener.collect() == []
 
