@@ -32,29 +32,44 @@ DO $$ BEGIN PERFORM set_config('search_path', format('%I, pg_temp', current_sche
 -- "id = ANY(ids)" would cost one per partition and id.
 CREATE INDEX outbox_lease_token_idx ON outbox (lease_token) WHERE state = 'processing';
 
--- The largest id no open transaction can still precede, or NULL for no limit. Producers mark
--- "this transaction may still commit ids above L" with a shared advisory lock keyed -(L + 1)
--- (see 0013_outbox_commit_order.sql); this reads the smallest such L. outbox_claim calls it
--- before taking the snapshot it claims from: a transaction that commits in between was still
--- listed here, so its events are either visible or above the horizon.
+-- The largest id that no open transaction can still precede. Producers mark "this transaction
+-- may still commit ids above L" with a shared advisory lock keyed -(L + 1), and hold the shared
+-- lock (1868724336, 3) while they do (see 0013_outbox_commit_order.sql). Order matters:
+--   1. the last id assigned so far: every id assigned later is above it, so nothing that starts
+--      inserting from now on can precede an id up to it;
+--   2. if no producing transaction is open (the exclusive try-lock succeeds), that id is the
+--      horizon; otherwise the lowest L among the open ones bounds it too.
+-- outbox_claim calls this before taking the snapshot it claims from: a transaction that commits
+-- in between was still counted here, so its events are either visible or above the horizon.
 CREATE FUNCTION outbox_commit_horizon() RETURNS bigint
 LANGUAGE plpgsql
-STABLE
+VOLATILE
 SET search_path FROM CURRENT
 AS $$
+DECLARE
+    last_id bigint;
+    lowest  bigint;
 BEGIN
-    RETURN (SELECT min(-((l.classid::bigint << 32) | l.objid::bigint) - 1)
-              FROM pg_locks l
-             WHERE l.locktype = 'advisory'
-               AND l.objsubid = 1                    -- one-bigint keys
-               AND l.classid >= 2147483648           -- negative ones: outboxpg's
-               AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-               AND l.pid <> pg_backend_pid());
+    -- On a sequence never used yet, last_value is the next id, not the last one.
+    SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END INTO last_id FROM outbox_id_seq;
+    IF pg_try_advisory_lock(1868724336, 3) THEN
+        PERFORM pg_advisory_unlock(1868724336, 3);
+        RETURN last_id;
+    END IF;
+    SELECT min(-((l.classid::bigint << 32) | l.objid::bigint) - 1)
+      INTO lowest
+      FROM pg_locks l
+     WHERE l.locktype = 'advisory'
+       AND l.objsubid = 1                    -- one-bigint keys
+       AND l.classid >= 2147483648           -- negative ones: outboxpg's
+       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+       AND l.pid <> pg_backend_pid();
+    RETURN least(last_id, lowest);
 END;
 $$;
 
 COMMENT ON FUNCTION outbox_commit_horizon() IS
-    'Largest outbox id that no open producing transaction can still precede (NULL: no limit); outbox_claim hands out ids up to it.';
+    'Largest outbox id that no open producing transaction can still precede; outbox_claim hands out ids up to it.';
 
 CREATE FUNCTION outbox_claim(batch_size integer, lease interval DEFAULT NULL, worker text DEFAULT NULL)
 RETURNS TABLE (
@@ -123,7 +138,7 @@ BEGIN
     -- the candidates' created_at range is a few index probes in the one or two partitions
     -- that hold them.
     -- Commit order: see outbox_commit_horizon(). Read before the snapshot of the next statement.
-    horizon := coalesce(outbox_commit_horizon(), 9223372036854775807);
+    horizon := outbox_commit_horizon();
 
     SELECT array_agg(c.id), min(c.created_at), max(c.created_at)
       INTO ids, oldest, newest

@@ -13,14 +13,16 @@
 -- below the horizon can no longer gain an earlier, still-invisible neighbour; an event above it
 -- waits until the transactions below it end.
 --
--- Cost: producers pay one advisory lock per insert statement. Claims read pg_locks once. And
+-- Cost: producers pay two advisory locks per insert statement. A claim reads the sequence and
+-- tries one lock; only while producing transactions are open does it also read pg_locks. And
 -- an open transaction that has inserted into outbox holds back delivery of every newer event
 -- (of all aggregates) until it commits or rolls back: keep producing transactions short. A
 -- deployment that never writes one aggregate from two concurrent transactions can switch the
 -- guard off: UPDATE outbox_settings SET commit_order_guard = false (producers then skip the lock
 -- too).
 --
--- Lock keys: outboxpg uses the negative half of the one-bigint advisory lock space, -(L + 1).
+-- Lock keys: outboxpg uses the negative half of the one-bigint advisory lock space, -(L + 1),
+-- and (1868724336, 3) for "a producer is open".
 -- depends: 0005_outbox_claim 0010_outbox_next_wakeup
 DO $$ BEGIN PERFORM set_config('search_path', format('%I, pg_temp', current_schema()), false); END $$;
 
@@ -32,6 +34,8 @@ SET search_path FROM CURRENT
 AS $$
 BEGIN
     IF (SELECT commit_order_guard FROM outbox_settings) THEN
+        -- "A producing transaction is open": lets a claim skip reading pg_locks when none is.
+        PERFORM pg_advisory_xact_lock_shared(1868724336, 3);
         -- Every id this statement assigns is above L, the last id handed out before it (on a
         -- sequence never used yet, last_value is the next id, not the last one).
         PERFORM pg_advisory_xact_lock_shared(

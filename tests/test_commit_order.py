@@ -52,8 +52,24 @@ def test_horizon_is_read_from_the_statement_start_of_each_insert(dsn, conn):
         horizon = conn.execute("SELECT outbox_commit_horizon()").fetchone()[0]
         assert horizon == 0  # the slow transaction's first statement started at last_value 0
         slow.commit()
-    assert conn.execute("SELECT outbox_commit_horizon()").fetchone()[0] is None
+    # No producer open: the horizon is the last id assigned.
+    assert conn.execute("SELECT outbox_commit_horizon()").fetchone()[0] == 7
     assert len(claim_ids(conn)) == 6  # one per aggregate: slow/a and the five others
+
+
+def test_producer_starting_after_the_horizon_is_read_cannot_precede_what_is_handed_out(dsn, conn):
+    """The race the order of outbox_commit_horizon's steps closes: a producer that starts
+    inserting after the horizon was read takes ids above it."""
+    visible = enqueue(conn, "order", "7", "created", {})
+    horizon = conn.execute("SELECT outbox_commit_horizon()").fetchone()[0]
+    assert horizon == visible
+    with psycopg.connect(dsn) as late:
+        later = enqueue(late, "order", "7", "paid", {})
+        assert later > horizon
+        # A claim now sees only `visible` below its horizon; `later` is above any horizon while
+        # its transaction is open.
+        assert conn.execute("SELECT outbox_commit_horizon()").fetchone()[0] < later
+        late.commit()
 
 
 def test_guard_can_be_switched_off(dsn, conn):
