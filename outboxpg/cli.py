@@ -1,6 +1,16 @@
-"""The ``outboxpg`` command line: install the schema, print it, run the demo.
+"""The ``outboxpg`` command line: install the schema, inspect and operate the outbox, run the demo.
 
-Errors are one line on stderr and a non-zero exit code, never a traceback.
+  outboxpg migrate [--status | --rollback]      install or upgrade the schema (yoyo-migrations)
+  outboxpg sql                                   the whole install as one psql script
+  outboxpg status [--json] [--watch [S]]         is it healthy? (outbox_health, events per state)
+  outboxpg dead list | show | requeue | discard  dead letters
+  outboxpg maintain [--dry-run]                  outbox_maintain(): partitions ahead, expired ones dropped
+  outboxpg demo                                  the whole flow on throwaway servers
+
+Every command that talks to a database takes --dsn, else $OUTBOXPG_DSN, else libpq's PG* variables.
+Errors are one line on stderr and a non-zero exit code, never a traceback, and never show a
+password: 1 the command failed or was refused, 2 cannot connect (or bad usage), 3 the outbox
+schema is missing or older than this version.
 """
 
 from __future__ import annotations
@@ -12,31 +22,15 @@ from collections.abc import Sequence
 
 import psycopg
 
-from outboxpg import schema
+from outboxpg import cli_dead, cli_status, schema
+from outboxpg.cli_common import (EXIT_CONNECT, EXIT_FAILED, EXIT_SCHEMA, NOT_INSTALLED, CliError, add_dsn,
+                                 describe_connection_error, first_line, redact, resolve_dsn, secrets_of)
 
-DSN_HELP = "libpq connection string or URI (default: $OUTBOXPG_DSN, else libpq's PG* variables)"
-
-
-class CliError(Exception):
-    """A failure to report as one line, with exit code ``code``."""
-
-    def __init__(self, message: str, code: int = 1) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def _dsn(args: argparse.Namespace) -> str:
-    return args.dsn if args.dsn is not None else os.environ.get("OUTBOXPG_DSN", "")
-
-
-def _describe_connection_error(exc: psycopg.OperationalError) -> str:
-    # libpq's message names host and port but never the password; keep its first line only.
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return f"cannot connect to PostgreSQL: {first}"
+__all__ = ["CliError", "build_parser", "main"]
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
-    dsn = _dsn(args)
+    dsn = resolve_dsn(args)
     if args.rollback:
         done = schema.rollback(dsn, args.steps)
         print("\n".join(f"rolled back {m}" for m in done) if done else "nothing to roll back")
@@ -61,11 +55,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="outboxpg", description="A SQL-first transactional outbox for PostgreSQL.")
+    parser = argparse.ArgumentParser(prog="outboxpg", description="A SQL-first transactional outbox for PostgreSQL.",
+                                     epilog="Exit codes: 0 ok, 1 failed or refused, 2 cannot connect or bad usage, "
+                                            "3 outbox schema missing or not up to date.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("migrate", help="install or upgrade the outbox schema (yoyo-migrations); re-running is a no-op")
-    p.add_argument("--dsn", help=DSN_HELP)
+    add_dsn(p)
     g = p.add_mutually_exclusive_group()
     g.add_argument("--rollback", action="store_true", help="roll back the last applied step(s)")
     g.add_argument("--status", action="store_true", help="list every step and whether it is applied")
@@ -75,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sql", help="print the whole install as one psql script, for DBAs who apply SQL by hand")
     p.set_defaults(func=cmd_sql)
 
+    cli_status.register(sub)
+    cli_dead.register(sub)
+
     p = sub.add_parser("demo", help="run the whole flow on throwaway PostgreSQL and nats-server processes")
     p.add_argument("--events", type=int, default=2000, help="sample events to write (default: 2000)")
     p.add_argument("--aggregates", type=int, default=50, help="orders the events belong to (default: 50)")
@@ -83,22 +82,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _fail(message: str, code: int, secrets: Sequence[str]) -> int:
+    print(redact(f"outboxpg: {message}", secrets), file=sys.stderr)
+    return code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    secrets = secrets_of(resolve_dsn(args))
     try:
         return int(args.func(args))
     except CliError as exc:
-        print(f"outboxpg: {exc}", file=sys.stderr)
-        return exc.code
-    except psycopg.OperationalError as exc:
-        print(f"outboxpg: {_describe_connection_error(exc)}", file=sys.stderr)
-        return 2
-    except psycopg.Error as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"outboxpg: database error: {first}", file=sys.stderr)
-        return 1
+        return _fail(str(exc), exc.code, secrets)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # e.g. `outboxpg dead list | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILED
+    # Objects gone from under a command that checked for them (or a command that does not check).
+    except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedFunction, psycopg.errors.UndefinedColumn,
+            psycopg.errors.UndefinedObject) as exc:
+        if 'relation "outbox" does not exist' in str(exc):
+            return _fail(NOT_INSTALLED, EXIT_SCHEMA, secrets)
+        return _fail(f"the outbox schema is not up to date ({first_line(exc)}): run outboxpg migrate --dsn ...",
+                     EXIT_SCHEMA, secrets)
+    except psycopg.OperationalError as exc:
+        if exc.sqlstate is None:  # from libpq, not from the server: connecting failed (or the connection broke)
+            return _fail(describe_connection_error(exc), EXIT_CONNECT, secrets)
+        return _fail(f"database error: {first_line(exc)}", EXIT_FAILED, secrets)
+    except psycopg.Error as exc:
+        return _fail(f"database error: {first_line(exc)}", EXIT_FAILED, secrets)
+    except Exception as exc:  # noqa: BLE001 - one line, never a traceback (OUTBOXPG_DEBUG=1 shows it)
+        if os.environ.get("OUTBOXPG_DEBUG"):
+            raise
+        return _fail(f"{type(exc).__name__}: {first_line(exc)}", EXIT_FAILED, secrets)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,2 @@
+DROP VIEW outbox_health;
+DROP FUNCTION outbox_health_row();

@@ -1,0 +1,222 @@
+"""What every ``outboxpg`` command shares: the DSN, connecting, the schema check, one-line
+errors that never show a password, confirmation prompts, JSON output."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from collections.abc import Iterable
+from typing import Any
+from urllib.parse import quote, unquote
+
+import orjson
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+
+from outboxpg import schema
+
+DSN_HELP = "libpq connection string or URI (default: $OUTBOXPG_DSN, else libpq's PG* variables)"
+
+NOT_INSTALLED = "the outbox schema is not installed in this database: run outboxpg migrate --dsn ..."
+
+# Exit codes: 1 a command failed or was refused, 2 cannot connect (argparse uses 2 for usage
+# errors too), 3 the schema is missing or older than this version of outboxpg.
+EXIT_FAILED, EXIT_CONNECT, EXIT_SCHEMA = 1, 2, 3
+
+# For databases installed by hand with psql (no yoyo bookkeeping): the objects the commands use.
+# The newest first: the first one missing says how far behind the install is.
+_REQUIRED_OBJECTS = (
+    ("view outbox_health", "SELECT to_regclass('outbox_health')"),
+    ("function outbox_maintain(boolean)", "SELECT to_regprocedure('outbox_maintain(boolean)')"),
+    ("function outbox_discard(bigint[], text)", "SELECT to_regprocedure('outbox_discard(bigint[],text)')"),
+    ("function outbox_requeue(bigint[])", "SELECT to_regprocedure('outbox_requeue(bigint[])')"),
+    ("view outbox_dead_letters", "SELECT to_regclass('outbox_dead_letters')"),
+)
+
+
+class CliError(Exception):
+    """A failure to report as one line, with exit code ``code``."""
+
+    def __init__(self, message: str, code: int = EXIT_FAILED) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def add_dsn(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dsn", help=DSN_HELP)
+
+
+def resolve_dsn(args: argparse.Namespace) -> str:
+    """--dsn, else $OUTBOXPG_DSN, else '' (libpq then reads PGHOST, PGDATABASE, ...)."""
+    dsn = getattr(args, "dsn", None)
+    return dsn if dsn is not None else os.environ.get("OUTBOXPG_DSN", "")
+
+
+# -- never show a password ------------------------------------------------------------------
+
+_PASSWORD_KV = re.compile(r"password\s*=\s*('(?:[^'\\]|\\.)*'|[^\s]+)", re.IGNORECASE)
+_PASSWORD_URI = re.compile(r"://[^/@?#]*?:([^/@?#]*)@")
+_PASSWORD_QUERY = re.compile(r"[?&]password=([^&#]*)", re.IGNORECASE)
+
+
+def secrets_of(dsn: str) -> list[str]:
+    """Every form in which a password of ``dsn`` (or $PGPASSWORD) could show up in a message."""
+    found: set[str] = set()
+    try:
+        pw = conninfo_to_dict(dsn).get("password")
+        if pw:
+            found.add(str(pw))
+    except psycopg.Error:
+        pass
+    for rx in (_PASSWORD_KV, _PASSWORD_URI, _PASSWORD_QUERY):
+        for m in rx.finditer(dsn):
+            raw = m.group(1).strip("'")
+            if raw:
+                found.add(raw)
+    if os.environ.get("PGPASSWORD"):
+        found.add(os.environ["PGPASSWORD"])
+    forms = set(found)
+    for s in found:
+        forms.update({quote(s, safe=""), unquote(s)})
+    # Longest first, so that a password containing another one is replaced whole.
+    return sorted((f for f in forms if f), key=len, reverse=True)
+
+
+def redact(text: str, secrets: Iterable[str]) -> str:
+    for s in secrets:
+        text = text.replace(s, "***")
+    return text
+
+
+def _has_password_part(dsn: str) -> bool:
+    return bool(re.search(r"password", dsn, re.IGNORECASE) or _PASSWORD_URI.search(dsn))
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0].strip() if text else type(exc).__name__
+
+
+def describe_connection_error(exc: psycopg.Error) -> str:
+    # libpq's message names host and port but never the password; its first line is enough
+    # ("connection failed: connection to server at ..., port ... failed: Connection refused").
+    return f"cannot connect to PostgreSQL: {first_line(exc)}"
+
+
+# -- connecting and checking the schema -----------------------------------------------------
+
+def connect(dsn: str) -> psycopg.Connection[Any]:
+    """An autocommit connection; a bad DSN or an unreachable server is a CliError (exit 2)."""
+    try:
+        params = conninfo_to_dict(dsn)
+    except psycopg.Error as exc:
+        if _has_password_part(dsn):
+            # libpq quotes the part it could not parse, which may be (part of) the password.
+            raise CliError("cannot connect to PostgreSQL: invalid connection string "
+                           "(libpq's message is withheld because the string holds a password)",
+                           EXIT_CONNECT) from None
+        raise CliError(f"cannot connect to PostgreSQL: invalid connection string: {first_line(exc)}",
+                       EXIT_CONNECT) from None
+    extra: dict[str, Any] = {}
+    if "connect_timeout" not in params and not os.environ.get("PGCONNECT_TIMEOUT"):
+        extra["connect_timeout"] = 10
+    if "application_name" not in params and not os.environ.get("PGAPPNAME"):
+        extra["application_name"] = "outboxpg"
+    try:
+        return psycopg.connect(dsn, autocommit=True, **extra)
+    except psycopg.Error as exc:
+        raise CliError(describe_connection_error(exc), EXIT_CONNECT) from None
+
+
+def step_ids() -> list[str]:
+    """The migration steps this version of outboxpg ships, in order."""
+    return sorted(p.name.removesuffix(".sql") for p in schema.migrations_dir().glob("[0-9]*.sql")
+                  if not p.name.endswith(".rollback.sql"))
+
+
+def require_schema(conn: psycopg.Connection[Any]) -> None:
+    """Refuse (exit 3) a database without the outbox schema, or with an older one than ours."""
+    # yoyo's bookkeeping, when this role may read it (an outbox_operator login may not).
+    row = conn.execute("SELECT to_regclass('outbox') IS NOT NULL, "
+                       "       coalesce(has_table_privilege(to_regclass('_yoyo_migration'), 'SELECT'), false)"
+                       ).fetchone()
+    assert row is not None
+    installed, has_yoyo = row
+    if not installed:
+        raise CliError(NOT_INSTALLED, EXIT_SCHEMA)
+    ours = step_ids()
+    applied: set[str] = set()
+    if has_yoyo:
+        applied = {r[0] for r in conn.execute("SELECT migration_id FROM _yoyo_migration").fetchall()}
+    if applied & set(ours):
+        missing = [s for s in ours if s not in applied]
+        if missing:
+            steps = "1 step" if len(missing) == 1 else f"{len(missing)} steps"
+            raise CliError(f"the outbox schema is not up to date ({steps} pending): run outboxpg migrate --dsn ...",
+                           EXIT_SCHEMA)
+        return
+    # Installed by hand (psql), without yoyo's bookkeeping (or it is not readable): look for
+    # the objects we use.
+    for name, query in _REQUIRED_OBJECTS:
+        found = conn.execute(query).fetchone()
+        if found is None or found[0] is None:
+            raise CliError(f"the outbox schema is not up to date ({name} is missing): run outboxpg migrate "
+                           "--dsn ... (or apply the newer files of migrations/ with psql)", EXIT_SCHEMA)
+
+
+def open_outbox(args: argparse.Namespace) -> psycopg.Connection[Any]:
+    """Connect with the command's DSN and check the schema; the caller closes the connection."""
+    conn = connect(resolve_dsn(args))
+    try:
+        require_schema(conn)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def where_am_i(conn: psycopg.Connection[Any]) -> dict[str, Any]:
+    """Database name, host and port of the connection (never the password)."""
+    info = conn.info
+    return {"dbname": info.dbname, "host": info.host, "port": info.port}
+
+
+def where_text(where: dict[str, Any]) -> str:
+    """'database shop on 127.0.0.1:5432'."""
+    return f"database {where['dbname']} on {where['host'] or 'local socket'}:{where['port']}"
+
+
+# -- output and prompts ---------------------------------------------------------------------
+
+def _json_default(value: Any) -> Any:
+    import datetime as dt
+    from decimal import Decimal
+
+    if isinstance(value, dt.timedelta):
+        return value.total_seconds()
+    if isinstance(value, Decimal):
+        return float(value)
+    raise TypeError(f"cannot serialise {type(value).__name__}")
+
+
+def print_json(obj: Any, indent: bool = False) -> None:
+    option = orjson.OPT_INDENT_2 if indent else 0
+    sys.stdout.write(orjson.dumps(obj, default=_json_default, option=option).decode() + "\n")
+    sys.stdout.flush()
+
+
+def confirm(question: str, details: list[str], what: str, yes: bool) -> None:
+    """Ask ``question`` on the terminal (details first) unless ``yes``. Without a terminal on stdin
+    and without --yes: refuse, in one line. A 'no' ends the command (exit 1, nothing changed)."""
+    if yes:
+        return
+    if not sys.stdin.isatty():
+        raise CliError(f"refusing to {what} without confirmation: stdin is not a terminal (pass --yes)")
+    for line in details:
+        print(line, file=sys.stderr)
+    print(f"{question} [y/N] ", end="", file=sys.stderr, flush=True)
+    answer = sys.stdin.readline()
+    if answer.strip().lower() not in ("y", "yes"):
+        raise CliError("cancelled: nothing changed")

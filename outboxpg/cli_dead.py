@@ -1,0 +1,282 @@
+"""``outboxpg dead``: list, show, requeue and discard dead letters.
+
+Filters travel as query parameters only; the SQL text is built from fixed fragments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import shutil
+import sys
+from collections import Counter
+from typing import Any
+
+import orjson
+import psycopg
+from psycopg import sql
+from psycopg.rows import dict_row
+
+from outboxpg.cli_common import CliError, add_dsn, confirm, open_outbox, print_json
+from outboxpg.tables import one_line, pairs, table
+
+LIST_COLUMNS = ("id, dead_at, attempts, aggregate_type, aggregate_id, event_type, subject, last_error, "
+                "created_at, msg_id")
+
+
+def _event_id(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an event id: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"not an event id: {text!r}")
+    return value
+
+
+def _add_filters(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("filters (combined with AND)")
+    g.add_argument("--event-type", metavar="T", help="only this event_type")
+    g.add_argument("--aggregate-type", metavar="A", help="only this aggregate_type")
+    g.add_argument("--aggregate-id", metavar="ID", help="only this aggregate_id")
+    g.add_argument("--since", metavar="INTERVAL_OR_TIMESTAMP",
+                   help="only dead since then: an interval ago ('1 hour', '2 days', '30 min') or a timestamp "
+                        "('2026-11-22 10:00', 'today', 'yesterday'), read by PostgreSQL")
+
+
+def register(sub: Any) -> None:
+    dead = sub.add_parser("dead", help="dead letters: list, show, requeue, discard",
+                          description="Dead events hold back the later events of their aggregate until they are "
+                                      "requeued (tried again from attempt 1) or discarded (with a reason).")
+    dsub = dead.add_subparsers(dest="dead_command", required=True, metavar="ACTION")
+
+    p = dsub.add_parser("list", help="dead letters, newest first")
+    add_dsn(p)
+    _add_filters(p)
+    p.add_argument("--limit", type=int, default=50, metavar="N", help="show at most N (default 50; 0: all)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_list)
+
+    p = dsub.add_parser("show", help="one event, every column (payload, headers, last_error)")
+    add_dsn(p)
+    p.add_argument("id", type=_event_id, help="event id")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_show)
+
+    for name, helptext in (("requeue", "send dead events back to pending, attempts reset"),
+                           ("discard", "take dead events out of the flow for good, keeping a reason")):
+        p = dsub.add_parser(name, help=helptext,
+                            usage=f"%(prog)s [-h] [--dsn DSN] [--yes] "
+                                  f"{'--reason TEXT ' if name == 'discard' else ''}"
+                                  f"(ID [ID ...] | --all-matching [filters])")
+        add_dsn(p)
+        p.add_argument("ids", nargs="*", type=_event_id, metavar="ID", help="ids of dead events")
+        p.add_argument("--all-matching", action="store_true",
+                       help="every dead letter the filters match (no filter: every dead letter)")
+        _add_filters(p)
+        if name == "discard":
+            p.add_argument("--reason", required=True, metavar="TEXT", help="why (kept with each event)")
+        p.add_argument("--yes", "-y", action="store_true",
+                       help="do not ask for confirmation (needed without a terminal when touching several events)")
+        p.set_defaults(func=cmd_requeue if name == "requeue" else cmd_discard)
+
+
+# -- selecting ------------------------------------------------------------------------------
+
+def _has_filters(args: argparse.Namespace) -> bool:
+    return any(getattr(args, k) is not None for k in ("event_type", "aggregate_type", "aggregate_id", "since"))
+
+
+def _since(conn: psycopg.Connection[Any], text: str) -> Any:
+    """--since as a timestamptz: a timestamp, else an interval ago (PostgreSQL reads both)."""
+    for query in ("SELECT %s::timestamptz", "SELECT now() - %s::interval"):
+        try:
+            with conn.transaction():
+                row = conn.execute(query, (text,)).fetchone()
+            assert row is not None
+            return row[0]
+        except (psycopg.errors.DataError, psycopg.errors.SyntaxError):
+            continue
+    raise CliError(f"--since: neither a timestamp nor an interval: {text!r}")
+
+
+def _where(conn: psycopg.Connection[Any], args: argparse.Namespace) -> tuple[sql.Composed, list[Any]]:
+    conds: list[sql.Composable] = []
+    params: list[Any] = []
+    for attr, column in (("event_type", "event_type"), ("aggregate_type", "aggregate_type"),
+                         ("aggregate_id", "aggregate_id")):
+        value = getattr(args, attr)
+        if value is not None:
+            conds.append(sql.SQL("{} = %s").format(sql.Identifier(column)))
+            params.append(value)
+    if args.since is not None:
+        conds.append(sql.SQL("dead_at >= %s"))
+        params.append(_since(conn, args.since))
+    where = sql.SQL(" AND ").join(conds) if conds else sql.SQL("true")
+    return sql.SQL("WHERE {}").format(where), params
+
+
+# -- list and show --------------------------------------------------------------------------
+
+def cmd_list(args: argparse.Namespace) -> int:
+    if args.limit < 0:
+        raise CliError("--limit must be 0 (all) or more")
+    with open_outbox(args) as conn, conn.cursor(row_factory=dict_row) as cur:
+        where, params = _where(conn, args)
+        total_row = cur.execute(sql.SQL("SELECT count(*) AS n FROM outbox_dead_letters {}").format(where),
+                                params).fetchone()
+        total = int(total_row["n"]) if total_row else 0
+        query = sql.SQL("SELECT {} FROM outbox_dead_letters {} ORDER BY dead_at DESC, id DESC").format(
+            sql.SQL(LIST_COLUMNS), where)
+        if args.limit:
+            query = sql.SQL("{} LIMIT %s").format(query)
+            params = [*params, args.limit]
+        rows = cur.execute(query, params).fetchall()
+    if args.json:
+        print_json({"total": total, "dead_letters": rows})
+        return 0
+    if not rows:
+        print("no dead letters match" if _has_filters(args) else "no dead letters")
+        return 0
+    lines = table(["id", "dead_at", "attempts", "aggregate", "event_type", "last_error"],
+                  [[r["id"], r["dead_at"], r["attempts"], f"{r['aggregate_type']}/{r['aggregate_id']}", r["event_type"],
+                    one_line(r["last_error"], 200)] for r in rows])
+    if sys.stdout.isatty():  # fit the terminal: cut the last column (last_error)
+        width = max(shutil.get_terminal_size().columns, 60)
+        lines = [line if len(line) <= width else line[: width - 3] + "..." for line in lines]
+    print("\n".join(lines))
+    shown = f"showing the newest {len(rows)} (--limit)" if len(rows) < total else "all shown"
+    print(f"\n{total} dead letter{'s' if total != 1 else ''}{' match' if _has_filters(args) else ''}; {shown}. "
+          "Details: outboxpg dead show ID")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    with open_outbox(args) as conn, conn.cursor(row_factory=dict_row) as cur:
+        # Every column this role may read: an outbox_operator login may not read payload and headers.
+        readable = [r["attname"] for r in cur.execute(
+            "SELECT attname::text AS attname FROM pg_attribute WHERE attrelid = 'outbox'::regclass AND attnum > 0 "
+            "AND NOT attisdropped AND has_column_privilege('outbox'::regclass, attnum, 'SELECT') ORDER BY attnum"
+        ).fetchall()]
+        hidden = [c for c in ("payload", "headers") if c not in readable]
+        row = cur.execute(sql.SQL("SELECT {} FROM outbox o WHERE o.id = %s ORDER BY o.created_at LIMIT 1").format(
+            sql.SQL(", ").join(sql.Identifier("o", c) for c in readable)), (args.id,)).fetchone()
+        if row is None:
+            raise CliError(f"no event with id {args.id}")
+        # (from the ranges: reading tableoid needs a right on the whole table)
+        part = cur.execute("SELECT coalesce((SELECT partition FROM outbox_partitions WHERE NOT is_default "
+                           "AND range_start <= %(t)s AND %(t)s < range_end), "
+                           "(SELECT partition FROM outbox_partitions WHERE is_default)) AS p",
+                           {"t": row["created_at"]}).fetchone()
+        row["partition"] = part["p"] if part else None
+        held = cur.execute(
+            "SELECT count(*) AS n FROM outbox WHERE aggregate_type = %s AND aggregate_id = %s AND id > %s "
+            "AND state IN ('pending', 'processing')",
+            (row["aggregate_type"], row["aggregate_id"], row["id"])).fetchone()
+        row["held_back_behind_it"] = int(held["n"]) if held and row["state"] == "dead" else 0
+    if args.json:
+        print_json({**row, "not_readable": hidden})
+        return 0
+    items: list[tuple[str, Any]] = []
+    for key, value in row.items():
+        if key in ("payload", "headers"):
+            value = orjson.dumps(value, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS).decode()
+        elif isinstance(value, dt.datetime):
+            value = value.isoformat(sep=" ")  # full precision, to match against logs
+        items.append((key, value))
+    print(f"event {row['id']} ({row['state']})")
+    print("\n".join(pairs(items)))
+    if hidden:
+        print(f"\n({' and '.join(hidden)} not shown: this role may not read them)")
+    if row["state"] == "dead":
+        print(f"\nIt holds back {row['held_back_behind_it']} later event(s) of {row['aggregate_type']}/"
+              f"{row['aggregate_id']}. outboxpg dead requeue {row['id']}  |  "
+              f"outboxpg dead discard {row['id']} --reason '...'")
+    return 0
+
+
+# -- requeue and discard --------------------------------------------------------------------
+
+def _targets(conn: psycopg.Connection[Any], args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
+    """The dead events to act on, and a note per requested id that is not dead."""
+    if args.ids and args.all_matching:
+        raise CliError("give event ids or --all-matching, not both")
+    if args.ids and _has_filters(args):
+        raise CliError("--event-type, --aggregate-type, --aggregate-id and --since select events only with "
+                       "--all-matching")
+    if not args.ids and not args.all_matching:
+        raise CliError(f"which events? give their ids, or --all-matching with filters "
+                       f"(see outboxpg dead {args.dead_command} --help)")
+    with conn.cursor(row_factory=dict_row) as cur:
+        if args.ids:
+            ids = sorted(set(args.ids))
+            rows = cur.execute("SELECT id, aggregate_type, event_type FROM outbox_dead_letters "
+                               "WHERE id = ANY (%s) ORDER BY id", (ids,)).fetchall()
+            dead = {r["id"] for r in rows}
+            others = {r["id"]: r["state"] for r in cur.execute(
+                "SELECT id, state::text AS state FROM outbox WHERE id = ANY (%s)",
+                ([i for i in ids if i not in dead],)).fetchall()}
+            notes = [f"{i} ({others[i]})" if i in others else f"{i} (no such event)" for i in ids if i not in dead]
+            return rows, notes
+        where, params = _where(conn, args)
+        rows = cur.execute(sql.SQL("SELECT id, aggregate_type, event_type FROM outbox_dead_letters {} "
+                                   "ORDER BY id").format(where), params).fetchall()
+        return rows, []
+
+
+def _summary(rows: list[dict[str, Any]]) -> list[str]:
+    counts = Counter((r["aggregate_type"], r["event_type"]) for r in rows)
+    return table(["aggregate_type", "event_type", "events"],
+                 [[a, e, n] for (a, e), n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))])
+
+
+def _id_list(ids: list[int], limit: int = 20) -> str:
+    text = ", ".join(map(str, ids[:limit]))
+    return text + (f", ... ({len(ids) - limit} more)" if len(ids) > limit else "")
+
+
+def _act(args: argparse.Namespace, verb: str, past: str) -> int:
+    with open_outbox(args) as conn:
+        rows, notes = _targets(conn, args)
+        if notes:
+            print(f"outboxpg: not dead, left alone: {', '.join(notes)}", file=sys.stderr)
+        if not rows:
+            if args.ids:
+                raise CliError(f"nothing to {verb}: none of the given events is dead")
+            print("no dead letters match: nothing to do" if _has_filters(args) else "no dead letters: nothing to do")
+            return 0
+        if len(rows) > 1:
+            confirm(f"{verb.capitalize()} these {len(rows)} dead events?",
+                    [f"About to {verb} {len(rows)} dead events:", *_summary(rows)],
+                    f"{verb} {len(rows)} events", args.yes)
+        ids = [r["id"] for r in rows]
+        with conn.transaction():
+            # Lock the ones still dead: none can be requeued or discarded by someone else meanwhile,
+            # so a discard never catches an event that just went back to pending. Locking rows
+            # needs an UPDATE right, which an outbox_operator login has not (it changes events only
+            # through the repair functions): it then acts on those still dead a moment ago.
+            lock = conn.execute("SELECT has_any_column_privilege('outbox'::regclass, 'UPDATE')").fetchone()
+            locked = [r[0] for r in conn.execute(
+                sql.SQL("SELECT id FROM outbox WHERE id = ANY (%s) AND state = 'dead' ORDER BY id {}").format(
+                    sql.SQL("FOR UPDATE" if lock and lock[0] else "")), (ids,)).fetchall()]
+            if verb == "requeue":
+                done_row = conn.execute("SELECT outbox_requeue(%s::bigint[])", (locked,)).fetchone()
+            else:
+                done_row = conn.execute("SELECT outbox_discard(%s::bigint[], %s)", (locked, args.reason)).fetchone()
+        done = int(done_row[0]) if done_row else 0
+    print(f"{past} {done} event{'s' if done != 1 else ''}: {_id_list(locked)}")
+    if done < len(ids):
+        print(f"outboxpg: {len(ids) - done} of the selected events were no longer dead and were left alone",
+              file=sys.stderr)
+    return 1 if notes or done < len(ids) else 0
+
+
+def cmd_requeue(args: argparse.Namespace) -> int:
+    return _act(args, "requeue", "requeued")
+
+
+def cmd_discard(args: argparse.Namespace) -> int:
+    if not args.reason or not args.reason.strip():
+        raise CliError("--reason must not be blank (it is kept with each discarded event)")
+    return _act(args, "discard", "discarded")
+

@@ -1,0 +1,155 @@
+"""``outboxpg status`` (the outbox_health row and events per state) and ``outboxpg maintain``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+
+from outboxpg.cli_common import add_dsn, open_outbox, print_json, where_am_i, where_text
+from outboxpg.tables import age, jsonable, pairs, table
+
+STATES = ("pending", "processing", "published", "dead", "discarded")
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text!r}")
+    return value
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("status", help="is it healthy? the outbox_health row and events per state",
+                       description="The outbox_health row (backlog, oldest pending age, dead letters, expired "
+                                   "leases, last claim) and the number of events in each state.")
+    add_dsn(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object (intervals in seconds)")
+    p.add_argument("--watch", nargs="?", type=_positive_seconds, const=2.0, default=None, metavar="SECONDS",
+                   help="refresh every SECONDS (default 2) until Ctrl-C; with --json, one object per line")
+    p.add_argument("--health-only", action="store_true",
+                   help="skip the per-state counts, which read the whole table (outbox_health alone reads "
+                        "only unfinished events)")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("maintain", help="run outbox_maintain(): create partitions ahead, drop expired ones",
+                       description="Call outbox_maintain(dry_run) and print one row per action: create, drop, "
+                                   "keep (past retention but holding unfinished events) or skip.")
+    add_dsn(p)
+    p.add_argument("--dry-run", action="store_true", help="only show what it would do")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_maintain)
+
+
+# -- status ---------------------------------------------------------------------------------
+
+def _snapshot(conn: psycopg.Connection[Any], with_states: bool) -> dict[str, Any]:
+    with conn.cursor(row_factory=dict_row) as cur:
+        health = cur.execute("SELECT now() AS checked_at, * FROM outbox_health").fetchone()
+        assert health is not None
+        states: dict[str, int] | None = None
+        if with_states:
+            counts = {r["state"]: r["n"] for r in
+                      cur.execute("SELECT state::text AS state, count(*) AS n FROM outbox GROUP BY 1").fetchall()}
+            states = {s: int(counts.get(s, 0)) for s in STATES}
+    checked_at = health.pop("checked_at")
+    return {"database": where_am_i(conn), "checked_at": checked_at, "health": health, "states": states,
+            "attention": _attention(health)}
+
+
+def _attention(h: dict[str, Any]) -> list[str]:
+    notes = []
+    if h["dead"]:
+        notes.append(f"{h['dead']} dead letter{'s' if h['dead'] != 1 else ''} hold back later events of "
+                     "their aggregates: outboxpg dead list")
+    if h["expired_leases"]:
+        notes.append(f"{h['expired_leases']} lease{'s' if h['expired_leases'] != 1 else ''} expired (the worker "
+                     "died or hung): the next claim retries them")
+    if h["backlog"] and not h["worker_claimed_last_minute"]:
+        notes.append(f"backlog of {h['backlog']} but no claim in the last minute: is a worker running?")
+    return notes
+
+
+def _render(snap: dict[str, Any]) -> list[str]:
+    h = snap["health"]
+    checked = snap["checked_at"]
+    last = h["last_claim_at"]
+    last_text = "never (none found)" if last is None else \
+        f"{last.isoformat(sep=' ', timespec='seconds')} ({age(checked - last)} ago)"
+    oldest = h["oldest_pending_age"]
+    lines = [f"outboxpg status: {where_text(snap['database'])}, {checked.isoformat(sep=' ', timespec='seconds')}", "",
+             "health (outbox_health)"]
+    lines += pairs([
+        ("backlog", f"{h['backlog']}  (pending {h['pending']}, of which waiting for a retry "
+                    f"{h['waiting_retry']}; processing {h['processing']})"),
+        ("oldest pending age", age(oldest) if oldest is not None else "none pending"),
+        ("dead letters", h["dead"]),
+        ("expired leases", h["expired_leases"]),
+        ("last claim", last_text),
+        ("worker claimed last minute", h["worker_claimed_last_minute"]),
+    ])
+    if snap["states"] is not None:
+        lines += ["", "events by state"]
+        lines += table(["state", "events"], list(snap["states"].items()))
+    lines.append("")
+    if snap["attention"]:
+        lines.append("attention")
+        lines += [f"  ! {note}" for note in snap["attention"]]
+    else:
+        lines.append("OK: nothing needs attention")
+    return lines
+
+
+def _as_json(snap: dict[str, Any]) -> dict[str, Any]:
+    return {"database": snap["database"], "checked_at": snap["checked_at"], "health": jsonable(snap["health"]),
+            "states": snap["states"], "attention": snap["attention"]}
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    with open_outbox(args) as conn:
+        if args.watch is None:
+            snap = _snapshot(conn, not args.health_only)
+            if args.json:
+                print_json(_as_json(snap))
+            else:
+                print("\n".join(_render(snap)))
+            return 0
+        clear = sys.stdout.isatty() and not args.json
+        try:
+            while True:
+                snap = _snapshot(conn, not args.health_only)
+                if args.json:
+                    print_json(_as_json(snap))
+                else:
+                    text = "\n".join(_render(snap) + ["", f"(every {args.watch:g} s; Ctrl-C to stop)"])
+                    sys.stdout.write(("\033[H\033[2J" if clear else "") + text + "\n" + ("" if clear else "\n"))
+                    sys.stdout.flush()
+                time.sleep(args.watch)
+        except KeyboardInterrupt:
+            return 0
+
+
+# -- maintain -------------------------------------------------------------------------------
+
+def cmd_maintain(args: argparse.Namespace) -> int:
+    with open_outbox(args) as conn, conn.cursor(row_factory=dict_row) as cur:
+        rows = cur.execute("SELECT * FROM outbox_maintain(%s)", (args.dry_run,)).fetchall()
+    if args.json:
+        print_json({"dry_run": args.dry_run, "actions": rows})
+        return 0
+    title = "outbox_maintain(dry_run => true): what it would do" if args.dry_run else "outbox_maintain(): done"
+    if not rows:
+        print(f"{title}: nothing (every partition needed exists, none is past retention)")
+        return 0
+    print(f"{title}:")
+    print("\n".join(table(["action", "partition", "range_start", "range_end", "detail"],
+                          [[r["action"], r["partition"], r["range_start"], r["range_end"], r["detail"]]
+                           for r in rows])))
+    return 0

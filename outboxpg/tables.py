@@ -1,0 +1,102 @@
+"""Plain-text rendering for the CLI: aligned tables, label/value lists, ages, JSON-ready rows."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable, Mapping, Sequence
+from decimal import Decimal
+from typing import Any
+
+__all__ = ["cell", "age", "table", "pairs", "jsonable", "one_line"]
+
+
+def age(td: dt.timedelta | None) -> str:
+    """A duration for people: '850 ms', '12.3 s', '4 min 05 s', '2 h 07 min', '3 d 04 h'."""
+    if td is None:
+        return ""
+    s = td.total_seconds()
+    sign = "-" if s < 0 else ""
+    s = abs(s)
+    if s < 1:
+        return f"{sign}{s * 1000:.0f} ms"
+    if s < 60:
+        return f"{sign}{s:.1f} s"
+    m, sec = divmod(int(s), 60)
+    if m < 60:
+        return f"{sign}{m} min {sec:02d} s"
+    h, m = divmod(m, 60)
+    if h < 24:
+        return f"{sign}{h} h {m:02d} min"
+    d, h = divmod(h, 24)
+    return f"{sign}{d} d {h:02d} h"
+
+
+def one_line(text: str | None, width: int | None = None) -> str:
+    """The first line of ``text``, cut to ``width`` characters (with '...' when cut)."""
+    if text is None:
+        return ""
+    lines = text.strip().splitlines()
+    first = lines[0] if lines else ""
+    more = len(lines) > 1
+    if width is not None and len(first) > width:
+        return first[: max(width - 3, 1)] + "..."
+    return first + (" ..." if more else "")
+
+
+def cell(value: Any) -> str:
+    """One value as table text."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, dt.datetime):
+        return value.isoformat(sep=" ", timespec="seconds")
+    if isinstance(value, dt.timedelta):
+        return age(value)
+    return str(value)
+
+
+def _numeric(value: Any) -> bool:
+    return isinstance(value, (int, float, Decimal)) and not isinstance(value, bool)
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], indent: str = "  ") -> list[str]:
+    """An aligned table: numbers right-aligned, everything else left-aligned."""
+    rows = [list(r) for r in rows]
+    texts = [[cell(v) for v in r] for r in rows]
+    widths = [len(h) for h in headers]
+    for t in texts:
+        widths = [max(w, len(c)) for w, c in zip(widths, t)]
+    right = [bool(rows) and all(_numeric(r[i]) or r[i] is None for r in rows) for i in range(len(headers))]
+
+    def line(cells: Sequence[str]) -> str:
+        parts = [c.rjust(w) if r else c.ljust(w) for c, w, r in zip(cells, widths, right)]
+        return (indent + "  ".join(parts)).rstrip()
+
+    return [line(headers), line(["-" * w for w in widths]), *(line(t) for t in texts)]
+
+
+def pairs(items: Iterable[tuple[str, Any]], indent: str = "  ") -> list[str]:
+    """Label/value lines, labels padded to one width. Multi-line values continue indented."""
+    items = [(k, cell(v)) for k, v in items]
+    width = max((len(k) for k, _ in items), default=0)
+    out = []
+    for k, v in items:
+        first, *rest = v.splitlines() or [""]
+        out.append(f"{indent}{k.ljust(width)}  {first}".rstrip())
+        out.extend(f"{indent}{' ' * width}  {line}".rstrip() for line in rest)
+    return out
+
+
+def jsonable(row: Mapping[str, Any]) -> dict[str, Any]:
+    """A row for orjson: intervals become seconds (the key gets a _seconds suffix), Decimals floats;
+    datetimes, UUIDs and JSON values are left to orjson."""
+    out: dict[str, Any] = {}
+    for k, v in row.items():
+        if isinstance(v, dt.timedelta):
+            out[f"{k}_seconds"] = v.total_seconds()
+        elif isinstance(v, Decimal):
+            out[k] = float(v)
+        else:
+            out[k] = v
+    return out

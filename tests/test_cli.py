@@ -1,0 +1,493 @@
+"""The operator CLI (`outboxpg status | dead ... | maintain`, and migrate) as a user runs it: a
+subprocess against a real PostgreSQL, output and exit codes checked.
+
+Independent invocations run in parallel (`run_all`): each one pays for starting Python and
+importing psycopg."""
+
+from __future__ import annotations
+
+import os
+import pty
+import select
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import psycopg
+import pytest
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+
+from helpers import claim, complete, fail, insert
+from outboxpg import schema
+
+CLI = [sys.executable, "-m", "outboxpg.cli"]
+SECRET = "S3cr3t-pw-do-not-show"
+NOT_INSTALLED = "outboxpg: the outbox schema is not installed in this database: run outboxpg migrate --dsn ..."
+
+
+@dataclass
+class Result:
+    args: tuple[str, ...]
+    code: int
+    out: str
+    err: str
+
+    def json(self) -> Any:
+        assert self.code == 0, self
+        return orjson.loads(self.out)
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PG") and k != "OUTBOXPG_DSN"}
+    env.update(extra or {})
+    return env
+
+
+def start(*args: str, env: dict[str, str] | None = None, **kw: Any) -> subprocess.Popen[str]:
+    return subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=kw.pop("stdin", subprocess.DEVNULL), text=True, env=_env(env), **kw)
+
+
+def finish(p: subprocess.Popen[str], timeout: float = 60) -> Result:
+    out, err = p.communicate(timeout=timeout)
+    return Result(tuple(p.args[len(CLI):]), p.returncode, out, err)  # type: ignore[index]
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> Result:
+    return finish(start(*args, env=env))
+
+
+def run_all(*commands: tuple[str, ...], env: dict[str, str] | None = None) -> list[Result]:
+    """Several invocations at once (they only read, or touch different events)."""
+    procs = [start(*c, env=env) for c in commands]
+    return [finish(p) for p in procs]
+
+
+def one_line_error(r: Result, code: int) -> str:
+    assert r.code == code, r
+    assert r.out == "", r
+    lines = r.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("outboxpg: "), r
+    assert "Traceback" not in r.err
+    return lines[0]
+
+
+# -- a database with events in every state ---------------------------------------------------
+
+def build_dataset(conn: psycopg.Connection[Any]) -> dict[str, Any]:
+    """2 published, 4 dead (one with an event_type that looks like SQL injection), one event held
+    back behind a dead one, one due pending event, one leased by worker 'w-test'."""
+    ids: dict[str, Any] = {}
+    ids["published"] = []
+    for agg in ("p-1", "p-2"):
+        i = insert(conn, "order", agg, "created")
+        (row,) = claim(conn, 1)
+        assert row["id"] == i and complete(conn, [i], row["lease_token"]) == 1
+        ids["published"].append(i)
+
+    def dead(name: str, aggregate_type: str, aggregate_id: str, event_type: str, error: str, **cols: Any) -> None:
+        i = insert(conn, aggregate_type, aggregate_id, event_type, **cols)
+        (row,) = claim(conn, 1)
+        assert row["id"] == i and fail(conn, i, row["lease_token"], error, True) == "dead"
+        ids[name] = i
+
+    dead("dead_o1", "order", "o-1", "created", "payload too large\n(limit 1048576 bytes)",
+         payload='{"order": "o-1", "items": [1, 2]}', headers='{"Trace-Id": "abc"}')
+    dead("dead_o2", "order", "o-2", "paid", "boom paid")
+    dead("dead_c1", "customer", "c-1", "created", "boom customer")
+    dead("dead_inj", "order", "o-3", "x' OR '1'='1", "boom inj", subject="outbox.inj")
+    ids["held"] = insert(conn, "order", "o-1", "shipped")          # held back behind dead_o1
+    ids["leased"] = insert(conn, "order", "o-7", "created")
+    (row,) = claim(conn, 5, worker="w-test")                        # the held one is skipped
+    assert row["id"] == ids["leased"]
+    ids["leased_claimed_at"] = conn.execute("SELECT claimed_at FROM outbox WHERE id = %s",
+                                            (ids["leased"],)).fetchone()[0]  # type: ignore[index]
+    ids["pending"] = insert(conn, "customer", "c-9", "created")
+    return ids
+
+
+@pytest.fixture
+def data(conn: psycopg.Connection[Any]) -> dict[str, Any]:
+    return build_dataset(conn)
+
+
+@pytest.fixture
+def operator_dsn(dsn: str) -> Iterator[str]:
+    """A login of its own, member of the outbox_operator group role (migration 0012): what a person
+    operating the outbox is meant to log in as. It may not read payloads or headers, nor yoyo's
+    bookkeeping, and changes events only through outbox_requeue / outbox_discard."""
+    name, password = f"outboxpg_cli_op_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    with psycopg.connect(dsn, autocommit=True) as c:
+        if c.execute("SELECT to_regrole('outbox_operator')").fetchone() == (None,):
+            pytest.skip("no outbox_operator role (migration 0012 not present)")
+        c.execute(sql.SQL("CREATE ROLE {} LOGIN PASSWORD {} IN ROLE outbox_operator").format(
+            sql.Identifier(name), sql.Literal(password)))
+    try:
+        yield make_conninfo(dsn, user=name, password=password)
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as c:
+            c.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (name,))
+            c.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(name)))
+
+
+def state_of(conn: psycopg.Connection[Any], i: int) -> str:
+    row = conn.execute("SELECT state::text FROM outbox WHERE id = %s", (i,)).fetchone()
+    assert row is not None
+    return row[0]
+
+
+def dead_ids(conn: psycopg.Connection[Any]) -> set[int]:
+    return {r[0] for r in conn.execute("SELECT id FROM outbox WHERE state = 'dead'").fetchall()}
+
+
+# -- status -----------------------------------------------------------------------------------
+
+def test_status_table_and_json(dsn: str, data: dict[str, Any]) -> None:
+    text, js, health_only = run_all(("status", "--dsn", dsn), ("status", "--dsn", dsn, "--json"),
+                                    ("status", "--dsn", dsn, "--json", "--health-only"))
+    assert text.code == 0 and text.err == "", text
+    lines = text.out.splitlines()
+    assert lines[0].startswith("outboxpg status: database ")
+    assert any(line.split()[:2] == ["backlog", "3"] for line in lines), text.out
+    assert any(line.split() == ["dead", "letters", "4"] for line in lines), text.out
+    assert any(line.split() == ["worker", "claimed", "last", "minute", "yes"] for line in lines), text.out
+    for state, n in (("pending", 2), ("processing", 1), ("published", 2), ("dead", 4), ("discarded", 0)):
+        assert [state, str(n)] in [line.split() for line in lines], (state, text.out)
+    assert "4 dead letters hold back later events of their aggregates: outboxpg dead list" in text.out
+
+    obj = js.json()
+    h = obj["health"]
+    assert {k: h[k] for k in ("backlog", "pending", "processing", "waiting_retry", "dead", "expired_leases")} == \
+        {"backlog": 3, "pending": 2, "processing": 1, "waiting_retry": 0, "dead": 4, "expired_leases": 0}
+    assert h["worker_claimed_last_minute"] is True
+    assert h["last_claim_at"] == data["leased_claimed_at"].isoformat()
+    assert 0 <= h["oldest_pending_age_seconds"] < 60
+    assert obj["states"] == {"pending": 2, "processing": 1, "published": 2, "dead": 4, "discarded": 0}
+    assert obj["database"]["dbname"] == psycopg.conninfo.conninfo_to_dict(dsn)["dbname"]
+    assert len(obj["attention"]) == 1
+
+    assert health_only.json()["states"] is None
+    assert health_only.json()["health"]["backlog"] == 3
+
+
+def test_status_watch_refreshes_until_ctrl_c(dsn: str) -> None:
+    p = start("status", "--dsn", dsn, "--json", "--watch", "0.2")
+    assert p.stdout is not None
+    first = orjson.loads(p.stdout.readline())
+    second = orjson.loads(p.stdout.readline())
+    assert first["health"]["backlog"] == 0 and second["checked_at"] > first["checked_at"]
+    p.send_signal(signal.SIGINT)
+    r = finish(p, timeout=20)
+    assert r.code == 0 and "Traceback" not in r.err, r
+
+
+def test_status_ok_on_an_idle_outbox_and_dsn_from_the_environment(dsn: str) -> None:
+    params = psycopg.conninfo.conninfo_to_dict(dsn)
+    pg_env = {"PGHOST": str(params["host"]), "PGPORT": str(params["port"]), "PGUSER": str(params["user"]),
+              "PGDATABASE": str(params["dbname"])}
+    procs = [start("status", "--health-only", env={"OUTBOXPG_DSN": dsn}), start("status", env=pg_env),
+             start("dead", "list", env={"OUTBOXPG_DSN": dsn})]
+    from_outboxpg_dsn, from_pg_vars, dead_list = (finish(p) for p in procs)
+    assert from_outboxpg_dsn.code == 0, from_outboxpg_dsn
+    assert "OK: nothing needs attention" in from_outboxpg_dsn.out
+    assert "events by state" not in from_outboxpg_dsn.out
+    assert from_pg_vars.code == 0 and "OK: nothing needs attention" in from_pg_vars.out, from_pg_vars
+    assert "events by state" in from_pg_vars.out
+    assert (dead_list.code, dead_list.out) == (0, "no dead letters\n"), dead_list
+
+
+# -- dead list / show -------------------------------------------------------------------------
+
+def test_dead_list_filters(dsn: str, data: dict[str, Any]) -> None:
+    d = ("dead", "list", "--dsn", dsn)
+    (everything, created, one_aggregate, literal, injected, since_interval, since_ts, since_future, limited,
+     text, bad_since) = run_all(
+        (*d, "--json"),
+        (*d, "--json", "--event-type", "created"),
+        (*d, "--json", "--aggregate-type", "order", "--aggregate-id", "o-2"),
+        (*d, "--json", "--event-type", "x' OR '1'='1"),
+        (*d, "--json", "--event-type", "created' OR '1'='1"),
+        (*d, "--json", "--since", "1 hour"),
+        (*d, "--json", "--since", "2000-01-01 00:00"),
+        (*d, "--json", "--since", "tomorrow"),
+        (*d, "--limit", "2"),
+        (*d,),
+        (*d, "--since", "next blue moon"))
+
+    def listed(r: Result) -> set[int]:
+        obj = r.json()
+        assert obj["total"] == len(obj["dead_letters"])
+        return {e["id"] for e in obj["dead_letters"]}
+
+    all_dead = {data["dead_o1"], data["dead_o2"], data["dead_c1"], data["dead_inj"]}
+    assert listed(everything) == all_dead
+    assert listed(created) == {data["dead_o1"], data["dead_c1"]}
+    assert listed(one_aggregate) == {data["dead_o2"]}
+    # a filter value is data, never SQL: it matches only an event_type spelled exactly like it
+    assert listed(literal) == {data["dead_inj"]}
+    assert listed(injected) == set()
+    assert listed(since_interval) == all_dead
+    assert listed(since_ts) == all_dead
+    assert listed(since_future) == set()
+
+    row = next(e for e in everything.json()["dead_letters"] if e["id"] == data["dead_o1"])
+    assert row["last_error"] == "payload too large\n(limit 1048576 bytes)" and row["attempts"] == 1
+
+    assert limited.code == 0
+    assert limited.out.splitlines()[-1].startswith("4 dead letters; showing the newest 2 (--limit)")
+    assert len([line for line in limited.out.splitlines() if line.strip()[:1].isdigit()]) == 2 + 1  # rows + footer
+    assert text.code == 0 and "payload too large ..." in text.out and "order/o-1" in text.out, text.out
+    assert one_line_error(bad_since, 1) == "outboxpg: --since: neither a timestamp nor an interval: 'next blue moon'"
+
+
+def test_dead_show(dsn: str, data: dict[str, Any]) -> None:
+    i = data["dead_o1"]
+    text, js, missing = run_all(("dead", "show", str(i), "--dsn", dsn), ("dead", "show", str(i), "--dsn", dsn, "--json"),
+                                ("dead", "show", "999999", "--dsn", dsn))
+    assert text.code == 0, text
+    assert text.out.startswith(f"event {i} (dead)\n")
+    for expected in ('"order": "o-1"', '"Trace-Id": "abc"', "payload too large", "(limit 1048576 bytes)",
+                     "held_back_behind_it  1", f"outboxpg dead requeue {i}"):
+        assert expected in text.out, (expected, text.out)
+    obj = js.json()
+    assert obj["payload"] == {"order": "o-1", "items": [1, 2]} and obj["headers"] == {"Trace-Id": "abc"}
+    assert obj["state"] == "dead" and obj["held_back_behind_it"] == 1 and obj["last_error"].startswith("payload")
+    assert one_line_error(missing, 1) == "outboxpg: no event with id 999999"
+
+
+# -- dead requeue / discard -------------------------------------------------------------------
+
+def test_several_events_need_confirmation_and_no_tty_refuses(dsn: str, conn: psycopg.Connection[Any],
+                                                             data: dict[str, Any]) -> None:
+    before = dead_ids(conn)
+    all_requeue, two_discard, no_selection, both = run_all(
+        ("dead", "requeue", "--dsn", dsn, "--all-matching"),
+        ("dead", "discard", "--dsn", dsn, str(data["dead_o1"]), str(data["dead_o2"]), "--reason", "x"),
+        ("dead", "requeue", "--dsn", dsn),
+        ("dead", "requeue", "--dsn", dsn, "--all-matching", str(data["dead_o1"])))
+    assert one_line_error(all_requeue, 1) == \
+        "outboxpg: refusing to requeue 4 events without confirmation: stdin is not a terminal (pass --yes)"
+    assert one_line_error(two_discard, 1) == \
+        "outboxpg: refusing to discard 2 events without confirmation: stdin is not a terminal (pass --yes)"
+    assert "which events?" in one_line_error(no_selection, 1)
+    assert "not both" in one_line_error(both, 1)
+    assert dead_ids(conn) == before
+
+
+def test_requeue_one_by_id_needs_no_confirmation(dsn: str, conn: psycopg.Connection[Any], data: dict[str, Any]) -> None:
+    r = run("dead", "requeue", "--dsn", dsn, str(data["dead_o2"]))
+    assert (r.code, r.out, r.err) == (0, f"requeued 1 event: {data['dead_o2']}\n", ""), r
+    row = conn.execute("SELECT state::text, attempts, last_error FROM outbox WHERE id = %s",
+                       (data["dead_o2"],)).fetchone()
+    assert row == ("pending", 0, "boom paid")
+
+
+def test_requeue_ids_that_are_not_dead_are_reported(dsn: str, conn: psycopg.Connection[Any],
+                                                    data: dict[str, Any]) -> None:
+    published = data["published"][0]
+    mixed, none_dead = run_all(("dead", "requeue", "--dsn", dsn, str(data["dead_c1"]), str(published), "424242"),
+                               ("dead", "requeue", "--dsn", dsn, str(data["pending"])))
+    assert mixed.code == 1 and mixed.out == f"requeued 1 event: {data['dead_c1']}\n", mixed
+    assert mixed.err == f"outboxpg: not dead, left alone: {published} (published), 424242 (no such event)\n"
+    assert none_dead.code == 1 and none_dead.err.splitlines()[-1] == \
+        "outboxpg: nothing to requeue: none of the given events is dead", none_dead
+    assert state_of(conn, data["dead_c1"]) == "pending" and state_of(conn, published) == "published"
+    assert state_of(conn, data["pending"]) == "pending"
+
+
+def test_requeue_all_matching_with_yes(dsn: str, conn: psycopg.Connection[Any], data: dict[str, Any]) -> None:
+    injected = run("dead", "requeue", "--dsn", dsn, "--all-matching", "--yes", "--event-type", "created' OR '1'='1")
+    assert injected.code == 0 and injected.out == "no dead letters match: nothing to do\n", injected
+    assert len(dead_ids(conn)) == 4
+
+    r = run("dead", "requeue", "--dsn", dsn, "--all-matching", "--yes", "--event-type", "created")
+    assert r.code == 0 and r.err == "", r
+    assert r.out == f"requeued 2 events: {data['dead_o1']}, {data['dead_c1']}\n"
+    assert dead_ids(conn) == {data["dead_o2"], data["dead_inj"]}
+
+
+def test_discard_all_matching_with_reason(dsn: str, conn: psycopg.Connection[Any], data: dict[str, Any]) -> None:
+    no_reason, blank_reason = run_all(("dead", "discard", "--dsn", dsn, str(data["dead_o1"])),
+                                      ("dead", "discard", "--dsn", dsn, str(data["dead_o1"]), "--reason", "  "))
+    assert no_reason.code == 2 and "--reason" in no_reason.err  # argparse: a usage error
+    assert one_line_error(blank_reason, 1) == \
+        "outboxpg: --reason must not be blank (it is kept with each discarded event)"
+
+    r = run("dead", "discard", "--dsn", dsn, "--all-matching", "--aggregate-type", "order", "--since", "1 day",
+            "--reason", "superseded by a manual fix", "--yes")
+    assert r.code == 0, r
+    gone = sorted([data["dead_o1"], data["dead_o2"], data["dead_inj"]])
+    assert r.out == f"discarded 3 events: {', '.join(map(str, gone))}\n"
+    rows = conn.execute("SELECT id, state::text, discard_reason FROM outbox WHERE id = ANY(%s) ORDER BY id",
+                        (gone,)).fetchall()
+    assert rows == [(i, "discarded", "superseded by a manual fix") for i in gone]
+    assert dead_ids(conn) == {data["dead_c1"]}
+    # the event held back behind dead_o1 is free now
+    assert conn.execute("SELECT id FROM outbox_claim(10)").fetchall() == [(data["held"],), (data["pending"],)]
+
+
+def _run_on_tty(args: list[str], answer: str) -> Result:
+    """Run with a pseudo-terminal as stdin, answer the prompt once it shows on stderr."""
+    master, slave = pty.openpty()
+    try:
+        p = subprocess.Popen([*CLI, *args], stdin=slave, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=_env())
+        os.close(slave)
+        assert p.stderr is not None
+        err = ""
+        deadline = time.monotonic() + 30
+        while "[y/N]" not in err and time.monotonic() < deadline:
+            ready, _, _ = select.select([p.stderr], [], [], 1)
+            if ready:
+                chunk = os.read(p.stderr.fileno(), 4096).decode()
+                if not chunk:
+                    break
+                err += chunk
+        os.write(master, answer.encode())
+        out, rest = p.communicate(timeout=30)
+        return Result(tuple(args), p.returncode, out, err + rest)
+    finally:
+        os.close(master)
+
+
+def test_confirmation_on_a_terminal(dsn: str, conn: psycopg.Connection[Any], data: dict[str, Any]) -> None:
+    args = ["dead", "requeue", "--dsn", dsn, "--all-matching", "--aggregate-type", "order"]
+    no = _run_on_tty(args, "n\n")
+    assert no.code == 1 and no.out == "", no
+    assert "About to requeue 3 dead events:" in no.err and "Requeue these 3 dead events? [y/N]" in no.err
+    assert [line.split() for line in no.err.splitlines() if line.strip().startswith("order")] == \
+        [["order", "created", "1"], ["order", "paid", "1"], ["order", "x'", "OR", "'1'='1", "1"]]
+    assert no.err.rstrip().endswith("outboxpg: cancelled: nothing changed")
+    assert len(dead_ids(conn)) == 4
+
+    yes = _run_on_tty(args, "y\n")
+    assert yes.code == 0 and yes.out.startswith("requeued 3 events: "), yes
+    assert dead_ids(conn) == {data["dead_c1"]}
+
+
+# -- maintain ---------------------------------------------------------------------------------
+
+def test_maintain_dry_run_then_for_real(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    conn.execute("UPDATE outbox_settings SET partitions_ahead = partitions_ahead + 2")
+    before = conn.execute("SELECT count(*) FROM outbox_partitions").fetchone()
+    # one after the other: a concurrent outbox_maintain() (dry or not) reports 'skip' (advisory lock)
+    dry, dry_json = run("maintain", "--dsn", dsn, "--dry-run"), run("maintain", "--dsn", dsn, "--dry-run", "--json")
+    assert dry.code == 0 and dry.out.startswith("outbox_maintain(dry_run => true): what it would do:"), dry
+    assert [line.split()[0] for line in dry.out.splitlines()[3:]] == ["create", "create"], dry.out
+    actions = dry_json.json()["actions"]
+    assert dry_json.json()["dry_run"] is True and [a["action"] for a in actions] == ["create", "create"]
+    assert conn.execute("SELECT count(*) FROM outbox_partitions").fetchone() == before
+
+    real = run("maintain", "--dsn", dsn)
+    assert real.code == 0 and real.out.startswith("outbox_maintain(): done:"), real
+    names = {a["partition"] for a in actions}
+    assert all(name in real.out for name in names)
+    assert conn.execute("SELECT count(*) FROM outbox_partitions").fetchone() == (before[0] + 2,)  # type: ignore[index]
+    again = run("maintain", "--dsn", dsn, "--dry-run")
+    assert again.out.strip().endswith("nothing (every partition needed exists, none is past retention)"), again
+
+
+# -- errors: one line, no traceback, no password ---------------------------------------------
+
+def test_cannot_connect(dsn: str) -> None:
+    results = run_all(
+        ("status", "--dsn", f"host=127.0.0.1 port=1 user=postgres dbname=x password={SECRET}"),
+        ("dead", "list", "--dsn", f"postgresql://postgres:{SECRET}@127.0.0.1:1/x"),
+        ("maintain", "--dsn", f"host=127.0.0.1 port=1 password='{SECRET} with space'"),
+        ("dead", "show", "1", "--dsn", f"host=127.0.0.1 password={SECRET} broken"),      # not a valid string
+        ("status", "--dsn", f"postgresql://postgres:{SECRET}%zz@127.0.0.1:1/x"),         # bad percent-encoding
+        ("dead", "requeue", "1", "--dsn", "host=127.0.0.1 port=1"),
+        ("migrate", "--status", "--dsn", f"host=127.0.0.1 port=1 password={SECRET}"),
+    )
+    for r in results:
+        line = one_line_error(r, 2)
+        assert line.startswith("outboxpg: cannot connect to PostgreSQL: "), r
+        assert SECRET not in r.out + r.err, r
+    assert "Connection refused" in results[0].err
+    assert "withheld" in results[3].err and "withheld" in results[4].err
+    # a password in $OUTBOXPG_DSN or $PGPASSWORD does not show either
+    env_dsn = run("status", env={"OUTBOXPG_DSN": f"host=127.0.0.1 port=1 password={SECRET}", "PGPASSWORD": SECRET})
+    assert one_line_error(env_dsn, 2).startswith("outboxpg: cannot connect to PostgreSQL: ")
+    assert SECRET not in env_dsn.err
+
+
+def test_database_without_the_schema(empty_dsn: str) -> None:
+    with_password = f"{empty_dsn} password={SECRET}"  # the test server trusts local connections
+    for r in run_all(("status", "--dsn", with_password), ("dead", "list", "--dsn", with_password),
+                     ("dead", "requeue", "--all-matching", "--yes", "--dsn", empty_dsn),
+                     ("maintain", "--dry-run", "--dsn", empty_dsn)):
+        assert one_line_error(r, 3) == NOT_INSTALLED
+        assert SECRET not in r.err
+
+
+def test_schema_older_than_this_version(empty_dsn: str) -> None:
+    steps = [p.name.removesuffix(".sql") for p in sorted(schema.migrations_dir().glob("[0-9]*.sql"))
+             if not p.name.endswith(".rollback.sql")]
+    migrate = run("migrate", "--dsn", empty_dsn)
+    assert migrate.code == 0 and migrate.out.splitlines() == [f"applied {s}" for s in steps], migrate
+    rollback = run("migrate", "--dsn", empty_dsn, "--rollback", "--steps", "2")
+    assert rollback.code == 0 and rollback.out.splitlines() == [f"rolled back {s}" for s in steps[:-3:-1]]
+
+    status, listing, migrate_status = run_all(("status", "--dsn", empty_dsn), ("dead", "list", "--dsn", empty_dsn),
+                                              ("migrate", "--status", "--dsn", empty_dsn))
+    expected = "outboxpg: the outbox schema is not up to date (2 steps pending): run outboxpg migrate --dsn ..."
+    assert one_line_error(status, 3) == expected
+    assert one_line_error(listing, 3) == expected
+    assert migrate_status.out.splitlines()[-2:] == [f"pending  {s}" for s in steps[-2:]]
+
+    assert run("migrate", "--dsn", empty_dsn).code == 0
+    assert run("status", "--dsn", empty_dsn, "--health-only").code == 0
+
+    # installed by hand (no yoyo bookkeeping) and missing the newest view: found by looking for it
+    with psycopg.connect(empty_dsn, autocommit=True) as c:
+        c.execute("DROP TABLE _yoyo_migration, _yoyo_log, _yoyo_version, yoyo_lock")
+        c.execute("DROP VIEW outbox_health")
+    assert one_line_error(run("status", "--dsn", empty_dsn), 3) == (
+        "outboxpg: the outbox schema is not up to date (view outbox_health is missing): run outboxpg migrate "
+        "--dsn ... (or apply the newer files of migrations/ with psql)")
+
+
+def test_password_never_shown_on_success(dsn: str, data: dict[str, Any]) -> None:
+    with_password = f"{dsn} password={SECRET}"
+    for r in run_all(("status", "--dsn", with_password), ("status", "--json", "--dsn", with_password),
+                     ("dead", "list", "--dsn", with_password), ("dead", "show", str(data["dead_o1"]), "--dsn",
+                                                                with_password),
+                     ("maintain", "--dry-run", "--dsn", with_password)):
+        assert r.code == 0, r
+        assert SECRET not in r.out + r.err
+
+
+def test_every_command_works_as_an_outbox_operator_login(operator_dsn: str, conn: psycopg.Connection[Any],
+                                                        data: dict[str, Any]) -> None:
+    op = operator_dsn
+    status, listing, show, dry = run_all(("status", "--json", "--dsn", op), ("dead", "list", "--json", "--dsn", op),
+                                         ("dead", "show", str(data["dead_o1"]), "--dsn", op),
+                                         ("maintain", "--dry-run", "--dsn", op))
+    assert status.json()["health"]["dead"] == 4 and status.json()["states"]["published"] == 2
+    assert listing.json()["total"] == 4
+    assert show.code == 0 and "payload too large" in show.out, show
+    assert '"order": "o-1"' not in show.out and "(payload and headers not shown: this role may not read them)" in show.out
+    assert dry.code == 0, dry
+    shown = run("dead", "show", str(data["dead_o1"]), "--json", "--dsn", op).json()
+    assert "payload" not in shown and shown["not_readable"] == ["payload", "headers"]
+
+    requeue, discard = run_all(("dead", "requeue", str(data["dead_o2"]), "--dsn", op),
+                               ("dead", "discard", "--all-matching", "--aggregate-type", "customer", "--reason", "gone",
+                                "--yes", "--dsn", op))
+    assert (requeue.code, discard.code) == (0, 0), (requeue, discard)
+    assert state_of(conn, data["dead_o2"]) == "pending" and state_of(conn, data["dead_c1"]) == "discarded"
+    password = psycopg.conninfo.conninfo_to_dict(op)["password"]
+    assert all(password not in r.out + r.err for r in (status, listing, show, dry, requeue, discard))
+
+
+def test_sql_command_still_prints_the_install() -> None:
+    r = run("sql")
+    assert r.code == 0 and r.out == schema.install_sql()
+    assert "-- ==== 0011_outbox_health.sql ====" in r.out

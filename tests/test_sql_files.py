@@ -1,0 +1,275 @@
+"""The psql files of sql/ and the outbox_health view (migration 0011), on a real PostgreSQL."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.rows import dict_row
+
+from helpers import claim, complete, fail, insert, psql_args, psql_env
+from test_cli import build_dataset, operator_dsn  # noqa: F401 (a fixture)
+
+SQL_DIR = Path(__file__).resolve().parent.parent / "sql"
+FILES = ("health", "leases", "failures", "dead_letters", "partitions", "repair")
+
+
+def psql() -> str:
+    exe = shutil.which("psql")
+    if exe is None:
+        pytest.skip("psql not found on PATH")
+    return exe
+
+
+def start_psql(dsn: str, *args: str, input: str | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen([psql(), "-X", "-v", "ON_ERROR_STOP=1", *psql_args(dsn), *args],
+                            stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=psql_env(dsn))
+
+
+def finish(p: subprocess.Popen[str], input: str | None = None) -> tuple[int, str, str]:
+    out, err = p.communicate(input=input, timeout=60)
+    return p.returncode, out, err
+
+
+def run_files(dsn: str, *runs: tuple[str, ...]) -> list[tuple[int, str, str]]:
+    """Each run: (file name, psql arguments...), all at once."""
+    procs = [start_psql(dsn, *extra, "-f", str(SQL_DIR / f"{name}.sql")) for name, *extra in runs]
+    return [finish(p) for p in procs]
+
+
+def snapshot(conn: psycopg.Connection[Any]) -> list[tuple[Any, ...]]:
+    return conn.execute("SELECT id, state::text, attempts, discard_reason FROM outbox ORDER BY id").fetchall()
+
+
+# -- every file -------------------------------------------------------------------------------
+
+def test_sql_dir_holds_the_documented_files() -> None:
+    assert sorted(p.stem for p in SQL_DIR.glob("*.sql")) == sorted(FILES)
+    for name in FILES:
+        text = (SQL_DIR / f"{name}.sql").read_text()
+        assert text.startswith("-- outboxpg: "), name  # each says what it shows or does first
+        assert "-f sql/" in text.split("\n\n")[0], name  # and how to run it
+
+
+def test_every_file_runs_on_a_database_with_events_in_every_state(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    data = build_dataset(conn)
+    before = snapshot(conn)
+    results = dict(zip(FILES, run_files(dsn, *((name,) for name in FILES))))
+    for name, (code, out, err) in results.items():
+        assert code == 0 and "ERROR" not in err, (name, err)
+        assert out.strip(), name
+    assert snapshot(conn) == before  # all of them read only (the maintenance one is a dry run)
+
+    health = results["health"][1]
+    assert re.search(r"^ backlog\s+\| 3$", health, re.M) and re.search(r"^ dead\s+\| 4$", health, re.M), health
+    assert re.search(r"^ worker_claimed_last_minute\s+\| true$", health, re.M), health
+    assert re.search(r"^\s*published\s+\|\s+2\s+\|", health, re.M), health
+    assert f"held back behind event {data['dead_o1']} of its aggregate (dead)" in health
+    assert "leased by w-test until" in health and "due: waiting for a worker to claim it" in health
+
+    leases = results["leases"][1]
+    assert re.search(r"^\s*w-test\s+\|\s+1\s+\|\s+1\s+\|\s+0\s+\|", leases, re.M), leases
+
+    # attempted: 2 published + 4 dead + 1 leased; the last attempt of the 4 dead ones failed
+    failures = results["failures"][1]
+    assert re.search(r"\|\s+7\s+\|\s+2\s+\|\s+0\s+\|\s+0\s+\|\s+4\s+\|\s+57\.1$", failures, re.M), failures
+    assert re.search(r"^ payload too large\s+\|\s+0\s+\|\s+1\s+\|", failures, re.M), failures
+
+    dead = results["dead_letters"][1]
+    assert re.search(r"^ created\s+\|\s+order\s+\|\s+1\s+\|\s+1\s+\|.*\| payload too large$", dead, re.M), dead
+    assert re.search(r"^ order\s+\|\s+3\s+\|\s+1$", dead, re.M), dead  # 3 blocked aggregates, 1 held-back event
+
+    partitions = results["partitions"][1]
+    assert "outbox_default" in partitions and "what outbox_maintain() would do now (dry run)" in partitions
+
+    repair = results["repair"][1]
+    assert "== selection (empty: any) ids= event_type= aggregate_type= aggregate_id=" in repair
+    assert len(re.findall(rf"^\s+({'|'.join(str(data[k]) for k in ('dead_o1', 'dead_o2', 'dead_c1', 'dead_inj'))}) \|",
+                          repair, re.M)) == 4, repair
+
+
+def test_every_file_runs_on_an_empty_outbox(dsn: str) -> None:
+    for name, (code, _, err) in zip(FILES, run_files(dsn, *((name,) for name in FILES))):
+        assert code == 0, (name, err)
+
+
+def test_every_file_runs_as_an_outbox_operator_login(operator_dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """An operator may read the events' metadata but not their payloads: no file needs more."""
+    build_dataset(conn)
+    for name, (code, out, err) in zip(FILES, run_files(operator_dsn, *((name,) for name in FILES))):
+        assert code == 0 and "ERROR" not in err, (name, err)
+
+
+def test_failures_window_variable(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    build_dataset(conn)
+    conn.execute("UPDATE outbox SET dead_at = now() - interval '2 hours', claimed_at = now() - interval '2 hours' "
+                 "WHERE state = 'dead'")
+    (code, hour, err), (code2, day, err2) = run_files(dsn, ("failures",), ("failures", "-v", "window=1 day"))
+    assert code == 0 and code2 == 0, (err, err2)
+    assert re.search(r"\|\s+3\s+\|\s+2\s+\|\s+0\s+\|\s+0\s+\|\s+0\s+\|\s+0\.0$", hour, re.M), hour
+    assert re.search(r"\|\s+7\s+\|\s+2\s+\|\s+0\s+\|\s+0\s+\|\s+4\s+\|\s+57\.1$", day, re.M), day
+
+
+# -- repair.sql -----------------------------------------------------------------------------
+
+def test_repair_preview_takes_variables_as_data(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    data = build_dataset(conn)
+    before = snapshot(conn)
+    by_type, by_ids, by_aggregate, injected, bad_ids = run_files(
+        dsn,
+        ("repair", "-v", "event_type=x' OR '1'='1"),
+        ("repair", "-v", f"ids={data['dead_o1']}, {data['dead_c1']}"),
+        ("repair", "-v", "aggregate_type=order", "-v", "aggregate_id=o-1"),
+        ("repair", "-v", "event_type=created' OR '1'='1"),
+        ("repair", "-v", "ids=1); DROP TABLE outbox; --"))
+
+    def listed(result: tuple[int, str, str]) -> set[int]:
+        code, out, err = result
+        assert code == 0, err
+        section = out.split("== the first 50 of them, oldest first", 1)[1]
+        return {int(m) for m in re.findall(r"^\s+(\d+) \|", section, re.M)}
+
+    assert listed(by_type) == {data["dead_inj"]}
+    assert listed(by_ids) == {data["dead_o1"], data["dead_c1"]}
+    assert listed(by_aggregate) == {data["dead_o1"]}
+    assert listed(injected) == set()
+    assert bad_ids[0] == 3 and 'invalid input syntax for type bigint: "1); DROP TABLE outbox; --"' in bad_ids[2]
+    assert snapshot(conn) == before
+
+
+def commented_statements(text: str) -> list[str]:
+    """The copy-paste statements in the comments of repair.sql (those that change something)."""
+    statements, current = [], ""
+    for line in text.splitlines():
+        if not line.startswith("--"):
+            continue
+        body = line[2:].strip()
+        if body.startswith("SELECT outbox_") or current:
+            current = f"{current} {body}".strip()
+            if current.endswith(";"):
+                statements.append(current)
+                current = ""
+    return statements
+
+
+def test_repair_statements_in_the_comments_work(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    data = build_dataset(conn)
+    statements = commented_statements((SQL_DIR / "repair.sql").read_text())
+    assert len(statements) == 9 and all(":'" in s or "outbox_dead_letters))" in s for s in statements)
+    before = snapshot(conn)
+    variables = ["-v", f"ids={data['dead_o1']},{data['dead_o2']}", "-v", "event_type=created",
+                 "-v", "aggregate_type=order", "-v", "aggregate_id=o-1", "-v", "reason=fixed by hand"]
+    procs = [start_psql(dsn, "-At", *variables, input=f"BEGIN;\n{s}\nROLLBACK;\n") for s in statements]
+    counts = []
+    for p, s in zip(procs, statements):
+        code, out, err = finish(p, input=f"BEGIN;\n{s}\nROLLBACK;\n")
+        assert code == 0, (s, err)
+        counts.append(int(out.split()[1]))  # after psql's "BEGIN"
+    # by ids: 2, 2; event type created: 2, 2; aggregate type order: 3, 3; aggregate o-1: 1, 1; all: 4
+    assert counts == [2, 2, 2, 2, 3, 3, 1, 1, 4], list(zip(statements, counts))
+    assert snapshot(conn) == before
+
+    # and one for real: discard the aggregate's dead event, its held-back event is delivered next
+    code, out, err = finish(start_psql(dsn, "-At", *variables, input=statements[7]), input=statements[7])
+    assert (code, out.strip()) == (0, "1"), err
+    assert conn.execute("SELECT state::text, discard_reason FROM outbox WHERE id = %s",
+                        (data["dead_o1"],)).fetchone() == ("discarded", "fixed by hand")
+    assert data["held"] in [r["id"] for r in claim(conn, 10)]
+
+
+# -- outbox_health --------------------------------------------------------------------------
+
+def health(conn: psycopg.Connection[Any]) -> dict[str, Any]:
+    with conn.cursor(row_factory=dict_row) as cur:
+        rows = cur.execute("SELECT * FROM outbox_health").fetchall()
+    assert len(rows) == 1
+    return rows[0]
+
+
+def test_health_of_an_empty_outbox(conn: psycopg.Connection[Any]) -> None:
+    assert health(conn) == {"backlog": 0, "pending": 0, "processing": 0, "waiting_retry": 0, "dead": 0,
+                            "expired_leases": 0, "oldest_pending_age": None, "last_claim_at": None,
+                            "worker_claimed_last_minute": False}
+
+
+def test_health_of_known_data(conn: psycopg.Connection[Any]) -> None:
+    data = build_dataset(conn)
+    with conn.transaction():  # one now() for both queries
+        h = health(conn)
+        oldest = conn.execute("SELECT now() - min(created_at) FROM outbox WHERE state IN ('pending', 'processing')"
+                              ).fetchone()
+    assert h == {"backlog": 3, "pending": 2, "processing": 1, "waiting_retry": 0, "dead": 4, "expired_leases": 0,
+                 "oldest_pending_age": oldest[0] if oldest else None, "last_claim_at": data["leased_claimed_at"],
+                 "worker_claimed_last_minute": True}
+    # the same figures as the full-scan view
+    stats = conn.execute("SELECT pending, processing, dead, last_claim_at FROM outbox_stats").fetchone()
+    assert stats == (h["pending"], h["processing"], h["dead"], h["last_claim_at"])
+
+
+def test_health_finds_the_last_claim_among_published_events(conn: psycopg.Connection[Any]) -> None:
+    insert(conn, "order", "1")
+    (row,) = claim(conn, 1)
+    complete(conn, [row["id"]], row["lease_token"])
+    claimed_at = conn.execute("SELECT claimed_at FROM outbox WHERE id = %s", (row["id"],)).fetchone()
+    h = health(conn)
+    assert h["backlog"] == 0 and h["last_claim_at"] == claimed_at[0]  # type: ignore[index]
+    assert h["worker_claimed_last_minute"] is True
+
+    conn.execute("UPDATE outbox SET claimed_at = claimed_at - interval '61 seconds'")
+    h = health(conn)
+    assert h["worker_claimed_last_minute"] is False and h["last_claim_at"] is not None
+
+
+def test_health_counts_waiting_retries_and_expired_leases(conn: psycopg.Connection[Any]) -> None:
+    a, b = insert(conn, "order", "a"), insert(conn, "order", "b")
+    rows = claim(conn, 2, lease="200 milliseconds")
+    assert [r["id"] for r in rows] == [a, b]
+    assert fail(conn, a, rows[0]["lease_token"], "broker down") == "pending"   # retry after a backoff (1 s)
+    time.sleep(0.3)                                                             # b's lease runs out
+    h = health(conn)
+    assert (h["backlog"], h["pending"], h["waiting_retry"], h["processing"], h["expired_leases"]) == (2, 1, 1, 1, 1)
+    assert h["worker_claimed_last_minute"] is True
+
+
+def _partition_reads(conn: psycopg.Connection[Any]) -> tuple[int, int]:
+    row = conn.execute("""SELECT coalesce(sum(seq_scan), 0), coalesce(sum(idx_tup_fetch), 0)
+                            FROM pg_stat_xact_user_tables
+                           WHERE relid IN (SELECT inhrelid FROM pg_inherits WHERE inhparent = 'outbox'::regclass)
+                       """).fetchone()
+    assert row is not None
+    return int(row[0]), int(row[1])
+
+
+@pytest.mark.parametrize("stale_statistics", [False, True], ids=["fresh-statistics", "stale-statistics"])
+def test_health_does_not_read_published_events(conn: psycopg.Connection[Any], stale_statistics: bool) -> None:
+    # 5000 events; statistics taken while they are all pending (the burst case) or once published
+    conn.execute("""INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, state)
+                    SELECT 'order', g::text, 'created', '{}', 'pending' FROM generate_series(1, 5000) g""")
+    partition = conn.execute("SELECT tableoid::regclass::text FROM outbox LIMIT 1").fetchone()[0]  # type: ignore[index]
+    conn.execute(f"ALTER TABLE {partition} SET (autovacuum_enabled = off)")
+    if stale_statistics:
+        conn.execute("ANALYZE outbox")
+    conn.execute("UPDATE outbox SET state = 'published', claimed_at = now() - interval '1 hour', "
+                 "published_at = now() WHERE id % 1000 <> 0")   # 5 stay pending
+    if not stale_statistics:
+        conn.execute("ANALYZE outbox")
+    conn.execute("VACUUM outbox")
+    # pg_stat_xact_* also holds counts of earlier transactions not yet flushed: compare before/after.
+    with conn.transaction():
+        seq_before, fetched_before = _partition_reads(conn)
+        h = health(conn)
+        seq_after, fetched_after = _partition_reads(conn)
+    assert h["backlog"] == 5
+    assert seq_after - seq_before == 0
+    assert fetched_after - fetched_before <= 5 + 1000  # the unfinished events and the 1000 newest ids, not all 5000
+    with conn.transaction():
+        seq_before, _ = _partition_reads(conn)
+        conn.execute("SELECT * FROM outbox_stats").fetchone()
+        assert _partition_reads(conn)[0] > seq_before  # (the full-scan view, for contrast)
