@@ -1,0 +1,189 @@
+-- outboxpg 0012: least privilege. Three group roles, and nothing for anybody else.
+--
+--   GRANT outbox_producer TO shop_app;       -- may INSERT events, nothing more
+--   GRANT outbox_worker   TO outbox_relay;   -- may run the worker: claim, report, LISTEN, maintain
+--   GRANT outbox_operator TO ops_alice;      -- may read the views and repair dead letters
+--
+-- The roles are NOLOGIN groups: applications and people log in with roles of their own that
+-- are granted one of them (docs/privileges.md). Roles belong to the cluster, not to a
+-- database: they are created here only when missing, so that every database (and every
+-- schema) outboxpg is installed into shares the same three.
+--
+--   outbox_producer  INSERT into outbox, only the columns an event is made of (aggregate_type,
+--                    aggregate_id, event_type, payload, subject, headers, msg_id); SELECT of the
+--                    id column only, for INSERT ... RETURNING id (outboxpg.enqueue); USAGE of the
+--                    id sequence (the id default). SELECT on outbox_settings and on the id
+--                    sequence, which the commit-order trigger of 0013 reads as the producer.
+--                    It cannot read events back, set their state, attempts or created_at, or
+--                    call any outbox_* function. The insert triggers run as the producer and
+--                    only read those, take advisory locks and NOTIFY (built-ins everyone may
+--                    call): a trigger needs no EXECUTE grant on its function to fire.
+--   outbox_worker    EXECUTE outbox_claim, outbox_complete, outbox_fail, outbox_release,
+--                    outbox_next_wakeup, outbox_worker_idle, outbox_worker_busy, outbox_maintain
+--                    (workers run it on a schedule); SELECT of outbox_settings.subject_prefix
+--                    and .backoff_cap (the worker checks its JetStream stream against them at
+--                    start); SELECT on outbox_health (its metrics: counts and ages only).
+--                    LISTEN needs no privilege. It cannot read, change or delete events except
+--                    through those functions, nor requeue or discard them.
+--   outbox_operator  SELECT on the views outbox_stats, outbox_dead_letters, outbox_partitions,
+--                    outbox_health and on outbox_settings; EXECUTE outbox_requeue,
+--                    outbox_discard, outbox_maintain; SELECT on every column of outbox except
+--                    payload and headers (the inspection queries in sql/ read the events'
+--                    metadata); SELECT on yoyo's _yoyo_migration, where it exists (the command
+--                    line checks the applied steps). It cannot read payloads, change events
+--                    other than through the repair functions, claim, or change settings.
+--
+-- Functions are executable by PUBLIC by default: that is revoked from every outbox_* function.
+-- The functions that touch the tables become SECURITY DEFINER: they run as their owner (the
+-- role that installed outboxpg), so that a worker can claim without any right on the table.
+-- Each of them already pins search_path to '<this schema>, pg_temp' (SET search_path FROM
+-- CURRENT, see 0001): pg_catalog is searched first, pg_temp last (and never for functions or
+-- operators), so a caller's own tables, temporary tables, functions or operators cannot be
+-- slipped under them. This step checks that before it grants anything.
+--
+-- For later migrations: CREATE OR REPLACE FUNCTION keeps the grants but resets every attribute
+-- it does not name, so a replaced function must say SECURITY DEFINER again; a function that is
+-- dropped and created anew is executable by PUBLIC again and has lost its grants.
+-- depends: 0011_outbox_health
+DO $$ BEGIN PERFORM set_config('search_path', format('%I, pg_temp', current_schema()), false); END $$;
+
+-- 1. The group roles, created when missing (by a role with CREATEROLE; or a DBA creates them
+--    beforehand with exactly these statements, and the installing role needs no CREATEROLE).
+DO $$
+DECLARE
+    r text;
+BEGIN
+    FOREACH r IN ARRAY ARRAY['outbox_producer', 'outbox_worker', 'outbox_operator'] LOOP
+        CONTINUE WHEN EXISTS (SELECT 1 FROM pg_roles WHERE rolname = r);
+        BEGIN
+            EXECUTE format('CREATE ROLE %I NOLOGIN', r);
+            EXECUTE format('COMMENT ON ROLE %I IS %L', r,
+                           'outboxpg group role (docs/privileges.md); grant it to login roles');
+        EXCEPTION
+            -- Another database's install created it at the same moment.
+            WHEN duplicate_object OR unique_violation THEN NULL;
+            WHEN insufficient_privilege THEN
+                RAISE EXCEPTION 'outboxpg: role % does not exist and % may not create it', r, current_user
+                    USING HINT = format('Have a DBA run: CREATE ROLE %I NOLOGIN; then run this step again.', r);
+        END;
+    END LOOP;
+END $$;
+
+-- 2. Every function that reads or writes the tables runs as the owner, with its pinned
+--    search_path. Refuse to go on if one of them is not pinned to this schema with pg_temp last.
+ALTER FUNCTION outbox_claim(integer, interval, text) SECURITY DEFINER;
+ALTER FUNCTION outbox_complete(bigint[], uuid) SECURITY DEFINER;
+ALTER FUNCTION outbox_fail(bigint, uuid, text, boolean) SECURITY DEFINER;
+ALTER FUNCTION outbox_release(bigint[], uuid) SECURITY DEFINER;
+ALTER FUNCTION outbox_next_wakeup() SECURITY DEFINER;
+ALTER FUNCTION outbox_maintain(boolean) SECURITY DEFINER;
+ALTER FUNCTION outbox_requeue(bigint[]) SECURITY DEFINER;
+ALTER FUNCTION outbox_discard(bigint[], text) SECURITY DEFINER;
+-- Called by the outbox_health view: a function in a view runs as the one who reads the view.
+ALTER FUNCTION outbox_health_row() SECURITY DEFINER;
+
+DO $$
+DECLARE
+    bad text;
+BEGIN
+    SELECT string_agg(p.oid::regprocedure::text, ', ') INTO bad
+      FROM pg_proc p
+     WHERE p.pronamespace = current_schema()::regnamespace
+       AND p.proname LIKE 'outbox\_%'
+       AND p.prosecdef
+       AND NOT coalesce(p.proconfig @> ARRAY[format('search_path=%I, pg_temp', current_schema())], false);
+    IF bad IS NOT NULL THEN
+        RAISE EXCEPTION 'outboxpg: SECURITY DEFINER functions without search_path = %, pg_temp: %',
+                        quote_ident(current_schema()), bad;
+    END IF;
+    -- Whoever may create objects in this schema can plant a function or operator that the
+    -- SECURITY DEFINER functions would pick up (their search_path is this schema), e.g. an exact
+    -- format(text, timestamptz, text) wins over the built-in format(text, VARIADIC "any").
+    -- Superusers, and the installing role with its members, own everything here anyway.
+    SELECT string_agg(who, ', ' ORDER BY who) INTO bad
+      FROM (SELECT 'PUBLIC' AS who
+             WHERE EXISTS (SELECT 1
+                             FROM pg_namespace n, aclexplode(coalesce(n.nspacl, acldefault('n', n.nspowner))) a
+                            WHERE n.oid = current_schema()::regnamespace AND a.grantee = 0
+                              AND a.privilege_type = 'CREATE')
+            UNION ALL
+            SELECT quote_ident(r.rolname)
+              FROM pg_roles r
+             WHERE NOT r.rolsuper AND r.rolname !~ '^pg_'
+               AND has_schema_privilege(r.oid, current_schema()::regnamespace, 'CREATE')
+               AND NOT pg_has_role(r.oid, current_user, 'USAGE')) w;
+    IF bad IS NOT NULL THEN
+        RAISE WARNING 'outboxpg: % may CREATE in schema %, where the SECURITY DEFINER outbox functions look up names: they could take them over',
+                      bad, quote_ident(current_schema())
+            USING HINT = format('REVOKE CREATE ON SCHEMA %I FROM ...; install outboxpg into a schema only its owner can write to (docs/privileges.md).',
+                                current_schema());
+    END IF;
+END $$;
+
+-- 3. Nobody may call anything by default.
+REVOKE EXECUTE ON FUNCTION
+    outbox_wake_workers(), outbox_worker_idle(), outbox_worker_busy(),
+    outbox_retry_delay(integer, interval, interval),
+    outbox_claim(integer, interval, text), outbox_complete(bigint[], uuid),
+    outbox_fail(bigint, uuid, text, boolean), outbox_release(bigint[], uuid),
+    outbox_requeue(bigint[]), outbox_discard(bigint[], text),
+    outbox_maintain(boolean), outbox_next_wakeup(), outbox_health_row(), outbox_commit_horizon()
+FROM PUBLIC;
+
+-- 4. The schema itself: PUBLIC usually has USAGE (public schema); grant it where it has not.
+DO $$
+DECLARE
+    r text;
+BEGIN
+    FOREACH r IN ARRAY ARRAY['outbox_producer', 'outbox_worker', 'outbox_operator'] LOOP
+        IF NOT has_schema_privilege(r, current_schema(), 'USAGE') THEN
+            EXECUTE format('GRANT USAGE ON SCHEMA %I TO %I', current_schema(), r);
+        END IF;
+    END LOOP;
+END $$;
+
+-- 5. Producers: write events, nothing else.
+GRANT INSERT (aggregate_type, aggregate_id, event_type, payload, subject, headers, msg_id) ON outbox
+    TO outbox_producer;
+GRANT SELECT (id) ON outbox TO outbox_producer;                 -- INSERT ... RETURNING id
+GRANT USAGE ON SEQUENCE outbox_id_seq TO outbox_producer;       -- the id column's default
+-- The commit-order guard (0013_outbox_commit_order) adds a BEFORE INSERT trigger that runs as
+-- the producer and reads outbox_settings.commit_order_guard and the last value of outbox_id_seq.
+-- That step may come before or after this one (a database migrated before this step existed
+-- has it already), so the grants cannot wait for it, and a grant on the column cannot be made
+-- before the column exists: the whole settings row (no secrets in it) and the sequence.
+GRANT SELECT ON outbox_settings TO outbox_producer;
+GRANT SELECT ON SEQUENCE outbox_id_seq TO outbox_producer;
+
+-- 6. Workers: the functions the worker calls, the two settings it reads at start, and the
+--    one-row outbox_health for its metrics (counts and ages, no event data).
+GRANT EXECUTE ON FUNCTION
+    outbox_claim(integer, interval, text), outbox_complete(bigint[], uuid),
+    outbox_fail(bigint, uuid, text, boolean), outbox_release(bigint[], uuid),
+    outbox_next_wakeup(), outbox_worker_idle(), outbox_worker_busy(), outbox_maintain(boolean),
+    outbox_health_row()
+TO outbox_worker;
+GRANT SELECT (subject_prefix, backoff_cap) ON outbox_settings TO outbox_worker;
+GRANT SELECT ON outbox_health TO outbox_worker;
+
+-- 7. Operators: the views, the settings (read only), the repairs, and the events' metadata
+--    for the inspection queries of sql/ (which events wait, on what, who holds a lease, why one
+--    died) - but not payload and headers, the application's data.
+GRANT SELECT ON outbox_stats, outbox_dead_letters, outbox_partitions, outbox_health, outbox_settings
+    TO outbox_operator;
+GRANT EXECUTE ON FUNCTION
+    outbox_requeue(bigint[]), outbox_discard(bigint[], text), outbox_maintain(boolean), outbox_health_row()
+TO outbox_operator;
+GRANT SELECT (id, created_at, aggregate_type, aggregate_id, event_type, subject, msg_id, state, attempts,
+              next_attempt_at, locked_by, claimed_at, locked_until, lease_token, last_error,
+              published_at, dead_at, discarded_at, discard_reason,
+              tableoid)   -- which partition an event is in
+    ON outbox TO outbox_operator;
+-- The outboxpg command line (status, maintain, dead) checks which steps are applied in yoyo's
+-- bookkeeping table, when the schema was installed with yoyo (bin/outboxpg migrate) rather than psql.
+DO $$
+BEGIN
+    IF to_regclass('_yoyo_migration') IS NOT NULL THEN
+        GRANT SELECT ON _yoyo_migration TO outbox_operator;
+    END IF;
+END $$;
