@@ -58,8 +58,9 @@ BEGIN
     SELECT * INTO STRICT cfg FROM outbox_settings;
     width := cfg.partition_width;
 
-    -- One maintainer at a time: every worker runs this on a schedule.
-    IF NOT pg_try_advisory_xact_lock(1868724336, 2) THEN
+    -- One maintainer at a time: every worker runs this on a schedule. A dry run changes nothing
+    -- and does not take the lock, so an operator's look never makes a scheduled run skip.
+    IF NOT dry_run AND NOT pg_try_advisory_xact_lock(1868724336, 2) THEN
         RETURN QUERY SELECT 'skip', NULL::text, NULL::timestamptz, NULL::timestamptz,
                             'another outbox_maintain() is running';
         RETURN;

@@ -305,3 +305,20 @@ def test_changing_partition_width_keeps_ranges_contiguous(conn: Conn, subtests: 
             assert_contiguous(partitions(conn), start, start + step * (ahead + 1))
             # and a second run has nothing to create
             assert actions(maintain(conn), "create") == {}
+
+
+def test_dry_run_does_not_take_the_maintainers_lock(dsn: str) -> None:
+    """An operator's dry run while a maintainer holds the lock still reports; and a dry run
+    never makes a real run skip."""
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as holder, psycopg.connect(dsn, autocommit=True) as other:
+        holder.execute("SELECT pg_advisory_lock(1868724336, 2)")
+        rows = other.execute("SELECT action FROM outbox_maintain(true)").fetchall()
+        assert ("skip",) not in rows
+        assert other.execute("SELECT action FROM outbox_maintain()").fetchall() == [("skip",)]
+        holder.execute("SELECT pg_advisory_unlock(1868724336, 2)")
+        with other.transaction():
+            other.execute("SELECT * FROM outbox_maintain(true)")
+            # Still inside the dry run's transaction: a real run elsewhere is not blocked.
+            assert ("skip",) not in holder.execute("SELECT action FROM outbox_maintain()").fetchall()
