@@ -20,8 +20,10 @@ CREATE TABLE outbox (
     -- The partition key. now() is the producing transaction's start time.
     created_at      timestamptz  NOT NULL DEFAULT now(),
 
-    aggregate_type  text         NOT NULL,
-    aggregate_id    text         NOT NULL,
+    -- Byte order ("C"): these are identifiers, compared for equality and kept in the order
+    -- index; locale-aware comparison costs every claim's head-of-line probe for nothing.
+    aggregate_type  text COLLATE "C" NOT NULL,
+    aggregate_id    text COLLATE "C" NOT NULL,
     event_type      text         NOT NULL,
     payload         jsonb        NOT NULL,
     headers         jsonb        NOT NULL DEFAULT '{}',

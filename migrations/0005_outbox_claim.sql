@@ -91,6 +91,16 @@ SET search_path FROM CURRENT
 -- Generic plans: a custom plan would re-plan every statement below on each call, over every
 -- partition (milliseconds), for plans that do not depend on the arguments.
 SET plan_cache_mode = force_generic_plan
+-- Pinned plan shape. These run with generic plans (planned once per session), and a plan made
+-- while the table was small must not turn into scans of the whole backlog after a burst (seen:
+-- seconds per claim until the next ANALYZE). Index probes and nested loops are the right plan
+-- at every size here, so the planner is not given the choice.
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET enable_hashjoin = off
+SET enable_mergejoin = off
+SET enable_material = off
+SET jit = off
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -171,8 +181,7 @@ BEGIN
                locked_until = t + lease,
                lease_token  = token
          WHERE o.id = ANY (ids)
-           AND o.created_at BETWEEN oldest AND newest
-           AND o.state = 'pending'
+           AND o.created_at BETWEEN oldest AND newest   -- locked above: still pending
      RETURNING o.id,
                coalesce(o.subject, cfg.subject_prefix || '.' || o.aggregate_type || '.' || o.event_type),
                o.aggregate_type, o.aggregate_id, o.event_type, o.payload, o.headers, o.msg_id,

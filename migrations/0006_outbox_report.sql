@@ -17,7 +17,13 @@ DO $$ BEGIN PERFORM set_config('search_path', format('%I, pg_temp', current_sche
 CREATE FUNCTION outbox_complete(ids bigint[], lease_token uuid) RETURNS integer
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
-SET plan_cache_mode = force_generic_plan  -- see outbox_claim
+SET plan_cache_mode = force_generic_plan  -- see outbox_claim, also for the settings below
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET enable_hashjoin = off
+SET enable_mergejoin = off
+SET enable_material = off
+SET jit = off
 AS $$
 DECLARE
     done integer;
@@ -43,7 +49,13 @@ CREATE FUNCTION outbox_fail(id bigint, lease_token uuid, error text, permanent b
 RETURNS text
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
-SET plan_cache_mode = force_generic_plan  -- see outbox_claim
+SET plan_cache_mode = force_generic_plan  -- see outbox_claim, also for the settings below
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET enable_hashjoin = off
+SET enable_mergejoin = off
+SET enable_material = off
+SET jit = off
 AS $$
 DECLARE
     cfg       outbox_settings;
@@ -79,7 +91,13 @@ COMMENT ON FUNCTION outbox_fail(bigint, uuid, text, boolean) IS
 CREATE FUNCTION outbox_release(ids bigint[], lease_token uuid) RETURNS integer
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
-SET plan_cache_mode = force_generic_plan  -- see outbox_claim
+SET plan_cache_mode = force_generic_plan  -- see outbox_claim, also for the settings below
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET enable_hashjoin = off
+SET enable_mergejoin = off
+SET enable_material = off
+SET jit = off
 AS $$
 DECLARE
     released integer;
