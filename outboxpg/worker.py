@@ -314,7 +314,8 @@ class Worker:
         acked_at = datetime.now(timezone.utc)
         ok = [e.id for e, o in zip(events, outcomes) if o is None]
         failed = [(e, o) for e, o in zip(events, outcomes) if o is not None]
-        for attempt in range(3):
+        attempts = 5
+        for attempt in range(attempts):
             try:
                 async with self.pool.connection() as conn:
                     async with conn.pipeline():
@@ -327,11 +328,16 @@ class Worker:
                 break
             except psycopg.Error as exc:
                 log.warning("event=db_error during=report attempt=%d error=%r", attempt + 1, _first_line(exc))
-                if attempt == 2:
+                if attempt == attempts - 1:
                     log.error("event=report_failed events=%d note=%r", len(events),
                               "leases will expire and the events be retried (deduplicated by msg_id)")
                     return
-                await asyncio.sleep(0.2 * (attempt + 1))
+                # Other pooled connections may be dead too (a server restart, killed backends):
+                # have the pool check its idle ones before the next try. 0.1 + 0.2 + 0.4 + 0.8 s
+                # stays well inside the lease, which is at least twice the publish timeout.
+                with contextlib.suppress(Exception):
+                    await self.pool.check()
+                await asyncio.sleep(0.1 * 2 ** attempt)
         st = self.stats
         st.delivered += completed
         if completed < len(ok):
@@ -370,6 +376,8 @@ class Worker:
                           _error_text(outcome))
             else:
                 st.lost_leases += 1
+                log.warning("event=lease_lost worker=%s id=%d note=%r", self.cfg.name, event.id,
+                            "failure not recorded: the lease had expired and was taken over")
 
     async def _db_backoff(self) -> None:
         self._db_delay = min(max(self._db_delay * 2, 0.1), 5.0)
