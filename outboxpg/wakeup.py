@@ -82,7 +82,7 @@ class IdleLock:
         self.conn: psycopg.AsyncConnection[Any] | None = None
         self.held = False
         self.lost = asyncio.Event()
-        self._watch: asyncio.Task[None] | None = None
+        self._watch_fd: int | None = None
 
     async def _connection(self) -> psycopg.AsyncConnection[Any]:
         if self.conn is None or self.conn.closed:
@@ -111,28 +111,35 @@ class IdleLock:
             request.result()
         self.held = True
         self.lost.clear()
-        self._watch = asyncio.ensure_future(self._watch_connection(conn))
+        self._watch_connection(conn)
         return True
 
-    async def _watch_connection(self, conn: psycopg.AsyncConnection[Any]) -> None:
-        # While the lock is held the connection runs no query; waiting on its notification
-        # stream is how we notice at once that it died (and the lock with it).
-        try:
-            async for _ in conn.notifies():
-                pass
-        except psycopg.Error:
-            pass
-        self.held = False
-        self.lost.set()
+    def _watch_connection(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        """While the lock is held the connection runs no query and nothing should arrive on it:
+        whatever makes its socket readable (the server's goodbye after pg_terminate_backend, a
+        restart, EOF) means the lock may be gone. Watched on the socket itself, so that it does
+        not depend on a notification loop noticing: then the worker takes the lock again."""
+        loop = asyncio.get_running_loop()
+        fd = conn.fileno()
+
+        def readable() -> None:
+            self._unwatch()
+            self.held = False
+            self.lost.set()
+
+        loop.add_reader(fd, readable)
+        self._watch_fd = fd
+
+    def _unwatch(self) -> None:
+        if self._watch_fd is not None:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(self._watch_fd)
+            self._watch_fd = None
 
     async def release(self) -> None:
         """Let go of the lock (producers stop notifying)."""
         was_held, self.held = self.held, False
-        if self._watch is not None:
-            self._watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._watch
-            self._watch = None
+        self._unwatch()
         if not was_held:
             return
         conn = self.conn
@@ -144,11 +151,7 @@ class IdleLock:
             await self.close()
 
     async def close(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._watch
-            self._watch = None
+        self._unwatch()
         self.held = False
         if self.conn is not None:
             with contextlib.suppress(Exception):

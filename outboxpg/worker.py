@@ -223,9 +223,12 @@ class Worker:
         """Sleep until a notification, the lock's connection dying, or ``seconds``."""
         if self._wake.is_set():
             return "wake"
-        waits = [asyncio.ensure_future(self._wake.wait())]
-        if self.idle_lock.held:
-            waits.append(asyncio.ensure_future(self.idle_lock.lost.wait()))
+        # The lock can be lost at any moment, also just before this sleep (the lost event stays
+        # set until the lock is taken again): always watch it, never only "if still held".
+        if self.idle_lock.lost.is_set() and not self.cfg.poll_only:
+            log.warning("event=idle_lock_lost worker=%s", self.cfg.name)
+            return "lost"
+        waits = [asyncio.ensure_future(self._wake.wait()), asyncio.ensure_future(self.idle_lock.lost.wait())]
         try:
             done, _ = await asyncio.wait(waits, timeout=max(seconds, 0.0), return_when=asyncio.FIRST_COMPLETED)
         finally:
