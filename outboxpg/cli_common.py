@@ -13,6 +13,8 @@ from urllib.parse import quote, unquote
 
 import orjson
 import psycopg
+
+from outboxpg.errors import first_line
 from psycopg.conninfo import conninfo_to_dict
 
 from outboxpg import schema
@@ -92,11 +94,6 @@ def redact(text: str, secrets: Iterable[str]) -> str:
 
 def _has_password_part(dsn: str) -> bool:
     return bool(re.search(r"password", dsn, re.IGNORECASE) or _PASSWORD_URI.search(dsn))
-
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0].strip() if text else type(exc).__name__
 
 
 def describe_connection_error(exc: psycopg.Error) -> str:

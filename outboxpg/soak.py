@@ -366,13 +366,6 @@ def _setup(dsn: str, nats_url: str) -> None:
     asyncio.run(make_stream())
 
 
-def restart_postgres(pg: Any, mode: str) -> None:
-    """EmbeddedPostgres.restart() with ``-l logfile``. Without it (as in EmbeddedPostgres.restart
-    today) the restarted postmaster inherits pg_ctl's captured stdout/stderr pipe, and the
-    call never returns: see RELIABILITY.md, "Problems found"."""
-    pg._run("pg_ctl", "-D", str(pg.datadir), "-l", str(pg.logfile), "-m", mode, "-w", "-t", "60", "restart")
-
-
 def catch_mid_batch(proc: subprocess.Popen[bytes], name: str, admin_dsn: str, limit: float = 3.0) -> int:
     """Leave ``proc`` SIGSTOPped, if possible at a moment it holds leases (mid-batch): stop it,
     look, let it go on if it holds none, and try again for up to ``limit`` seconds. Returns
@@ -430,7 +423,7 @@ def inject(kind: str, rng: random.Random, workers: Workers, pg: Any, ns: Any, ad
     elif kind.startswith("pg_restart_"):
         t0 = time.monotonic()
         rec.armed = True
-        restart_postgres(pg, kind.removeprefix("pg_restart_"))
+        pg.restart(kind.removeprefix("pg_restart_"))
         rec.detail = f"down/up in {time.monotonic() - t0:.2f}s"
     elif kind == "nats_outage":
         down = rng.uniform(2.0, 4.0)
@@ -455,9 +448,9 @@ def run(args: argparse.Namespace) -> int:
     faults: list[FaultRecord] = []
     flock = threading.Lock()
     stop_producers, stop_monitor = threading.Event(), threading.Event()
-    # synchronous_commit on: with it off (the embedded default) an immediate-mode restart may
-    # forget acknowledged commits, which would be the test's own loss, not outboxpg's.
-    with EmbeddedPostgres(settings={"synchronous_commit": "on"}) as pg, EmbeddedNats() as ns:
+    # EmbeddedPostgres commits synchronously: an immediate-mode restart forgets no acknowledged
+    # commit, so any loss the checker finds is outboxpg's.
+    with EmbeddedPostgres() as pg, EmbeddedNats() as ns:
         _setup(pg.dsn, ns.url)
         worker_dsn = f"{pg.dsn} application_name={WORKER_APP}"
         workers = Workers(args.workers, worker_dsn, ns.url, workdir, args.seed, args)

@@ -15,6 +15,8 @@ from typing import Any
 
 import psycopg
 
+from outboxpg.errors import first_line
+
 __all__ = ["CONNECT_OPTIONS", "Listener", "IdleLock"]
 
 log = logging.getLogger("outboxpg.worker")
@@ -47,7 +49,7 @@ class Listener:
             try:
                 conn = await psycopg.AsyncConnection.connect(self.dsn, autocommit=True, **CONNECT_OPTIONS)
             except psycopg.Error as exc:
-                log.warning("event=listen_connect_failed error=%r retry_in=%.1fs", _first_line(exc), delay)
+                log.warning("event=listen_connect_failed error=%r retry_in=%.1fs", first_line(exc), delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
                 continue
@@ -65,7 +67,7 @@ class Listener:
                 raise psycopg.OperationalError("notification stream ended")
             except psycopg.Error as exc:
                 self.up = False
-                log.warning("event=listen_lost error=%r retry_in=%.1fs", _first_line(exc), delay)
+                log.warning("event=listen_lost error=%r retry_in=%.1fs", first_line(exc), delay)
             finally:
                 self.up = False
                 with contextlib.suppress(Exception):
@@ -157,8 +159,3 @@ class IdleLock:
             with contextlib.suppress(Exception):
                 await self.conn.close()
             self.conn = None
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

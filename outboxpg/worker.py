@@ -26,6 +26,7 @@ import psycopg
 from psycopg.adapt import Buffer, Loader
 from psycopg_pool import AsyncConnectionPool
 
+from outboxpg.errors import first_line
 from outboxpg.events import CLAIM_COLUMNS, OutboxEvent, PermanentError, event_from_row
 from outboxpg.metrics import WorkerMetrics
 from outboxpg.publishers import as_publisher
@@ -102,7 +103,7 @@ class Worker:
         self.stats = WorkerStats()
         self._wake = asyncio.Event()
         self._stopping = False
-        self._stopped = asyncio.Event()
+        self._stop = asyncio.Event()
         self._lease = timedelta(seconds=config.lease)
         self._db_delay = 0.0
         self._inflight: set[asyncio.Task[None]] = set()
@@ -118,6 +119,7 @@ class Worker:
         if not self._stopping:
             log.info("event=shutdown_requested worker=%s", self.cfg.name)
         self._stopping = True
+        self._stop.set()
         self._wake.set()
 
     async def run(self) -> None:
@@ -155,7 +157,6 @@ class Worker:
             await self.pool.close()
             self._log_summary(final=True)
             log.info("event=stopped worker=%s", cfg.name)
-            self._stopped.set()
 
     async def _configure(self, conn: psycopg.AsyncConnection[Any]) -> None:
         conn.adapters.register_loader("jsonb", RawJsonLoader)
@@ -194,7 +195,7 @@ class Worker:
                     try:
                         await self.idle_lock.acquire(self._wake)
                     except psycopg.Error as exc:
-                        log.warning("event=idle_lock_failed error=%r", _first_line(exc))
+                        log.warning("event=idle_lock_failed error=%r", first_line(exc))
                         await self.idle_lock.close()
                         await self._db_backoff()
                     # Granted: producers that skipped NOTIFY have all committed; the next drain
@@ -248,7 +249,7 @@ class Worker:
             async with self.pool.connection() as conn:
                 row = await (await conn.execute(_SLEEP_FOR)).fetchone()
         except psycopg.Error as exc:
-            log.warning("event=db_error during=next_wakeup error=%r", _first_line(exc))
+            log.warning("event=db_error during=next_wakeup error=%r", first_line(exc))
             return min(self.cfg.poll_interval, 5.0)
         seconds = row[0] if row else None
         if seconds is None:
@@ -284,7 +285,7 @@ class Worker:
                 cur = await conn.execute(_CLAIM, (self.cfg.batch_size, self._lease, self.cfg.name), prepare=True)
                 rows = await cur.fetchall()
         except psycopg.Error as exc:
-            log.warning("event=db_error during=claim error=%r", _first_line(exc))
+            log.warning("event=db_error during=claim error=%r", first_line(exc))
             await self._db_backoff()
             return []
         self._db_delay = 0.0
@@ -330,7 +331,7 @@ class Worker:
                     states = [(await c.fetchone())[0] for c in fail_curs]  # type: ignore[index]
                 break
             except psycopg.Error as exc:
-                log.warning("event=db_error during=report attempt=%d error=%r", attempt + 1, _first_line(exc))
+                log.warning("event=db_error during=report attempt=%d error=%r", attempt + 1, first_line(exc))
                 if attempt == attempts - 1:
                     log.error("event=report_failed events=%d note=%r", len(events),
                               "leases will expire and the events be retried (deduplicated by msg_id)")
@@ -385,11 +386,7 @@ class Worker:
     async def _db_backoff(self) -> None:
         self._db_delay = min(max(self._db_delay * 2, 0.1), 5.0)
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._stopped_or_stopping(), self._db_delay)
-
-    async def _stopped_or_stopping(self) -> None:
-        while not self._stopping:
-            await asyncio.sleep(0.05)
+            await asyncio.wait_for(self._stop.wait(), self._db_delay)   # cut short by stop()
 
     # -- maintenance ---------------------------------------------------------------------
 
@@ -409,7 +406,7 @@ class Worker:
                     else:
                         log.info("event=maintenance action=%s partition=%s detail=%r", action, partition, detail)
             except psycopg.Error as exc:
-                log.warning("event=maintenance_failed error=%r retry_in=%gs", _first_line(exc),
+                log.warning("event=maintenance_failed error=%r retry_in=%gs", first_line(exc),
                             self.cfg.maintenance_interval)
                 if self.metrics is not None:
                     self.metrics.maintenance_failures.inc()
@@ -436,8 +433,3 @@ def _error_text(exc: BaseException | None) -> str:
         return ""
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

@@ -18,6 +18,7 @@ from typing import Any
 
 import psycopg
 
+from outboxpg.cli_common import describe_connection_error
 from outboxpg.worker import Worker, WorkerConfig
 
 log = logging.getLogger("outboxpg.worker")
@@ -76,15 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-async def _stream_setup(args: argparse.Namespace, publisher: Any, cfg: WorkerConfig) -> None:
+async def _stream_setup(args: argparse.Namespace, publisher: Any, cfg: WorkerConfig, prefix: str,
+                        backoff_cap: timedelta) -> None:
     """Check (and with --ensure-stream, create) the stream the worker will publish into."""
     from outboxpg.nats_publisher import check_stream, ensure_stream
 
-    async with await psycopg.AsyncConnection.connect(cfg.dsn, autocommit=True) as conn:
-        row = await (await conn.execute(
-            "SELECT subject_prefix, backoff_cap FROM outbox_settings")).fetchone()
-    assert row is not None
-    prefix, backoff_cap = row
     window = timedelta(seconds=cfg.lease) + backoff_cap + timedelta(seconds=60)
     if args.ensure_stream:
         log.info("event=ensure_stream result=%r", await ensure_stream(publisher.js, args.ensure_stream,
@@ -105,6 +102,9 @@ async def _main(args: argparse.Namespace) -> int:
         if row is None or row[0] is None:
             raise SystemExit("outboxpg-worker: the outbox schema is not installed in this database: "
                              "run outboxpg migrate --dsn ...")
+        # What the stream check needs (columns the outbox_worker role may read).
+        settings = await (await conn.execute("SELECT subject_prefix, backoff_cap FROM outbox_settings")).fetchone()
+        assert settings is not None
     if args.publisher:
         from outboxpg.publishers import FunctionPublisher, load_publisher
 
@@ -116,7 +116,7 @@ async def _main(args: argparse.Namespace) -> int:
 
         publisher = NatsPublisher(args.nats_url, ack_timeout=cfg.publish_timeout)
         await publisher.start()
-        await _stream_setup(args, publisher, cfg)
+        await _stream_setup(args, publisher, cfg, *settings)
     metrics = None
     if args.metrics_port:
         from outboxpg.metrics import WorkerMetrics
@@ -142,8 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"outboxpg-worker: {exc}", file=sys.stderr)
         return 2
     except psycopg.OperationalError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"outboxpg-worker: cannot connect to PostgreSQL: {first}", file=sys.stderr)
+        print(f"outboxpg-worker: {describe_connection_error(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

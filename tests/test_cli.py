@@ -125,8 +125,8 @@ def operator_dsn(dsn: str) -> Iterator[str]:
     bookkeeping, and changes events only through outbox_requeue / outbox_discard."""
     name, password = f"outboxpg_cli_op_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
     with psycopg.connect(dsn, autocommit=True) as c:
-        if c.execute("SELECT to_regrole('outbox_operator')").fetchone() == (None,):
-            pytest.skip("no outbox_operator role (migration 0012 not present)")
+        assert c.execute("SELECT to_regrole('outbox_operator')").fetchone() != (None,), \
+            "migration 0012 creates the outbox_operator role"
         c.execute(sql.SQL("CREATE ROLE {} LOGIN PASSWORD {} IN ROLE outbox_operator").format(
             sql.Identifier(name), sql.Literal(password)))
     try:

@@ -86,7 +86,7 @@ def round_trip(dsn: str) -> None:
 def psql() -> str:
     exe = shutil.which("psql")
     if exe is None:
-        pytest.skip("psql not found on PATH")
+        pytest.skip("psql (the PostgreSQL client) is not installed on this machine")
     return exe
 
 

@@ -23,7 +23,7 @@ FILES = ("health", "leases", "failures", "dead_letters", "partitions", "repair")
 def psql() -> str:
     exe = shutil.which("psql")
     if exe is None:
-        pytest.skip("psql not found on PATH")
+        pytest.skip("psql (the PostgreSQL client) is not installed on this machine")
     return exe
 
 
