@@ -14,11 +14,23 @@ outboxpg-worker processes, as in production. Prints:
     p99 / max, at steady 100, 1,000 and 5,000 events/s, one event per transaction;
   * queries per second issued by an idle worker over 60 s (pg_stat_database.xact_commit: every
     statement the worker sends in autocommit is one transaction).
+
+For every throughput phase it also prints where the CPU went, in microseconds per event, read
+from /proc (bench/proc_cpu.py): the worker processes (or the naive relay, which runs in the bench
+process), the PostgreSQL backends of the bench database, PostgreSQL's shared background
+processes, nats-server (the process listening on the --nats-url port), the bench's own progress
+polling, and the share of the machine other users took meanwhile ("foreign"). CPU per event
+hardly moves with outside load; events/s does. Compare designs by the former, and by events/s
+only in runs with little foreign load.
+
+    .venv/bin/python bench/e2e.py --only throughput --events 100000 --workers 1 --no-naive
+    .venv/bin/python bench/e2e.py --only throughput --profile /tmp/prof   # cProfile each worker
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import asyncio
 import multiprocessing
 import os
@@ -26,9 +38,12 @@ import platform
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
 
 import nats
 import psycopg
@@ -39,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from outboxpg import schema  # noqa: E402
 from outboxpg.events import CLAIM_COLUMNS  # noqa: E402
 from outboxpg.worker import RawJsonLoader  # noqa: E402
+from proc_cpu import CpuMeter, QuietWaiter  # noqa: E402  (bench/, beside this file)
 
 WORKER = str(Path(sys.executable).parent / "outboxpg-worker")
 
@@ -57,6 +73,12 @@ class Bench:
         self.stream = f"E2E{self.tag}"
         self.prefix = f"e2e{self.tag}"
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.nats_port = urlsplit(args.nats_url).port or 4222
+        self._mon: psycopg.Connection[Any] | None = None
+        self._in_flow_sql: str | None = None
+        self.quiet = QuietWaiter(self.dbname, args.quiet_wait, nats_port=self.nats_port)
+        self.cpu_lines: list[str] = []
+        self.worker_log = tempfile.TemporaryFile()   # the workers' stderr, shown if a phase fails
 
     # -- setup ----------------------------------------------------------------------------
 
@@ -103,17 +125,54 @@ class Bench:
                       "FROM generate_series(1, %s) g", (aggregates, aggregates, n))
             c.execute("VACUUM ANALYZE outbox")
 
+    def monitor(self) -> psycopg.Connection[Any]:
+        """One connection for the progress polls (a new connection per poll would cost a backend
+        fork each time); its backend's CPU is counted as the bench's, not the worker's."""
+        if self._mon is None or self._mon.closed:
+            self._mon = psycopg.connect(self.dsn, autocommit=True)
+        return self._mon
+
+    def close_monitor(self) -> None:
+        if self._mon is not None:
+            self._mon.close()
+            self._mon = None
+
     def published(self) -> int:
-        with psycopg.connect(self.dsn, autocommit=True) as c:
-            return int(c.execute("SELECT count(*) FROM outbox WHERE state = 'published'").fetchone()[0])  # type: ignore[index]
+        c = self.monitor()
+        return int(c.execute("SELECT count(*) FROM outbox WHERE state = 'published'").fetchone()[0])  # type: ignore[index]
+
+    def meter(self) -> CpuMeter:
+        return CpuMeter(self.dbname, nats_port=self.nats_port, bench_backends={self.monitor().info.backend_pid})
+
+    def report_cpu(self, label: str, meter: CpuMeter, events: int) -> None:
+        us = meter.per_event_us(events)
+        r = meter.result
+        line = (f"  cpu us/event [{label}]: {'relay' if label == 'naive' else 'worker'} "
+                f"{us['bench'] if label == 'naive' else us['worker']:5.1f}  pg {us['pg']:5.1f}  "
+                f"pg-bg {us['pg_background']:4.1f}  nats {us['nats']:5.1f}  "
+                f"bench {us['bench'] if label != 'naive' else 0.0:4.1f}  "
+                f"| busy {r['busy_pct']:3.0f}% foreign {r['foreign_pct']:3.0f}% of {os.cpu_count()} cpus")
+        log(line)
+        self.cpu_lines.append(line)
 
     def start_worker(self, name: str, *extra: str) -> subprocess.Popen[bytes]:
-        p = subprocess.Popen([WORKER, "--dsn", self.dsn, "--nats-url", self.args.nats_url, "--name", name,
+        cmd = [WORKER]
+        if self.args.profile:
+            os.makedirs(self.args.profile, exist_ok=True)
+            cmd = [sys.executable, "-m", "cProfile", "-o",
+                   os.path.join(self.args.profile, f"{name}-{len(self.procs)}-{int(time.time())}.prof"), WORKER]
+        p = subprocess.Popen([*cmd, "--dsn", self.dsn, "--nats-url", self.args.nats_url, "--name", name,
                               "--batch-size", str(self.args.batch_size), "--concurrency", str(self.args.concurrency),
                               "--log-level", "WARNING", *extra],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             stdout=subprocess.DEVNULL, stderr=self.worker_log)
         self.procs.append(p)
         return p
+
+    def worker_log_tail(self, lines: int = 20) -> str:
+        """The end of what the workers wrote to stderr (warnings and errors), for a failed phase."""
+        self.worker_log.flush()
+        self.worker_log.seek(0)
+        return "".join(self.worker_log.read().decode(errors="replace").splitlines(True)[-lines:])
 
     def stop_workers(self) -> None:
         for p in self.procs:
@@ -129,37 +188,74 @@ class Bench:
 
     # -- throughput ------------------------------------------------------------------------
 
-    def drain_rate(self, total: int) -> tuple[float, float]:
-        """Events/s from the first progress seen to the last event published (startup excluded)."""
-        start_count, start_t = None, None
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            n = self.published()
-            now = time.monotonic()
-            if start_count is None and n > 0:
-                start_count, start_t = n, now
-            if n >= total:
-                assert start_t is not None and start_count is not None
-                return (total - start_count) / (now - start_t), now - start_t
-            time.sleep(0.05)
-        raise RuntimeError("drain did not finish within 600 s")
+    def in_flow_left(self) -> bool:
+        """Whether any event is still pending or leased. Cheap at any backlog when the schema
+        has the partial index on in_flow (one index probe), unlike counting the published rows,
+        which scans the table: polled every 20 ms, a count cost PostgreSQL about 15 us of CPU
+        per event drained, on the same 2 cores as the worker it measures."""
+        c = self.monitor()
+        if self._in_flow_sql is None:
+            has = c.execute("SELECT 1 FROM pg_attribute WHERE attrelid = 'outbox'::regclass "
+                            "AND attname = 'in_flow' AND NOT attisdropped").fetchone()
+            self._in_flow_sql = ("SELECT EXISTS (SELECT 1 FROM outbox WHERE in_flow)" if has else
+                                 "SELECT EXISTS (SELECT 1 FROM outbox WHERE state IN ('pending', 'processing'))")
+        return bool(c.execute(self._in_flow_sql).fetchone()[0])  # type: ignore[index]
 
-    def throughput(self, workers: int, total: int, aggregates: int) -> tuple[float, float]:
+    def drain_rate(self, total: int, label: str) -> tuple[float, float]:
+        """Events/s from the first progress seen to the last event published (startup excluded);
+        CPU per event over the same window."""
+        meter = self.meter()
+        deadline = time.monotonic() + 600
+        while True:   # start-up: until the first event is published
+            t0 = time.monotonic()
+            start_count = self.published()
+            if start_count > 0:
+                start_t = (t0 + time.monotonic()) / 2
+                break
+            if t0 > deadline or any(p.poll() is not None for p in self.procs):
+                raise RuntimeError("no event published (worker exited or 600 s passed); worker log:\n"
+                                   + self.worker_log_tail())
+            time.sleep(0.05)
+        meter.start()
+        try:
+            while self.in_flow_left():
+                if time.monotonic() > deadline:
+                    raise RuntimeError("drain did not finish within 600 s; worker log:\n" + self.worker_log_tail())
+                time.sleep(0.02)
+            end_t = time.monotonic()
+        finally:
+            meter.stop()
+        n = self.published()
+        if n != total:
+            raise RuntimeError(f"drain ended with {n} of {total} events published")
+        self.report_cpu(label, meter, total - start_count)
+        return (total - start_count) / (end_t - start_t), end_t - start_t
+
+    def prepare(self, total: int, aggregates: int) -> None:
         self.truncate()
         asyncio.run(self.reset_stream())
         self.fill(total, aggregates)
+        self.monitor()
+        if self.args.quiet_wait > 0:
+            foreign = self.quiet()
+            if foreign >= self.quiet.threshold:
+                log(f"  (no quiet second found: foreign CPU {foreign:.0f}% just before this phase)")
+
+    def throughput(self, workers: int, total: int, aggregates: int) -> tuple[float, float]:
+        self.prepare(total, aggregates)
         for i in range(workers):
             self.start_worker(f"bench{i}")
         try:
-            return self.drain_rate(total)
+            return self.drain_rate(total, f"x{workers}")
         finally:
             self.stop_workers()
 
     def naive(self, total: int, aggregates: int) -> tuple[float, float]:
-        self.truncate()
-        asyncio.run(self.reset_stream())
-        self.fill(total, aggregates)
-        return asyncio.run(self._naive(total))
+        self.prepare(total, aggregates)
+        with self.meter() as meter:
+            rate, secs = asyncio.run(self._naive(total))
+        self.report_cpu("naive", meter, total)
+        return rate, secs
 
     async def _naive(self, total: int) -> tuple[float, float]:
         nc = await nats.connect(self.args.nats_url)
@@ -275,6 +371,24 @@ def produce(dsn: str, k: int, rate: float, seconds: float, tag: str, queue: "mul
     queue.put(committed)
 
 
+def code_version() -> str:
+    """The commit, whether the tree differs from it, and a digest of the migrations installed
+    (other work on the SQL changes what PostgreSQL spends per event)."""
+    root = Path(schema.__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip() or "?"
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        head, dirty = "?", ""
+    digest = hashlib.sha1()
+    for f in sorted(schema.migrations_dir().glob("*.sql")):
+        digest.update(f.name.encode() + b"\0" + f.read_bytes())
+    return (f"{root} at {head}{' with uncommitted changes' if dirty else ''}; "
+            f"migrations digest {digest.hexdigest()[:10]}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dsn", default=os.environ.get("OUTBOXPG_BENCH_DSN", "host=127.0.0.1 user=postgres dbname=postgres"))
@@ -285,6 +399,14 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=500)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--only", choices=["throughput", "latency", "idle"], default=None)
+    ap.add_argument("--workers", default="1,2",
+                    help="throughput phases: numbers of worker processes, comma-separated (default 1,2)")
+    ap.add_argument("--no-naive", action="store_true", help="skip the naive relay's throughput phase")
+    ap.add_argument("--quiet-wait", type=float, default=30.0,
+                    help="before each throughput phase, wait (at most this many seconds in all) for a "
+                         "second with under 10%% foreign CPU (default 30; 0: never wait)")
+    ap.add_argument("--profile", metavar="DIR", default=None,
+                    help="run each worker under cProfile, writing DIR/<name>-<n>-<time>.prof")
     args = ap.parse_args()
     total = args.events or (40_000 if args.quick else 200_000)
     lat_seconds = 5.0 if args.quick else 15.0
@@ -295,19 +417,23 @@ def main() -> int:
         f"{os.cpu_count()} cpus  python {platform.python_version()}")
     with psycopg.connect(args.dsn) as c:
         log(f"PostgreSQL {c.info.server_version}  at {conninfo_to_dict(args.dsn).get('host')}; NATS {args.nats_url}")
+    log(f"code: {code_version()}")
     log(f"worker: --batch-size {args.batch_size} --concurrency {args.concurrency}; "
         f"{total} events over {args.aggregates} aggregates")
     b.create_db()
     results: list[str] = []
     try:
         if args.only in (None, "throughput"):
-            naive_rate, naive_s = b.naive(total, args.aggregates)
-            log(f"naive relay (claim 100 -> publish_async -> acks -> complete): {naive_rate:9.0f} events/s ({naive_s:.1f} s)")
-            for workers in (1, 2):
+            naive_rate = None
+            if not args.no_naive:
+                naive_rate, naive_s = b.naive(total, args.aggregates)
+                log(f"naive relay (claim 100 -> publish_async -> acks -> complete): {naive_rate:9.0f} events/s "
+                    f"({naive_s:.1f} s)")
+            for workers in (int(w) for w in args.workers.split(",") if w.strip()):
                 rate, secs = b.throughput(workers, total, args.aggregates)
-                log(f"outboxpg-worker x{workers}: {rate:9.0f} events/s ({secs:.1f} s)   "
-                    f"ratio to naive {rate / naive_rate:4.2f}")
-                results.append(f"throughput workers={workers} {rate:.0f}/s ratio={rate / naive_rate:.2f}")
+                ratio = f"   ratio to naive {rate / naive_rate:4.2f}" if naive_rate else ""
+                log(f"outboxpg-worker x{workers}: {rate:9.0f} events/s ({secs:.1f} s){ratio}")
+                results.append(f"throughput workers={workers} {rate:.0f}/s{ratio}")
         if args.only in (None, "latency"):
             for rate in (100, 1000, 5000):
                 r = b.latency(rate, lat_seconds)
@@ -320,6 +446,7 @@ def main() -> int:
                 f"(one per {idle_seconds / q if q else float('inf'):.1f} s)")
     finally:
         b.stop_workers()
+        b.close_monitor()
         asyncio.run(b.drop_stream())
         b.drop_db()
     return 0

@@ -64,6 +64,7 @@ from psycopg import sql  # noqa: E402
 from psycopg.conninfo import conninfo_to_dict, make_conninfo  # noqa: E402
 
 from outboxpg import schema  # noqa: E402
+from proc_cpu import CpuMeter, QuietWaiter, backend_cpu_s  # noqa: E402  (bench/, beside this file)
 
 CLAIM = "SELECT id, lease_token FROM outbox_claim(%s)"
 COMPLETE = "SELECT outbox_complete(%s, %s)"
@@ -146,127 +147,6 @@ def set_trigger_mode(admin: psycopg.Connection[Any], mode: str) -> None:
 
 # --------------------------------------------------------------------------------------------
 # Outside noise: how much of the machine's CPU went elsewhere during a measurement
-
-
-class CpuMeter:
-    """Splits the machine's CPU time during a measurement, by sampling /proc every 0.1 s, into
-    this run's (this process, its pgbench children, the PostgreSQL backends of its database),
-    PostgreSQL's shared background processes (walwriter, checkpointer, ...), and everything
-    else: other users of the machine, whose load makes a figure lower than it should be.
-    """
-
-    HZ = os.sysconf("SC_CLK_TCK")
-
-    def __init__(self, dbname: str) -> None:
-        self.dbname = dbname
-        self.me = os.getpid()
-        self._procs: dict[tuple[int, int], list[Any]] = {}   # (pid, start) -> [class, first, last]
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.result: dict[str, float] = {}
-
-    @staticmethod
-    def _busy() -> int:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        return sum(v) - v[3] - v[4]   # all but idle and iowait
-
-    def _classify(self, pid: int, ppid: int) -> str:
-        if pid == self.me or ppid == self.me:
-            return "mine"
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            return "other"
-        if cmd.startswith("postgres:") or "/bin/postgres" in cmd:
-            if f" {self.dbname} " in cmd:
-                return "mine"
-            if "(" not in cmd and "[local]" not in cmd:   # no client address: a background process
-                return "shared"
-        return "other"
-
-    def _sample(self) -> None:
-        for entry in os.scandir("/proc"):
-            if not entry.name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry.name}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            pid, ppid = int(entry.name), int(fields[1])
-            ticks, start = int(fields[11]) + int(fields[12]), int(fields[19])
-            rec = self._procs.get((pid, start))
-            if rec is None:
-                first = 0 if start >= self._t0_ticks else ticks   # started during the measurement
-                self._procs[(pid, start)] = [self._classify(pid, ppid), first, ticks]
-            else:
-                rec[2] = ticks
-
-    def __enter__(self) -> "CpuMeter":
-        with open("/proc/uptime") as f:
-            self._t0_ticks = int(float(f.read().split()[0]) * self.HZ)
-        self._busy0 = self._busy()
-        self._wall0 = time.perf_counter()
-        self._sample()
-
-        def loop() -> None:
-            while not self._stop.wait(0.1):
-                self._sample()
-        self._thread = threading.Thread(target=loop, name="bench-cpumeter", daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        if self._thread:
-            self._thread.join()
-        self._sample()
-        wall = time.perf_counter() - self._wall0
-        capacity = wall * (os.cpu_count() or 1) * self.HZ
-        total = self._busy() - self._busy0
-        by = {"mine": 0, "shared": 0, "other": 0}
-        for cls, first, last in self._procs.values():
-            by[cls] += max(0, last - first)
-        other = max(0, total - by["mine"] - by["shared"])
-        self.result = {k: round(100 * v / capacity, 1) for k, v in
-                       (("busy_pct", total), ("mine_pct", by["mine"]), ("pg_background_pct", by["shared"]),
-                        ("foreign_pct", other))}
-        self.result["mine_cpu_s"] = by["mine"] / self.HZ
-        self.result["pg_background_cpu_s"] = by["shared"] / self.HZ
-
-    @property
-    def foreign(self) -> float:
-        return self.result.get("foreign_pct", 0.0)
-
-
-def backend_cpu_s(conn: psycopg.Connection[Any]) -> float | None:
-    """CPU seconds the server process behind conn has used so far (None: not on this machine)."""
-    try:
-        with open(f"/proc/{conn.info.backend_pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / CpuMeter.HZ
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-class QuietWaiter:
-    """Before a measurement, wait (within an overall budget) for a second in which other users of
-    the machine take less than ``threshold`` % of its CPU; the figures say how much they took."""
-
-    def __init__(self, dbname: str, budget_s: float, threshold: float = 10.0) -> None:
-        self.dbname, self.budget, self.threshold = dbname, budget_s, threshold
-        self.waited = 0.0
-
-    def __call__(self) -> None:
-        while self.waited < self.budget:
-            t0 = time.perf_counter()
-            with CpuMeter(self.dbname) as m:
-                time.sleep(1.0)
-            self.waited += time.perf_counter() - t0
-            if m.foreign < self.threshold:
-                return
 
 
 _quiet: QuietWaiter | None = None
