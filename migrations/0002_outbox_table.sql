@@ -12,6 +12,31 @@ DO $$ BEGIN PERFORM set_config('search_path', format('%I, pg_temp', current_sche
 -- and keep their partition from being dropped. published and discarded are finished.
 CREATE TYPE outbox_state AS ENUM ('pending', 'processing', 'published', 'dead', 'discarded');
 
+-- The rules for single columns are domains rather than table CHECK constraints: a domain is
+-- checked when a value is written to the column, where a CHECK constraint is evaluated again
+-- on every UPDATE of the row, and every claim and every report updates it (the headers rule
+-- alone costs a couple of microseconds per row with a few headers). What can never be
+-- published is refused at insert, with the constraint's name as the reason, rather than
+-- dead-lettered later: the producer's transaction is the one place that can still correct it.
+--
+-- Identifiers, compared in byte order ("C"): compared for equality and kept in the order
+-- index; locale-aware comparison costs every claim's head-of-line probe for nothing.
+CREATE DOMAIN outbox_aggregate_type AS text COLLATE "C"
+    CONSTRAINT outbox_aggregate_type_not_blank CHECK (VALUE <> '' AND octet_length(VALUE) <= 255);
+CREATE DOMAIN outbox_aggregate_id AS text COLLATE "C"
+    CONSTRAINT outbox_aggregate_id_not_blank CHECK (VALUE <> '' AND octet_length(VALUE) <= 1024);
+CREATE DOMAIN outbox_event_type AS text
+    CONSTRAINT outbox_event_type_not_blank CHECK (VALUE <> '' AND octet_length(VALUE) <= 255);
+CREATE DOMAIN outbox_msg_id AS text
+    CONSTRAINT outbox_msg_id_not_blank CHECK (VALUE <> '' AND octet_length(VALUE) <= 255);
+-- NATS headers are name: value lines: names without whitespace or ':', values are strings.
+-- strict: in lax mode the filter would unwrap an array value and let ["a"] or [] through.
+CREATE DOMAIN outbox_headers AS jsonb
+    CONSTRAINT outbox_headers_are_string_map CHECK (
+        jsonb_typeof(VALUE) = 'object'
+        AND NOT jsonb_path_exists(VALUE, 'strict $.* ? (@.type() != "string")')
+        AND NOT jsonb_path_exists(VALUE, '$.keyvalue() ? (@.key like_regex "[[:space:][:cntrl:]:]|^$")'));
+
 -- Identity columns are not allowed on partitioned tables before PostgreSQL 17: a plain sequence.
 CREATE SEQUENCE outbox_id_seq AS bigint;
 
@@ -20,18 +45,16 @@ CREATE TABLE outbox (
     -- The partition key. now() is the producing transaction's start time.
     created_at      timestamptz  NOT NULL DEFAULT now(),
 
-    -- Byte order ("C"): these are identifiers, compared for equality and kept in the order
-    -- index; locale-aware comparison costs every claim's head-of-line probe for nothing.
-    aggregate_type  text COLLATE "C" NOT NULL,
-    aggregate_id    text COLLATE "C" NOT NULL,
-    event_type      text         NOT NULL,
+    aggregate_type  outbox_aggregate_type NOT NULL,
+    aggregate_id    outbox_aggregate_id   NOT NULL,
+    event_type      outbox_event_type     NOT NULL,
     payload         jsonb        NOT NULL,
-    headers         jsonb        NOT NULL DEFAULT '{}',
+    headers         outbox_headers NOT NULL DEFAULT '{}',
     -- NULL: published to <subject_prefix>.<aggregate_type>.<event_type>, resolved at claim time.
     subject         text,
     -- The broker's deduplication key (JetStream's Nats-Msg-Id): fixed at insert, so every
     -- retry of this event carries the same one.
-    msg_id          text         NOT NULL DEFAULT gen_random_uuid()::text,
+    msg_id          outbox_msg_id NOT NULL DEFAULT gen_random_uuid()::text,
 
     state           outbox_state NOT NULL DEFAULT 'pending',
     -- How many times the event has been handed out by outbox_claim().
@@ -49,30 +72,30 @@ CREATE TABLE outbox (
     discarded_at    timestamptz,
     discard_reason  text,
 
+    -- Derived from state, for the partial indexes below, which use these instead of state:
+    -- PostgreSQL can update a row in place (a HOT update: no new index entries) only when no
+    -- indexed or index-predicate column changes. pending -> processing (a claim) and back
+    -- (a retry, a release) keep both values, so leasing and retrying touch no index; only
+    -- finishing an event or dead-lettering it does.
+    -- in_flow: waiting, due, held back behind its aggregate, or leased (live or expired).
+    in_flow         boolean      NOT NULL GENERATED ALWAYS AS (state IN ('pending', 'processing')) STORED,
+    -- unfinished: holds back later events of its aggregate and keeps its partition.
+    unfinished      boolean      NOT NULL GENERATED ALWAYS AS (state IN ('pending', 'processing', 'dead')) STORED,
+
     -- A unique constraint on a partitioned table must contain the partition key.
     PRIMARY KEY (id, created_at),
 
-    -- What can never be published is refused here, with the constraint's name as the reason,
-    -- rather than dead-lettered later: the producer's transaction is the one place that can
-    -- still correct it. Subjects follow the NATS rules for publishing: dot-separated non-empty
-    -- tokens, no whitespace or control characters, no wildcards (* or >).
-    CONSTRAINT outbox_aggregate_type_not_blank CHECK (aggregate_type <> '' AND octet_length(aggregate_type) <= 255),
-    CONSTRAINT outbox_aggregate_id_not_blank   CHECK (aggregate_id <> '' AND octet_length(aggregate_id) <= 1024),
-    CONSTRAINT outbox_event_type_not_blank     CHECK (event_type <> '' AND octet_length(event_type) <= 255),
-    CONSTRAINT outbox_msg_id_not_blank         CHECK (msg_id <> '' AND octet_length(msg_id) <= 255),
-    -- An explicit subject is checked as given; without one, the default subject built from
-    -- aggregate_type and event_type must be valid ('p' stands in for the settings' prefix,
-    -- which outbox_settings checks on its own).
+    -- The one rule that spans columns (the domains above hold the others). Subjects follow the
+    -- NATS rules for publishing: dot-separated non-empty tokens, no whitespace or control
+    -- characters, no wildcards (* or >), and not in the server's own namespaces: a first token
+    -- starting with $ ($JS.API..., $SYS..., $KV...) would make the worker send JetStream or
+    -- system requests (a purge, a delete) instead of an event. An explicit subject is checked
+    -- as given; without one, the default subject built from aggregate_type and event_type must
+    -- be valid ('p' stands in for the settings' prefix, which outbox_settings checks on its own).
     CONSTRAINT outbox_subject_is_valid_nats_subject CHECK (
         octet_length(coalesce(subject, '')) <= 1024
         AND coalesce(subject, 'p.' || aggregate_type || '.' || event_type)
-            ~ '^[^.*>[:space:][:cntrl:]]+(\.[^.*>[:space:][:cntrl:]]+)*$'),
-    -- NATS headers are name: value lines: names without whitespace or ':', values are strings.
-    -- strict: in lax mode the filter would unwrap an array value and let ["a"] or [] through.
-    CONSTRAINT outbox_headers_are_string_map CHECK (
-        jsonb_typeof(headers) = 'object'
-        AND NOT jsonb_path_exists(headers, 'strict $.* ? (@.type() != "string")')
-        AND NOT jsonb_path_exists(headers, '$.keyvalue() ? (@.key like_regex "[[:space:][:cntrl:]:]|^$")')),
+            ~ '^[^.*>$[:space:][:cntrl:]][^.*>[:space:][:cntrl:]]*(\.[^.*>[:space:][:cntrl:]]+)*$'),
     CONSTRAINT outbox_attempts_not_negative CHECK (attempts >= 0)
 ) PARTITION BY RANGE (created_at);
 
@@ -84,15 +107,20 @@ COMMENT ON TABLE outbox IS
 -- Catches rows whose time range has no partition yet (maintenance lagging, or an explicit
 -- created_at far from now), so an insert never fails at a partition boundary.
 -- outbox_maintain() moves such rows into a proper partition when it creates one.
-CREATE TABLE outbox_default PARTITION OF outbox DEFAULT;
+-- Its storage parameters are the template for every partition outbox_maintain() creates
+-- (ALTER TABLE outbox_default SET (...) changes those made from then on). fillfactor: inserts
+-- leave half of each page free, so that the claim's and the report's new row versions fit on
+-- the same page: the claim's is then a HOT update, and neither spills to a new page.
+CREATE TABLE outbox_default PARTITION OF outbox DEFAULT WITH (fillfactor = 50);
 
--- Claim candidates, in id order.
-CREATE INDEX outbox_pending_idx ON outbox (id) WHERE state = 'pending';
+-- Claim candidates in id order: due events, and leases to check for expiry. Also how
+-- complete, fail and release find a batch by id: the index is as small as the backlog.
+CREATE INDEX outbox_in_flow_idx ON outbox (id) WHERE in_flow;
 
 -- Head-of-line check: "is there an earlier unfinished event of this aggregate?" is one probe
 -- here. Finished events leave this index, so it stays as small as the backlog.
 CREATE INDEX outbox_unfinished_by_aggregate_idx ON outbox (aggregate_type, aggregate_id, id)
-    WHERE state IN ('pending', 'processing', 'dead');
+    WHERE unfinished;
 
--- Expired leases, reclaimed by every outbox_claim().
-CREATE INDEX outbox_leased_idx ON outbox (locked_until) WHERE state = 'processing';
+-- No index on the lease columns or on state: they change with every claim, and an index on
+-- them would turn each claim into a non-HOT update with new entries in every index.

@@ -20,17 +20,16 @@
 --   * Commit order: an event is handed out only once no open transaction can still commit an
 --     earlier id (outbox_commit_horizon), so "earlier" means earlier in id order AND nothing
 --     earlier is still on its way.
---   * Expired leases are reclaimed here, first, so no separate reaper is needed. An expired
---     lease is a failed attempt (the worker died or hung): retried after a backoff, or dead once
---     max_attempts is reached.
+--   * Expired leases are reclaimed here, so no separate reaper is needed. An expired lease is a
+--     failed attempt (the worker died or hung): retried after a backoff, or dead once
+--     max_attempts is reached. The claim finds them where it finds due events, in id order
+--     among the in-flight events; no index on the lease columns is needed (see 0002).
+--   * A claim is a HOT update (state and lease columns are in no index): it adds no index
+--     entries, which is most of what it would otherwise cost.
 --
 -- batch_size below 1 or NULL is an error; above outbox_settings.max_claim_batch it is clamped.
 -- depends: 0002_outbox_table 0004_outbox_retry_delay
 DO $$ BEGIN PERFORM set_config('search_path', format('%I, pg_temp', current_schema()), false); END $$;
-
--- Complete, fail and release find a batch by its lease token: one probe per partition, where
--- "id = ANY(ids)" would cost one per partition and id.
-CREATE INDEX outbox_lease_token_idx ON outbox (lease_token) WHERE state = 'processing';
 
 -- The largest id that no open transaction can still precede. Producers mark "this transaction
 -- may still commit ids above L" with a shared advisory lock keyed -(L + 1), and hold the shared
@@ -110,10 +109,19 @@ DECLARE
     t      timestamptz := clock_timestamp();
     owner  text;
     n      integer;
-    ids    bigint[];
     horizon bigint;
+    -- The batch, accumulated over the passes of the loop below.
+    ids    bigint[] := '{}';
+    tids   tid[] := '{}';
     oldest timestamptz;
     newest timestamptz;
+    -- One pass.
+    pass_ids     bigint[];
+    pass_tids    tid[];
+    expired_ids  bigint[];
+    expired_tids tid[];
+    pass_oldest  timestamptz;
+    pass_newest  timestamptz;
 BEGIN
     IF batch_size IS NULL OR batch_size < 1 THEN
         RAISE EXCEPTION 'outbox_claim: batch_size must be 1 or more, got %', coalesce(batch_size::text, 'NULL')
@@ -128,46 +136,62 @@ BEGIN
     END IF;
     owner := coalesce(worker, nullif(current_setting('application_name'), ''), 'backend ' || pg_backend_pid());
 
-    -- Reclaim expired leases. SKIP LOCKED: a lease being completed right now is left alone.
-    UPDATE outbox o
-       SET state           = CASE WHEN o.attempts >= cfg.max_attempts THEN 'dead' ELSE 'pending' END::outbox_state,
-           next_attempt_at = t + outbox_retry_delay(o.attempts, cfg.backoff_base, cfg.backoff_cap),
-           dead_at         = CASE WHEN o.attempts >= cfg.max_attempts THEN t END,
-           last_error      = format('lease expired at %s (held by %s)', o.locked_until, o.locked_by),
-           locked_until    = NULL,
-           lease_token     = NULL
-      FROM (SELECT e.id, e.created_at
-              FROM outbox e
-             WHERE e.state = 'processing' AND e.locked_until < t
-             ORDER BY e.locked_until  -- walks outbox_leased_idx from its oldest end
-               FOR UPDATE SKIP LOCKED) expired
-     WHERE o.id = expired.id AND o.created_at = expired.created_at;
+    LOOP
+        -- Commit order: see outbox_commit_horizon(). Read before the snapshot of the next statement.
+        horizon := outbox_commit_horizon();
 
-    -- Lock the candidates first and update them by id afterwards: joining the update to a
-    -- list of candidates lets the planner hash the whole table, where "id = ANY(ids)" within
-    -- the candidates' created_at range is a few index probes in the one or two partitions
-    -- that hold them.
-    -- Commit order: see outbox_commit_horizon(). Read before the snapshot of the next statement.
-    horizon := outbox_commit_horizon();
+        -- Lock the candidates first and update them afterwards by their tuple ids (ctid): a
+        -- row locked here stays where it is until this transaction updates it, and fetching
+        -- it by ctid costs no index probe at all (joining the update to the candidate query
+        -- instead lets the planner hash the whole table). A candidate is a due event or an
+        -- expired lease, at the head of its aggregate's line; SKIP LOCKED: one being claimed
+        -- or reported right now is left alone.
+        SELECT array_agg(c.id) FILTER (WHERE NOT c.expired),
+               array_agg(c.ctid) FILTER (WHERE NOT c.expired),
+               array_agg(c.id) FILTER (WHERE c.expired),
+               array_agg(c.ctid) FILTER (WHERE c.expired),
+               min(c.created_at), max(c.created_at)
+          INTO pass_ids, pass_tids, expired_ids, expired_tids, pass_oldest, pass_newest
+          FROM (SELECT o.id, o.ctid, o.created_at, o.state = 'processing' AS expired
+                  FROM outbox o
+                 WHERE o.in_flow
+                   AND (o.state = 'pending' AND o.next_attempt_at <= t
+                        OR o.state = 'processing' AND o.locked_until < t)
+                   AND o.id <= horizon
+                   AND o.id <> ALL (ids)      -- locked by an earlier pass (empty at first)
+                   AND NOT EXISTS (
+                         SELECT 1
+                           FROM outbox earlier
+                          WHERE earlier.aggregate_type = o.aggregate_type
+                            AND earlier.aggregate_id = o.aggregate_id
+                            AND earlier.id < o.id
+                            AND earlier.unfinished)
+                 ORDER BY o.id
+                 LIMIT n - cardinality(ids)
+                   FOR UPDATE SKIP LOCKED) c;
+        ids    := ids || pass_ids;            -- || and least/greatest ignore NULLs
+        tids   := tids || pass_tids;
+        oldest := least(oldest, pass_oldest);
+        newest := greatest(newest, pass_newest);
+        EXIT WHEN expired_ids IS NULL;
 
-    SELECT array_agg(c.id), min(c.created_at), max(c.created_at)
-      INTO ids, oldest, newest
-      FROM (SELECT o.id, o.created_at
-              FROM outbox o
-             WHERE o.state = 'pending'
-               AND o.next_attempt_at <= t
-               AND o.id <= horizon
-               AND NOT EXISTS (
-                     SELECT 1
-                       FROM outbox earlier
-                      WHERE earlier.aggregate_type = o.aggregate_type
-                        AND earlier.aggregate_id = o.aggregate_id
-                        AND earlier.id < o.id
-                        AND earlier.state IN ('pending', 'processing', 'dead'))
-             ORDER BY o.id
-             LIMIT n
-               FOR UPDATE SKIP LOCKED) c;
-    IF ids IS NULL THEN
+        -- Reclaim the expired leases among them: retried after a backoff, or dead. Their old
+        -- token matches nothing from now on (fencing).
+        UPDATE outbox o
+           SET state           = CASE WHEN o.attempts >= cfg.max_attempts THEN 'dead' ELSE 'pending' END::outbox_state,
+               next_attempt_at = t + outbox_retry_delay(o.attempts, cfg.backoff_base, cfg.backoff_cap),
+               dead_at         = CASE WHEN o.attempts >= cfg.max_attempts THEN t END,
+               last_error      = format('lease expired at %s (held by %s)', o.locked_until, o.locked_by),
+               locked_until    = NULL,
+               lease_token     = NULL
+         WHERE o.ctid = ANY (expired_tids)                -- locked above
+           AND (o.id = ANY (expired_ids)) IS TRUE         -- as below
+           AND o.created_at BETWEEN pass_oldest AND pass_newest;
+        -- Look again for the rest of the batch: a worker's crash must not cost the next claim
+        -- its batch (a short claim tells a worker that the backlog is drained).
+        EXIT WHEN cardinality(ids) >= n;
+    END LOOP;
+    IF cardinality(ids) = 0 THEN
         RETURN;
     END IF;
 
@@ -180,11 +204,16 @@ BEGIN
                claimed_at   = t,
                locked_until = t + lease,
                lease_token  = token
-         WHERE o.id = ANY (ids)
-           AND o.created_at BETWEEN oldest AND newest   -- locked above: still pending
+         WHERE o.ctid = ANY (tids)                       -- locked above: still due
+           -- A ctid from another partition may name a row here. IS TRUE: a filter, not an
+           -- index condition (an index probe per id is what the ctids save).
+           AND (o.id = ANY (ids)) IS TRUE
+           AND o.created_at BETWEEN oldest AND newest
      RETURNING o.id,
                coalesce(o.subject, cfg.subject_prefix || '.' || o.aggregate_type || '.' || o.event_type),
-               o.aggregate_type, o.aggregate_id, o.event_type, o.payload, o.headers, o.msg_id,
+               -- The columns' domains (0002), as their base types.
+               o.aggregate_type::text, o.aggregate_id::text, o.event_type::text, o.payload,
+               o.headers::jsonb, o.msg_id::text,
                o.attempts, o.created_at, o.lease_token, o.locked_until
     )
     SELECT * FROM claimed ORDER BY 1;
@@ -192,4 +221,4 @@ END;
 $$;
 
 COMMENT ON FUNCTION outbox_claim(integer, interval, text) IS
-    'Lease up to batch_size due events (one per aggregate, oldest first) under a new lease_token; reclaims expired leases first.';
+    'Lease up to batch_size due events (one per aggregate, oldest first) under a new lease_token; reclaims the expired leases it meets (a failed attempt each).';

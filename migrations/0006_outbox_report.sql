@@ -27,16 +27,33 @@ SET jit = off
 AS $$
 DECLARE
     done integer;
+    lo   bigint;
+    hi   bigint;
 BEGIN
     IF ids IS NULL OR lease_token IS NULL THEN
         RAISE EXCEPTION 'outbox_complete: ids and lease_token must not be NULL'
             USING ERRCODE = 'null_value_not_allowed';
     END IF;
-    UPDATE outbox o
-       SET state = 'published', published_at = clock_timestamp(), locked_until = NULL
-     WHERE o.state = 'processing'
-       AND o.lease_token = outbox_complete.lease_token
-       AND o.id = ANY (ids);
+    SELECT min(i), max(i) INTO lo, hi FROM unnest(ids) i;
+    IF hi - lo < 2 * cardinality(ids) THEN
+        -- (Nearly) consecutive ids, as a claim from a backlog hands out: one range scan of
+        -- outbox_in_flow_idx per partition, where "id = ANY" probes every partition for every
+        -- id. "IS TRUE" keeps the list out of the index condition.
+        UPDATE outbox o
+           SET state = 'published', published_at = clock_timestamp(), locked_until = NULL
+         WHERE o.in_flow
+           AND o.id BETWEEN lo AND hi
+           AND (o.id = ANY (ids)) IS TRUE
+           AND o.state = 'processing'
+           AND o.lease_token = outbox_complete.lease_token;
+    ELSE
+        UPDATE outbox o
+           SET state = 'published', published_at = clock_timestamp(), locked_until = NULL
+         WHERE o.in_flow                -- found by id in outbox_in_flow_idx
+           AND o.id = ANY (ids)
+           AND o.state = 'processing'
+           AND o.lease_token = outbox_complete.lease_token;
+    END IF;
     GET DIAGNOSTICS done = ROW_COUNT;
     RETURN done;
 END;
@@ -76,7 +93,8 @@ BEGIN
            last_error      = left(coalesce(error, 'unknown error (outbox_fail was given no text)'), 8000),
            locked_until    = NULL,
            lease_token     = NULL
-     WHERE o.state = 'processing'
+     WHERE o.in_flow                -- found by id in outbox_in_flow_idx
+       AND o.state = 'processing'
        AND o.lease_token = outbox_fail.lease_token
        AND o.id = outbox_fail.id
     RETURNING o.state INTO new_state;
@@ -113,7 +131,8 @@ BEGIN
            next_attempt_at = clock_timestamp(),
            locked_until    = NULL,
            lease_token     = NULL
-     WHERE o.state = 'processing'
+     WHERE o.in_flow                -- found by id in outbox_in_flow_idx
+       AND o.state = 'processing'
        AND o.lease_token = outbox_release.lease_token
        AND o.id = ANY (ids);
     GET DIAGNOSTICS released = ROW_COUNT;

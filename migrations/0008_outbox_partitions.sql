@@ -54,9 +54,18 @@ DECLARE
     stray      bigint;
     unfinished bigint;
     p          record;
+    -- New partitions get outbox_default's storage parameters (its fillfactor, see 0002).
+    storage    text;
+    -- Every column but the generated ones, which are computed, never copied.
+    columns    text;
 BEGIN
     SELECT * INTO STRICT cfg FROM outbox_settings;
     width := cfg.partition_width;
+    SELECT coalesce(' WITH (' || array_to_string(c.reloptions, ', ') || ')', '')
+      INTO storage FROM pg_class c WHERE c.oid = 'outbox_default'::regclass;
+    SELECT string_agg(quote_ident(a.attname), ', ' ORDER BY a.attnum)
+      INTO columns FROM pg_attribute a
+     WHERE a.attrelid = 'outbox'::regclass AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = '';
 
     -- One maintainer at a time: every worker runs this on a schedule. A dry run changes nothing
     -- and does not take the lock, so an operator's look never makes a scheduled run skip.
@@ -105,14 +114,15 @@ BEGIN
         END IF;
         BEGIN
             IF stray = 0 THEN
-                EXECUTE format('CREATE TABLE %I PARTITION OF outbox FOR VALUES FROM (%L) TO (%L)', name, lo, hi);
+                EXECUTE format('CREATE TABLE %I PARTITION OF outbox FOR VALUES FROM (%L) TO (%L)', name, lo, hi) || storage;
             ELSE
                 -- Rows already in the default partition would violate the new partition's range:
                 -- move them into a fresh table first, then attach it.
                 LOCK TABLE outbox_default IN ACCESS EXCLUSIVE MODE;
-                EXECUTE format('CREATE TABLE %I (LIKE outbox INCLUDING DEFAULTS INCLUDING CONSTRAINTS)', name);
+                EXECUTE format('CREATE TABLE %I (LIKE outbox INCLUDING DEFAULTS INCLUDING CONSTRAINTS INCLUDING GENERATED)',
+                               name) || storage;
                 EXECUTE format('WITH moved AS (DELETE FROM outbox_default WHERE created_at >= %L AND created_at < %L RETURNING *)
-                                INSERT INTO %I SELECT * FROM moved', lo, hi, name);
+                                INSERT INTO %I (%s) SELECT %s FROM moved', lo, hi, name, columns, columns);
                 GET DIAGNOSTICS stray = ROW_COUNT;
                 EXECUTE format('ALTER TABLE outbox ATTACH PARTITION %I FOR VALUES FROM (%L) TO (%L)', name, lo, hi);
             END IF;
@@ -140,7 +150,7 @@ BEGIN
                 LOCK TABLE ONLY outbox IN ACCESS EXCLUSIVE MODE;
                 EXECUTE format('LOCK TABLE %I IN ACCESS EXCLUSIVE MODE', p.partition);
             END IF;
-            EXECUTE format('SELECT count(*) FROM %I WHERE state IN (''pending'', ''processing'', ''dead'')',
+            EXECUTE format('SELECT count(*) FROM %I WHERE unfinished',
                            p.partition) INTO unfinished;
             IF unfinished > 0 THEN
                 RETURN QUERY SELECT 'keep', p.partition, p.range_start, p.range_end,

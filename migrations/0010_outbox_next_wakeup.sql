@@ -5,8 +5,8 @@
 -- Two things become claimable with time rather than with a NOTIFY: a retry whose backoff
 -- ends, and an expired lease (its worker died or hung). This returns the earliest of those
 -- moments, so a worker can sleep exactly until then instead of polling.
--- It walks the pending events (cheap while idle: only waiting retries and events held back
--- behind an earlier one of their aggregate are pending then) and the running leases.
+-- It walks the in-flight events (cheap while idle: only waiting retries, events held back
+-- behind an earlier one of their aggregate, and running leases are in flight then).
 -- depends: 0005_outbox_claim
 DO $$ BEGIN PERFORM set_config('search_path', format('%I, pg_temp', current_schema()), false); END $$;
 
@@ -22,9 +22,10 @@ SET enable_seqscan = off
 SET max_parallel_workers_per_gather = 0
 AS $$
 BEGIN
-    RETURN least(
-        (SELECT min(next_attempt_at) FROM outbox WHERE state = 'pending' AND next_attempt_at > now()),
-        (SELECT min(locked_until) FROM outbox WHERE state = 'processing'));
+    RETURN (SELECT min(CASE WHEN o.state = 'processing' THEN o.locked_until
+                            WHEN o.next_attempt_at > now() THEN o.next_attempt_at END)
+              FROM outbox o
+             WHERE o.in_flow);
 END;
 $$;
 

@@ -67,8 +67,7 @@ DECLARE
     last_claim   timestamptz;
     recent_claim timestamptz;
 BEGIN
-    -- One pass over the unfinished events; the predicate is exactly that of the partial index
-    -- outbox_unfinished_by_aggregate_idx.
+    -- One pass over the unfinished events (the partial index outbox_unfinished_by_aggregate_idx).
     SELECT count(*) FILTER (WHERE o.state = 'pending'),
            count(*) FILTER (WHERE o.state = 'processing'),
            count(*) FILTER (WHERE o.state = 'pending' AND o.next_attempt_at > now()),
@@ -78,7 +77,7 @@ BEGIN
            max(o.claimed_at)
       INTO n_pending, n_processing, n_waiting, n_dead, n_expired, oldest, last_claim
       FROM outbox o
-     WHERE o.state IN ('pending', 'processing', 'dead');
+     WHERE o.unfinished;
 
     -- The newest events by id, whatever their state (a backward walk of each partition's primary key).
     SELECT max(r.claimed_at) INTO recent_claim

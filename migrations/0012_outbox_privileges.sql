@@ -177,6 +177,7 @@ TO outbox_operator;
 GRANT SELECT (id, created_at, aggregate_type, aggregate_id, event_type, subject, msg_id, state, attempts,
               next_attempt_at, locked_by, claimed_at, locked_until, lease_token, last_error,
               published_at, dead_at, discarded_at, discard_reason,
+              in_flow, unfinished,   -- what the partial indexes select on (0002)
               tableoid)   -- which partition an event is in
     ON outbox TO outbox_operator;
 -- The outboxpg command line (status, maintain, dead) checks which steps are applied in yoyo's

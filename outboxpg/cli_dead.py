@@ -171,7 +171,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         row["partition"] = part["p"] if part else None
         held = cur.execute(
             "SELECT count(*) AS n FROM outbox WHERE aggregate_type = %s AND aggregate_id = %s AND id > %s "
-            "AND state IN ('pending', 'processing')",
+            "AND unfinished AND state IN ('pending', 'processing')",
             (row["aggregate_type"], row["aggregate_id"], row["id"])).fetchone()
         row["held_back_behind_it"] = int(held["n"]) if held and row["state"] == "dead" else 0
     if args.json:

@@ -33,7 +33,7 @@ SELECT d.aggregate_type,
          ORDER BY aggregate_type, aggregate_id, id) d
   LEFT JOIN outbox h
          ON h.aggregate_type = d.aggregate_type AND h.aggregate_id = d.aggregate_id
-        AND h.id > d.id AND h.state IN ('pending', 'processing')
+        AND h.id > d.id AND h.unfinished AND h.state IN ('pending', 'processing')
  GROUP BY d.aggregate_type
  ORDER BY d.aggregate_type;
 

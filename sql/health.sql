@@ -59,10 +59,10 @@ SELECT o.id,
        o.last_error
   FROM (SELECT id, created_at, aggregate_type, aggregate_id, event_type, state, attempts, next_attempt_at,
                locked_by, locked_until, last_error
-          FROM outbox WHERE state IN ('pending', 'processing') ORDER BY created_at, id LIMIT 10) o
+          FROM outbox WHERE in_flow ORDER BY created_at, id LIMIT 10) o
   LEFT JOIN LATERAL (SELECT e.id, e.state
                        FROM outbox e
                       WHERE e.aggregate_type = o.aggregate_type AND e.aggregate_id = o.aggregate_id
-                        AND e.id < o.id AND e.state IN ('pending', 'processing', 'dead')
+                        AND e.id < o.id AND e.unfinished
                       ORDER BY e.id LIMIT 1) blocker ON o.state = 'pending'
  ORDER BY o.created_at, o.id;

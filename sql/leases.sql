@@ -2,7 +2,7 @@
 --
 --   psql -X -v ON_ERROR_STOP=1 -d yourdb -f sql/leases.sql      (or \i sql/leases.sql in psql)
 --
--- Shows, read-only (it reads only leased events, through the partial index outbox_leased_idx):
+-- Shows, read-only (it reads only events in flight, through the partial index outbox_in_flow_idx):
 --   1. per owner (locked_by: the worker's --name, by default host:pid; or the claiming session's
 --      application_name): leased events, claims (lease tokens) behind them, how many are past
 --      locked_until, the oldest claim and the first and last expiry;
@@ -21,7 +21,7 @@ SELECT locked_by,
        min(locked_until)                             AS first_locked_until,
        max(locked_until)                             AS last_locked_until
   FROM outbox
- WHERE state = 'processing'
+ WHERE in_flow AND state = 'processing'
  GROUP BY locked_by
  ORDER BY locked_by;
 
@@ -36,6 +36,6 @@ SELECT id,
        locked_until,
        date_trunc('second', now() - locked_until) AS expired_for
   FROM outbox
- WHERE state = 'processing' AND locked_until < now()
+ WHERE in_flow AND state = 'processing' AND locked_until < now()
  ORDER BY locked_until, id
  LIMIT 20;

@@ -70,7 +70,8 @@ VIEWS = {"outbox_stats": {"outbox_operator"}, "outbox_dead_letters": {"outbox_op
          "outbox_partitions": {"outbox_operator"}, "outbox_health": {"outbox_worker", "outbox_operator"}}
 OUTBOX_COLUMNS = {"id", "created_at", "aggregate_type", "aggregate_id", "event_type", "payload", "headers", "subject",
                   "msg_id", "state", "attempts", "next_attempt_at", "locked_by", "claimed_at", "locked_until",
-                  "lease_token", "last_error", "published_at", "dead_at", "discarded_at", "discard_reason"}
+                  "lease_token", "last_error", "published_at", "dead_at", "discarded_at", "discard_reason",
+                  "in_flow", "unfinished"}
 
 
 # --------------------------------------------------------------------------------------------

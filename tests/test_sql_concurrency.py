@@ -124,6 +124,38 @@ def test_unexpired_lease_is_not_reclaimed(conn: Conn) -> None:
     assert e["state"] == "processing" and e["lease_token"] == r["lease_token"] and e["attempts"] == 1
 
 
+def test_expired_leases_do_not_cost_the_claim_its_batch(conn: Conn) -> None:
+    """Expired leases come first in id order; a claim that finds only those among its first
+    candidates reclaims them and still hands out the due events behind them."""
+    old = [insert(conn, aggregate_id=f"old{n}") for n in range(3)]
+    claimed = claim(conn, 3, lease="20 milliseconds", worker="crashed")
+    assert [r["id"] for r in claimed] == old
+    for i in old:
+        _wait_lease_expired(conn, i)
+    new = [insert(conn, aggregate_id=f"new{n}") for n in range(2)]
+
+    assert [r["id"] for r in claim(conn, 2)] == new
+    for i in old:   # reclaimed by that claim: a failed attempt, waiting for its retry
+        e = event(conn, i)
+        assert e["state"] == "pending" and e["lease_token"] is None and e["attempts"] == 1
+        assert "lease expired" in e["last_error"] and "crashed" in e["last_error"]
+
+
+def test_claim_and_retry_are_hot_updates(conn: Conn) -> None:
+    """Leasing and retrying touch no index (state and lease columns are in none): PostgreSQL
+    updates the row in place (HOT). Counted within one transaction, where the statistics are exact."""
+    ids = insert_series(conn, [f"a{n}" for n in range(20)])
+    with conn.transaction():
+        rows = claim(conn, 20)
+        assert len(rows) == 20
+        assert fail(conn, ids[0], rows[0]["lease_token"], "retry me") == "pending"
+        (updated, hot), = conn.execute(
+            "SELECT sum(pg_stat_get_xact_tuples_updated(i.inhrelid)), sum(pg_stat_get_xact_tuples_hot_updated(i.inhrelid)) "
+            "FROM pg_inherits i WHERE i.inhparent = 'outbox'::regclass").fetchall()
+    assert updated == 21
+    assert hot == 21
+
+
 # --------------------------------------------------------------------------------------------
 # exclusive claims: 8 concurrent claimers, 10,000 events
 # --------------------------------------------------------------------------------------------
