@@ -24,7 +24,8 @@ import psycopg
 
 from outboxpg import cli_dead, cli_status, schema
 from outboxpg.cli_common import (EXIT_CONNECT, EXIT_FAILED, EXIT_SCHEMA, NOT_INSTALLED, CliError, add_dsn,
-                                 describe_connection_error, first_line, redact, resolve_dsn, secrets_of)
+                                 describe_connection_error, first_line, redact, resolve_dsn,
+                                 restore_double_dash, secrets_of)
 
 __all__ = ["CliError", "build_parser", "main"]
 
@@ -89,6 +90,7 @@ def _fail(message: str, code: int, secrets: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    restore_double_dash(args, ("dsn", "event_type", "aggregate_type", "aggregate_id", "since", "reason"))
     secrets = secrets_of(resolve_dsn(args))
     try:
         return int(args.func(args))

@@ -50,6 +50,15 @@ def add_dsn(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dsn", help=DSN_HELP)
 
 
+def restore_double_dash(args: argparse.Namespace, names: Iterable[str]) -> None:
+    """Undo an argparse quirk (seen on CPython 3.11): in ``--opt=--`` it drops the ``--`` and
+    leaves the option an empty list, which a query would then send as the array literal '{}'
+    (so ``--event-type=--`` matched the events whose type is "{}"). [] is what ``--`` was."""
+    for name in names:
+        if getattr(args, name, None) == []:
+            setattr(args, name, "--")
+
+
 def resolve_dsn(args: argparse.Namespace) -> str:
     """--dsn, else $OUTBOXPG_DSN, else '' (libpq then reads PGHOST, PGDATABASE, ...)."""
     dsn = getattr(args, "dsn", None)
@@ -104,10 +113,10 @@ def describe_connection_error(exc: psycopg.Error) -> str:
 
 # -- connecting and checking the schema -----------------------------------------------------
 
-def connect(dsn: str) -> psycopg.Connection[Any]:
-    """An autocommit connection; a bad DSN or an unreachable server is a CliError (exit 2)."""
+def parse_dsn(dsn: str) -> dict[str, Any]:
+    """The DSN's parameters; a string libpq cannot parse is a CliError (exit 2)."""
     try:
-        params = conninfo_to_dict(dsn)
+        return conninfo_to_dict(dsn)
     except psycopg.Error as exc:
         if _has_password_part(dsn):
             # libpq quotes the part it could not parse, which may be (part of) the password.
@@ -116,6 +125,11 @@ def connect(dsn: str) -> psycopg.Connection[Any]:
                            EXIT_CONNECT) from None
         raise CliError(f"cannot connect to PostgreSQL: invalid connection string: {first_line(exc)}",
                        EXIT_CONNECT) from None
+
+
+def connect(dsn: str) -> psycopg.Connection[Any]:
+    """An autocommit connection; a bad DSN or an unreachable server is a CliError (exit 2)."""
+    params = parse_dsn(dsn)
     extra: dict[str, Any] = {}
     if "connect_timeout" not in params and not os.environ.get("PGCONNECT_TIMEOUT"):
         extra["connect_timeout"] = 10

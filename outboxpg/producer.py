@@ -49,6 +49,16 @@ def encode_payload(payload: Payload) -> str:
     )
 
 
+def _key(name: str, value: Any) -> str:
+    """aggregate_type, aggregate_id or event_type as text. Numbers, UUIDs and the like become
+    their str(); None and bytes are refused, which str() would turn into 'None' and "b'...'"."""
+    if isinstance(value, str):
+        return value
+    if value is None or isinstance(value, (bytes, bytearray, memoryview)):
+        raise TypeError(f"{name} must be a str (or a value whose str() is the key), not {type(value).__name__}")
+    return str(value)
+
+
 def _encode_headers(headers: Mapping[str, str] | None) -> str | None:
     return None if headers is None else orjson.dumps(dict(headers)).decode("utf-8")
 
@@ -62,9 +72,9 @@ _INSERT_ONE = sql.SQL(
 
 def _one_params(event: Event) -> tuple[Any, ...]:
     return (
-        str(event.aggregate_type),
-        str(event.aggregate_id),
-        str(event.event_type),
+        _key("aggregate_type", event.aggregate_type),
+        _key("aggregate_id", event.aggregate_id),
+        _key("event_type", event.event_type),
         encode_payload(event.payload),
         event.subject,
         _encode_headers(event.headers),
@@ -120,7 +130,8 @@ def _copy_plan(events: Iterable[Event | Mapping[str, Any]]) -> tuple[sql.Compose
     columns += ["subject"] * with_subject + ["headers"] * with_headers + ["msg_id"] * with_msg_id
     rows = []
     for e in batch:
-        row: list[Any] = [str(e.aggregate_type), str(e.aggregate_id), str(e.event_type), encode_payload(e.payload)]
+        row: list[Any] = [_key("aggregate_type", e.aggregate_type), _key("aggregate_id", e.aggregate_id),
+                          _key("event_type", e.event_type), encode_payload(e.payload)]
         if with_subject:
             row.append(e.subject)
         if with_headers:

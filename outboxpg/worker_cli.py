@@ -2,12 +2,20 @@
 
 Every flag can also come from an environment variable, OUTBOXPG_<FLAG> (e.g. OUTBOXPG_DSN,
 OUTBOXPG_BATCH_SIZE, OUTBOXPG_POLL_ONLY=1). Flags win over the environment.
+
+At start it fails fast, with one line on stderr and an exit code, on what no retry can fix:
+2 a bad flag or DSN, or PostgreSQL cannot be reached; 3 the outbox schema is missing or too old;
+1 the login may not run the worker's functions (or another database error at start).
+What may come right by itself is waited for, with a warning per try and a growing pause:
+an unreachable NATS server at start (then nats-py reconnects on its own). No log line shows
+the DSN's or the NATS URL's password.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -15,10 +23,13 @@ import sys
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import psycopg
 
-from outboxpg.cli_common import describe_connection_error
+from outboxpg.cli_common import (EXIT_CONNECT, EXIT_FAILED, EXIT_SCHEMA, CliError, describe_connection_error,
+                                 parse_dsn, redact, restore_double_dash, secrets_of)
+from outboxpg.errors import first_line
 from outboxpg.worker import Worker, WorkerConfig
 
 log = logging.getLogger("outboxpg.worker")
@@ -79,15 +90,125 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def _stream_setup(args: argparse.Namespace, publisher: Any, cfg: WorkerConfig, prefix: str,
                         backoff_cap: timedelta) -> None:
-    """Check (and with --ensure-stream, create) the stream the worker will publish into."""
+    """Check (and with --ensure-stream, create) the stream the worker will publish into. A
+    failure is logged, not fatal: publishes then fail and are retried, as without a stream."""
     from outboxpg.nats_publisher import check_stream, ensure_stream
 
     window = timedelta(seconds=cfg.lease) + backoff_cap + timedelta(seconds=60)
     if args.ensure_stream:
-        log.info("event=ensure_stream result=%r", await ensure_stream(publisher.js, args.ensure_stream,
-                                                                       [f"{prefix}.>"], window))
-    for problem in await check_stream(publisher.js, f"{prefix}.check", timedelta(seconds=cfg.lease) + backoff_cap):
+        try:
+            log.info("event=ensure_stream result=%r", await ensure_stream(publisher.js, args.ensure_stream,
+                                                                           [f"{prefix}.>"], window))
+        except Exception as exc:  # noqa: BLE001 - JetStream off, no permission, a conflicting stream...
+            log.error("event=ensure_stream_failed stream=%s error=%r", args.ensure_stream, _describe(exc))
+    try:
+        problems = await check_stream(publisher.js, f"{prefix}.check", timedelta(seconds=cfg.lease) + backoff_cap)
+    except Exception as exc:  # noqa: BLE001 - e.g. JetStream not enabled on the server
+        problems = [f"cannot check the JetStream stream for {prefix + '.>'!r}: {_describe(exc)}"]
+    for problem in problems:
         log.warning("event=stream_check problem=%r", problem)
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {first_line(exc)}" if str(exc).strip() else type(exc).__name__
+
+
+# What the worker calls, by the signature to_regprocedure() reads.
+_FUNCTIONS = ("outbox_claim(integer,interval,text)", "outbox_complete(bigint[],uuid)",
+              "outbox_fail(bigint,uuid,text,boolean)", "outbox_release(bigint[],uuid)", "outbox_next_wakeup()")
+_IDLE_FUNCTIONS = ("outbox_worker_idle()", "outbox_worker_busy()")   # not in --poll-only mode
+
+_CHECK_FUNCTIONS = """
+SELECT f, to_regprocedure(f) IS NOT NULL,
+       coalesce(has_function_privilege(to_regprocedure(f), 'EXECUTE'), false)
+  FROM unnest(%s::text[]) AS f
+"""
+_CHECK_SETTINGS = """
+SELECT to_regclass('outbox_settings') IS NOT NULL
+       AND has_column_privilege(to_regclass('outbox_settings'), 'subject_prefix', 'SELECT')
+       AND has_column_privilege(to_regclass('outbox_settings'), 'backoff_cap', 'SELECT'),
+       current_user::text
+"""
+
+
+async def _check_database(cfg: WorkerConfig) -> tuple[str, timedelta]:
+    """Fail fast, in one line, on what no retry can fix: a wrong DSN or an unreachable server
+    (exit 2), a database without the schema or with an older one (3), a login that may not run
+    the worker's functions (1). Returns (subject_prefix, backoff_cap) for the stream check."""
+    parse_dsn(cfg.dsn)
+    try:
+        conn = await psycopg.AsyncConnection.connect(cfg.dsn, autocommit=True, connect_timeout=10)
+    except psycopg.Error as exc:
+        raise CliError(describe_connection_error(exc), EXIT_CONNECT) from None
+    async with conn:
+        functions = _FUNCTIONS + (() if cfg.poll_only else _IDLE_FUNCTIONS)
+        rows = await (await conn.execute(_CHECK_FUNCTIONS, (list(functions),))).fetchall()
+        if not rows[0][1]:
+            raise CliError("the outbox schema is not installed in this database: run outboxpg migrate --dsn ...",
+                           EXIT_SCHEMA)
+        missing = [f for f, exists, _ in rows if not exists]
+        if missing:
+            raise CliError(f"the outbox schema is not up to date ({missing[0]} is missing): "
+                           "run outboxpg migrate --dsn ...", EXIT_SCHEMA)
+        not_executable = [f.split("(")[0] for f, _, may in rows if not may]
+        row = await (await conn.execute(_CHECK_SETTINGS)).fetchone()
+        assert row is not None
+        may_read, user = row
+        denied = [f"execute {', '.join(not_executable)}"] if not_executable else []
+        if not may_read:
+            denied.append("read outbox_settings")
+        if denied:
+            raise CliError(f"role {user!r} may not {' nor '.join(denied)}: make it a member of outbox_worker "
+                           f"(GRANT outbox_worker TO \"{user}\"; see docs/privileges.md)", EXIT_FAILED)
+        settings = await (await conn.execute("SELECT subject_prefix, backoff_cap FROM outbox_settings")).fetchone()
+        assert settings is not None
+        return settings[0], settings[1]
+
+
+def _nats_secrets(url: str) -> list[str]:
+    """The passwords (or tokens) in a NATS URL list, e.g. nats://user:pw@host or nats://token@host."""
+    found = []
+    for part in url.split(","):
+        try:
+            u = urlsplit(part.strip())
+            password, username = u.password, u.username
+        except ValueError:
+            continue
+        if password:
+            found.append(password)
+        elif username:
+            found.append(username)   # a token
+    return found
+
+
+async def _wait_for_nats(url: str, stopping: asyncio.Event) -> bool:
+    """Wait until the NATS server answers, logging each failed try and pausing 0.2 s, 0.4 s, ...
+    up to 5 s in between. nats-py's own connect retries a refused server forever and silently
+    (every 0.5 s, logged at DEBUG only); this probe connection makes no retries of its own.
+    False: stopped (SIGTERM) while waiting."""
+    import nats
+
+    delay = 0.2
+    while not stopping.is_set():
+        seen: list[Exception] = []
+
+        async def on_error(exc: Exception) -> None:
+            seen.append(exc)
+
+        try:
+            nc = await nats.connect(url, connect_timeout=2, allow_reconnect=False, max_reconnect_attempts=1,
+                                    reconnect_time_wait=0, error_cb=on_error, name="outboxpg-worker-probe")
+        except Exception as exc:  # noqa: BLE001 - refused, unresolvable, TLS, authorization...
+            reason = seen[-1] if seen else exc
+            log.warning("event=nats_connect_failed url=%s error=%r retry_in=%.1fs", url, _describe(reason), delay)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stopping.wait(), delay)
+            delay = min(delay * 2, 5.0)
+            continue
+        with contextlib.suppress(Exception):
+            await nc.close()
+        return True
+    return False
 
 
 async def _main(args: argparse.Namespace) -> int:
@@ -96,15 +217,19 @@ async def _main(args: argparse.Namespace) -> int:
                        publish_timeout=args.publish_timeout, name=args.name,
                        summary_interval=args.summary_interval, maintenance_interval=args.maintenance_interval)
     cfg.validate()
-    # Fail fast, in one line, on a wrong DSN or a database without the schema.
-    async with await psycopg.AsyncConnection.connect(cfg.dsn, autocommit=True, connect_timeout=10) as conn:
-        row = await (await conn.execute("SELECT to_regprocedure('outbox_claim(integer,interval,text)')")).fetchone()
-        if row is None or row[0] is None:
-            raise SystemExit("outboxpg-worker: the outbox schema is not installed in this database: "
-                             "run outboxpg migrate --dsn ...")
-        # What the stream check needs (columns the outbox_worker role may read).
-        settings = await (await conn.execute("SELECT subject_prefix, backoff_cap FROM outbox_settings")).fetchone()
-        assert settings is not None
+    # SIGTERM/SIGINT while starting: stop waiting and exit 0; once running: worker.stop().
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+    worker: Worker | None = None
+
+    def on_signal() -> None:
+        stopping.set()
+        if worker is not None:
+            worker.stop()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    settings = await _check_database(cfg)
     if args.publisher:
         from outboxpg.publishers import FunctionPublisher, load_publisher
 
@@ -114,6 +239,8 @@ async def _main(args: argparse.Namespace) -> int:
     else:
         from outboxpg.nats_publisher import NatsPublisher
 
+        if not await _wait_for_nats(args.nats_url, stopping):
+            return 0
         publisher = NatsPublisher(args.nats_url, ack_timeout=cfg.publish_timeout)
         await publisher.start()
         await _stream_setup(args, publisher, cfg, *settings)
@@ -125,25 +252,54 @@ async def _main(args: argparse.Namespace) -> int:
         metrics.serve(args.metrics_port, args.metrics_addr)
         log.info("event=metrics_serving addr=%s port=%d", args.metrics_addr, args.metrics_port)
     worker = Worker(cfg, publisher, metrics)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, worker.stop)
+    if stopping.is_set():
+        worker.stop()
     await worker.run()
     return 0
 
 
+class _Redact(logging.Filter):
+    """Replaces every form of the given secrets in log lines with ***."""
+
+    def __init__(self, secrets: Sequence[str]) -> None:
+        super().__init__()
+        self.secrets = list(secrets)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        clean = redact(text, self.secrets)
+        if clean != text:
+            record.msg, record.args = clean, None
+        return True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    restore_double_dash(args, ("dsn", "nats_url", "ensure_stream", "publisher", "name", "metrics_addr"))
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s")
+    nats_secrets = _nats_secrets(args.nats_url)
+    secrets = sorted({*secrets_of(args.dsn), *nats_secrets, *map(unquote, nats_secrets)} - {""}, key=len, reverse=True)
+    if secrets:
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(_Redact(secrets))
+
+    def fail(message: str, code: int) -> int:
+        print(redact(f"outboxpg-worker: {message}", secrets), file=sys.stderr)
+        return code
+
     try:
         return asyncio.run(_main(args))
-    except ValueError as exc:
-        print(f"outboxpg-worker: {exc}", file=sys.stderr)
-        return 2
+    except CliError as exc:
+        return fail(str(exc), exc.code)
+    except ValueError as exc:   # a flag out of range (WorkerConfig.validate)
+        return fail(str(exc), 2)
     except psycopg.OperationalError as exc:
-        print(f"outboxpg-worker: {describe_connection_error(exc)}", file=sys.stderr)
-        return 2
+        if exc.sqlstate is None:   # from libpq: connecting failed, or the connection broke
+            return fail(describe_connection_error(exc), EXIT_CONNECT)
+        return fail(f"database error at start: {first_line(exc)}", EXIT_FAILED)
+    except psycopg.Error as exc:
+        return fail(f"database error at start: {first_line(exc)}", EXIT_FAILED)
     except KeyboardInterrupt:
         return 130
 

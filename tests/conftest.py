@@ -18,12 +18,26 @@ from typing import Any
 
 import psycopg
 import pytest
+from hypothesis import HealthCheck, settings
 from pytest_postgresql import factories
 from pytest_postgresql.executors import NoopExecutor
 from pytest_postgresql.janitor import DatabaseJanitor
 
 from outboxpg import schema
 from outboxpg.embedded import EmbeddedNats, EmbeddedPostgres
+
+
+# Property-based tests (hypothesis): examples are bounded in each test (max_examples) and nothing
+# has a deadline (a real database answers in its own time on a busy machine). The database
+# fixtures are per test, not per example: the tests clean up between examples themselves.
+# Under CI=true the examples are derandomized (the same ones on every run, so a failure is
+# reproducible from the log alone); elsewhere they vary, and hypothesis keeps the failing ones in
+# .hypothesis/ and replays them first. HYPOTHESIS_PROFILE=ci locally reproduces a CI run.
+settings.register_profile("dev", deadline=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                                 HealthCheck.data_too_large])
+settings.register_profile("ci", parent=settings.get_profile("dev"), derandomize=True, database=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") == "true" else "dev"))
 
 
 def _dsn(host: str, port: int | str, user: str, dbname: str, password: str | None = None) -> str:
