@@ -31,11 +31,13 @@ CREATE DOMAIN outbox_msg_id AS text
     CONSTRAINT outbox_msg_id_not_blank CHECK (VALUE <> '' AND octet_length(VALUE) <= 255);
 -- NATS headers are name: value lines: names without whitespace or ':', values are strings.
 -- strict: in lax mode the filter would unwrap an array value and let ["a"] or [] through.
+-- Names starting with Nats- are instructions to the server, not data (Nats-Rollup purges a
+-- subject, Nats-Expected-* cannot hold across a retry, Nats-Msg-Id is the outbox's own): refused.
 CREATE DOMAIN outbox_headers AS jsonb
     CONSTRAINT outbox_headers_are_string_map CHECK (
         jsonb_typeof(VALUE) = 'object'
         AND NOT jsonb_path_exists(VALUE, 'strict $.* ? (@.type() != "string")')
-        AND NOT jsonb_path_exists(VALUE, '$.keyvalue() ? (@.key like_regex "[[:space:][:cntrl:]:]|^$")'));
+        AND NOT jsonb_path_exists(VALUE, '$.keyvalue() ? (@.key like_regex "[[:space:][:cntrl:]:]|^$|^nats-" flag "i")'));
 
 -- Identity columns are not allowed on partitioned tables before PostgreSQL 17: a plain sequence.
 CREATE SEQUENCE outbox_id_seq AS bigint;

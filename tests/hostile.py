@@ -80,7 +80,8 @@ subjects = st.one_of(
 
 header_maps = st.one_of(
     st.none(),
-    st.dictionaries(st.one_of(st.from_regex(r"[A-Za-z][A-Za-z0-9-]{0,12}", fullmatch=True), hostile_text(12)),
+    st.dictionaries(st.one_of(st.from_regex(r"[A-Za-z][A-Za-z0-9-]{0,12}", fullmatch=True), st.just("Nats-Rollup"),
+                              hostile_text(12)),
                     st.one_of(hostile_text(30), st.just("plain")), max_size=3),
     st.dictionaries(plain_token, st.one_of(st.integers(), st.none(), st.booleans(), st.lists(st.text(max_size=2))),
                     min_size=1, max_size=2),
@@ -295,6 +296,8 @@ def verdict(spec: Spec) -> Verdict:
             v.refused.append("header value not a string")
         else:
             for k in spec.headers:
+                if k.lower().startswith("nats-"):
+                    v.refused.append("header name in NATS's own Nats- namespace")
                 _token_verdict(k, v, "header name", also=":")
     payload_verdict(spec.payload, v)
     return v

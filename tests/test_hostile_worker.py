@@ -96,7 +96,6 @@ async def test_poison_events_die_with_a_reason_and_hold_back_only_their_aggregat
     poisonous("header-name", headers={"k\u00e9y": "v"})                      # the client refuses the name
     poisonous("header-line-break", headers={"X-Note": "a\nb"})               # a line break in a value
     poisonous("no-stream", subject=f"nostream{uuid.uuid4().hex[:8]}.x")       # no stream captures it
-    poisonous("control-header", headers={"Nats-Expected-Stream": "NOPE"})    # JetStream refuses it
 
     running = RunningWorker(dsn, nats_server.url)
     everything = list(good) + list(poison.values()) + behind
@@ -118,10 +117,6 @@ async def test_poison_events_die_with_a_reason_and_hold_back_only_their_aggregat
     assert reasons["header-line-break"][:2] == ("dead", 1) and "line break" in reasons["header-line-break"][2]
     # Refused by the broker: retried, dead after max_attempts (2 here).
     assert reasons["no-stream"][:2] == ("dead", 2) and "no JetStream stream" in reasons["no-stream"][2]
-    # JetStream answers "expected stream does not match" (err_code 10060): an ordinary failure,
-    # retried, dead after max_attempts with JetStream's reason.
-    assert reasons["control-header"][:2] == ("dead", 2)
-    assert "expected stream does not match" in reasons["control-header"][2]
     # Only the offending aggregates wait.
     assert all(states[i][0] == "pending" and states[i][1] == 0 for i in behind)
 
