@@ -53,8 +53,8 @@ CREATE TABLE outbox_settings (
     -- An event without its own subject is published to <subject_prefix>.<aggregate_type>.<event_type>.
     subject_prefix     text     NOT NULL DEFAULT 'outbox'
                        CONSTRAINT subject_prefix_is_valid_nats_subject CHECK (
-                           -- as outbox's subjects (0002): no wildcards, nothing in $JS/$SYS/...
-                           subject_prefix ~ '^[^.*>$[:space:][:cntrl:]][^.*>[:space:][:cntrl:]]*(\.[^.*>[:space:][:cntrl:]]+)*$')
+                           -- as outbox's subjects (0002): no wildcards, nothing in $JS/$SYS/... or _INBOX
+                           subject_prefix ~ '^(?!_INBOX(\.|$))[^.*>$[:space:][:cntrl:]][^.*>[:space:][:cntrl:]]*(\.[^.*>[:space:][:cntrl:]]+)*$')
 );
 
 COMMENT ON TABLE outbox_settings IS

@@ -91,13 +91,14 @@ CREATE TABLE outbox (
     -- NATS rules for publishing: dot-separated non-empty tokens, no whitespace or control
     -- characters, no wildcards (* or >), and not in the server's own namespaces: a first token
     -- starting with $ ($JS.API..., $SYS..., $KV...) would make the worker send JetStream or
-    -- system requests (a purge, a delete) instead of an event. An explicit subject is checked
+    -- system requests (a purge, a delete) instead of an event, and one of _INBOX would answer
+    -- other clients' requests. An explicit subject is checked
     -- as given; without one, the default subject built from aggregate_type and event_type must
     -- be valid ('p' stands in for the settings' prefix, which outbox_settings checks on its own).
     CONSTRAINT outbox_subject_is_valid_nats_subject CHECK (
         octet_length(coalesce(subject, '')) <= 1024
         AND coalesce(subject, 'p.' || aggregate_type || '.' || event_type)
-            ~ '^[^.*>$[:space:][:cntrl:]][^.*>[:space:][:cntrl:]]*(\.[^.*>[:space:][:cntrl:]]+)*$'),
+            ~ '^(?!_INBOX(\.|$))[^.*>$[:space:][:cntrl:]][^.*>[:space:][:cntrl:]]*(\.[^.*>[:space:][:cntrl:]]+)*$'),
     CONSTRAINT outbox_attempts_not_negative CHECK (attempts >= 0)
 ) PARTITION BY RANGE (created_at);
 

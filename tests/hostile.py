@@ -195,8 +195,8 @@ def _subject_verdict(subject: str, v: Verdict) -> None:
     if len(subject.encode("utf-8", "surrogatepass")) > 1024:
         v.refused.append("subject over 1024 bytes")
         return
-    if subject.startswith("$"):
-        v.refused.append("subject in the server's $ namespaces ($JS.API..., $SYS...)")
+    if subject.startswith("$") or subject.split(".")[0] == "_INBOX":
+        v.refused.append("subject in the server's $ namespaces ($JS.API..., $SYS...) or _INBOX")
         return
     for token in subject.split("."):
         _token_verdict(token, v, "subject", also="*>")

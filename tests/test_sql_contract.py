@@ -141,7 +141,7 @@ def test_default_subject_is_resolved_at_claim_time(conn: Conn) -> None:
 
 
 def test_invalid_subject_prefix_is_refused(conn: Conn) -> None:
-    for bad in ["", "a b", "a.*", "a.>", "a..b", ".a", "a.", "$JS.API", "$SYS"]:
+    for bad in ["", "a b", "a.*", "a.>", "a..b", ".a", "a.", "$JS.API", "$SYS", "_INBOX", "_INBOX.x"]:
         with pytest.raises(errors.CheckViolation) as exc:
             set_settings(conn, subject_prefix=bad)
         assert exc.value.diag.constraint_name == "subject_prefix_is_valid_nats_subject"
@@ -501,7 +501,7 @@ SUBJECT_CONSTRAINT = "outbox_subject_is_valid_nats_subject"
 
 def test_insert_rejects_invalid_subject(conn: Conn, subtests: Any) -> None:
     for subject in ["a b", "orders.*", "orders.>", ">", "*", "a..b", ".a", "a.", "", "tab\there",
-                    "$JS.API.STREAM.PURGE.ORDERS", "$SYS.REQ.SERVER.PING", "$KV.bucket.key",
+                    "$JS.API.STREAM.PURGE.ORDERS", "$SYS.REQ.SERVER.PING", "$KV.bucket.key", "_INBOX.abc.1", "_INBOX",
                     "new\nline", "ctl\x01char", "x" * 1025]:
         with subtests.test(subject=subject[:40]):
             with pytest.raises(errors.CheckViolation) as exc:
@@ -523,7 +523,7 @@ def test_insert_rejects_invalid_default_subject(conn: Conn, subtests: Any) -> No
 
 
 def test_insert_accepts_valid_subject(conn: Conn) -> None:
-    subjects = ["orders", "orders.created", "a-b_c.D1.ünï", "orders.$price.changed", "x" * 1024]
+    subjects = ["orders", "orders.created", "a-b_c.D1.ünï", "orders.$price.changed", "_INBOXES.x", "orders._INBOX", "x" * 1024]
     ids = [insert(conn, aggregate_id=str(n), subject=subject) for n, subject in enumerate(subjects)]
     assert {r["id"]: r["subject"] for r in claim(conn, 10)} == dict(zip(ids, subjects))
 
