@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any
 
@@ -42,12 +42,28 @@ CLAIM_COLUMNS = ("id, subject, aggregate_type, aggregate_id, event_type, payload
 
 _EMPTY = b"{}"
 
+# event_from_row runs for every event. A frozen dataclass's generated __init__ sets each field
+# through object.__setattr__ (about 1.7 us for these ten); the slots' own setters, called
+# directly, do the same in about half that.
+_FIELDS = ("id", "subject", "aggregate_type", "aggregate_id", "event_type", "payload", "headers", "msg_id",
+           "attempt", "created_at")
+assert tuple(f.name for f in fields(OutboxEvent)) == _FIELDS, "event_from_row must set every field"
+(_set_id, _set_subject, _set_aggregate_type, _set_aggregate_id, _set_event_type, _set_payload, _set_headers,
+ _set_msg_id, _set_attempt, _set_created_at) = (OutboxEvent.__dict__[name].__set__ for name in _FIELDS)
+_new = object.__new__
+
 
 def event_from_row(row: tuple[Any, ...]) -> OutboxEvent:
     """Build an event from a claim row whose jsonb columns were loaded as raw bytes."""
-    headers_raw: bytes = row[6]
-    return OutboxEvent(
-        id=row[0], subject=row[1], aggregate_type=row[2], aggregate_id=row[3], event_type=row[4],
-        payload=row[5], headers={} if headers_raw == _EMPTY else orjson.loads(headers_raw),
-        msg_id=row[7], attempt=row[8], created_at=row[9],
-    )
+    event = _new(OutboxEvent)
+    _set_id(event, row[0])
+    _set_subject(event, row[1])
+    _set_aggregate_type(event, row[2])
+    _set_aggregate_id(event, row[3])
+    _set_event_type(event, row[4])
+    _set_payload(event, row[5])
+    _set_headers(event, {} if row[6] == _EMPTY else orjson.loads(row[6]))
+    _set_msg_id(event, row[7])
+    _set_attempt(event, row[8])
+    _set_created_at(event, row[9])
+    return event

@@ -57,7 +57,8 @@ class FlakyPublisher:
         self.fail_rate = float(os.environ.get("OUTBOXPG_SOAK_FAIL_RATE", "0.05"))
         self.rng = random.Random(f'{os.environ.get("OUTBOXPG_SOAK_SEED", "0")}-{os.getpid()}')
         self.inner = NatsPublisher(os.environ["OUTBOXPG_SOAK_NATS_URL"],
-                                   ack_timeout=float(os.environ.get("OUTBOXPG_SOAK_ACK_TIMEOUT", "1.5")))
+                                   ack_timeout=float(os.environ.get("OUTBOXPG_SOAK_ACK_TIMEOUT", "1.5")),
+                                   on_duplicate=lambda seq: self._note(f"dup {seq}"))
         stats_dir = os.environ.get("OUTBOXPG_SOAK_STATS_DIR")
         self._stats = open(Path(stats_dir) / f"pub-{os.getpid()}.log", "a", buffering=1) if stats_dir else None
 
@@ -67,23 +68,6 @@ class FlakyPublisher:
 
     async def start(self) -> None:
         await self.inner.start()
-        js = self.inner.js
-        assert js is not None
-        original = js.publish_async
-
-        async def publish_async(*args: Any, **kwargs: Any) -> Any:
-            fut = await original(*args, **kwargs)
-            fut.add_done_callback(self._on_ack)
-            return fut
-
-        js.publish_async = publish_async  # type: ignore[method-assign]
-
-    def _on_ack(self, fut: Any) -> None:
-        if fut.cancelled() or fut.exception() is not None:
-            return
-        ack = fut.result()
-        if getattr(ack, "duplicate", False):
-            self._note(f"dup {ack.seq}")
 
     async def publish_batch(self, events: Any) -> list[BaseException | None]:
         outcomes: list[BaseException | None] = [None] * len(events)
