@@ -66,6 +66,9 @@ async def test_kill_9_mid_batch_loses_nothing_and_duplicates_only_by_msg_id(dsn,
             assert time.monotonic() < deadline, "victim never held a lease"
             time.sleep(0.01)
             victim.send_signal(signal.SIGSTOP)
+            # A statement the victim sent just before the stop (a complete) still runs on its
+            # backend: let it finish before reading what the victim holds.
+            time.sleep(0.2)
             leased = [r[0] for r in conn.execute(
                 "SELECT id FROM outbox WHERE state = 'processing' AND locked_by = 'victim'").fetchall()]
             if not leased:
