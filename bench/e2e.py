@@ -19,9 +19,12 @@ For every throughput phase it also prints where the CPU went, in microseconds pe
 from /proc (bench/proc_cpu.py): the worker processes (or the naive relay, which runs in the bench
 process), the PostgreSQL backends of the bench database, PostgreSQL's shared background
 processes, nats-server (the process listening on the --nats-url port), the bench's own progress
-polling, and the share of the machine other users took meanwhile ("foreign"). CPU per event
-hardly moves with outside load; events/s does. Compare designs by the former, and by events/s
-only in runs with little foreign load.
+polling, and the share of the machine other users took meanwhile ("foreign"), the hypervisor's
+steal, and a speed reference (ms for a fixed piece of Python work, taken before the phase). CPU
+per event moves much less with outside load than events/s does; compare designs by it, and by
+events/s only in runs with little foreign load. On this VM, all components' CPU per event
+sometimes rise together by a third with no foreign load or steal showing (the host's other
+guests): a slow speed reference, or such a uniform rise, marks a run to repeat.
 
     .venv/bin/python bench/e2e.py --only throughput --events 100000 --workers 1 --no-naive
     .venv/bin/python bench/e2e.py --only throughput --profile /tmp/prof   # cProfile each worker
@@ -54,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from outboxpg import schema  # noqa: E402
 from outboxpg.events import CLAIM_COLUMNS  # noqa: E402
 from outboxpg.worker import RawJsonLoader  # noqa: E402
-from proc_cpu import CpuMeter, QuietWaiter  # noqa: E402  (bench/, beside this file)
+from proc_cpu import CpuMeter, QuietWaiter, speed_reference_ms  # noqa: E402  (bench/, beside this file)
 
 WORKER = str(Path(sys.executable).parent / "outboxpg-worker")
 
@@ -78,6 +81,7 @@ class Bench:
         self._in_flow_sql: str | None = None
         self.quiet = QuietWaiter(self.dbname, args.quiet_wait, nats_port=self.nats_port)
         self.cpu_lines: list[str] = []
+        self.speed_ref = 0.0
         self.worker_log = tempfile.TemporaryFile()   # the workers' stderr, shown if a phase fails
 
     # -- setup ----------------------------------------------------------------------------
@@ -151,7 +155,8 @@ class Bench:
                 f"{us['bench'] if label == 'naive' else us['worker']:5.1f}  pg {us['pg']:5.1f}  "
                 f"pg-bg {us['pg_background']:4.1f}  nats {us['nats']:5.1f}  "
                 f"bench {us['bench'] if label != 'naive' else 0.0:4.1f}  "
-                f"| busy {r['busy_pct']:3.0f}% foreign {r['foreign_pct']:3.0f}% of {os.cpu_count()} cpus")
+                f"| busy {r['busy_pct']:3.0f}% foreign {r['foreign_pct']:3.0f}% steal {r['steal_pct']:.0f}% "
+                f"of {os.cpu_count()} cpus; speed ref {self.speed_ref:.1f} ms")
         log(line)
         self.cpu_lines.append(line)
 
@@ -240,6 +245,7 @@ class Bench:
             foreign = self.quiet()
             if foreign >= self.quiet.threshold:
                 log(f"  (no quiet second found: foreign CPU {foreign:.0f}% just before this phase)")
+        self.speed_ref = speed_reference_ms()
 
     def throughput(self, workers: int, total: int, aggregates: int) -> tuple[float, float]:
         self.prepare(total, aggregates)

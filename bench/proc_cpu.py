@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["HZ", "CLASSES", "CpuMeter", "backend_cpu_s", "QuietWaiter", "listening_pids"]
+__all__ = ["HZ", "CLASSES", "CpuMeter", "backend_cpu_s", "QuietWaiter", "listening_pids", "speed_reference_ms"]
 
 HZ = os.sysconf("SC_CLK_TCK")
 CLASSES = ("worker", "bench", "pg", "pg_background", "nats", "other")
@@ -97,6 +97,13 @@ class CpuMeter:
             v = [int(x) for x in f.readline().split()[1:]]
         return sum(v) - v[3] - v[4]   # all but idle and iowait
 
+    @staticmethod
+    def _steal() -> int:
+        """Ticks the hypervisor gave to other guests while this one wanted to run."""
+        with open("/proc/stat") as f:
+            v = f.readline().split()[1:]
+        return int(v[7]) if len(v) > 7 else 0
+
     def _classify(self, pid: int, ppid: int) -> str:
         if pid in self.nats_pids:
             return "nats"
@@ -138,6 +145,7 @@ class CpuMeter:
         with open("/proc/uptime") as f:
             self._t0_ticks = int(float(f.read().split()[0]) * HZ)
         self._busy0 = self._busy()
+        self._steal0 = self._steal()
         self._wall0 = time.perf_counter()
         self._sample()
 
@@ -169,6 +177,7 @@ class CpuMeter:
         self.result["pg_background_cpu_s"] = by["pg_background"] / HZ
         self.result["cpu_s"] = {k: v / HZ for k, v in by.items()} | {"other": other / HZ}
         self.result["wall_s"] = wall
+        self.result["steal_pct"] = round(100 * (self._steal() - self._steal0) / capacity, 1)
         return self.result
 
     def __enter__(self) -> "CpuMeter":
@@ -184,6 +193,18 @@ class CpuMeter:
     def per_event_us(self, events: int) -> dict[str, float]:
         """CPU microseconds per event by class (after stop())."""
         return {k: 1e6 * v / max(events, 1) for k, v in self.result["cpu_s"].items()}
+
+
+def speed_reference_ms() -> float:
+    """Milliseconds a fixed piece of pure-Python work takes (best of 5): on a VM, outside load
+    can slow every process alike without showing as foreign CPU or steal (the host's other
+    guests), and then every CPU-per-event figure rises together. Lower is faster."""
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        sum(range(300_000))
+        best = min(best, time.perf_counter() - t0)
+    return best * 1000
 
 
 def backend_cpu_s(conn: Any) -> float | None:
