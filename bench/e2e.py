@@ -146,7 +146,10 @@ class Bench:
         return int(c.execute("SELECT count(*) FROM outbox WHERE state = 'published'").fetchone()[0])  # type: ignore[index]
 
     def meter(self) -> CpuMeter:
-        return CpuMeter(self.dbname, nats_port=self.nats_port, bench_backends={self.monitor().info.backend_pid})
+        # Every 0.5 s: no process of a phase exits before its end, and each scan of /proc costs
+        # CPU on the machine being measured.
+        return CpuMeter(self.dbname, nats_port=self.nats_port, bench_backends={self.monitor().info.backend_pid},
+                        interval=0.5)
 
     def report_cpu(self, label: str, meter: CpuMeter, events: int) -> None:
         us = meter.per_event_us(events)
@@ -196,7 +199,7 @@ class Bench:
     def in_flow_left(self) -> bool:
         """Whether any event is still pending or leased. Cheap at any backlog when the schema
         has the partial index on in_flow (one index probe), unlike counting the published rows,
-        which scans the table: polled every 20 ms, a count cost PostgreSQL about 15 us of CPU
+        which scans the table: polled every 50 ms, a count cost PostgreSQL about 15 us of CPU
         per event drained, on the same 2 cores as the worker it measures."""
         c = self.monitor()
         if self._in_flow_sql is None:
@@ -226,7 +229,7 @@ class Bench:
             while self.in_flow_left():
                 if time.monotonic() > deadline:
                     raise RuntimeError("drain did not finish within 600 s; worker log:\n" + self.worker_log_tail())
-                time.sleep(0.02)
+                time.sleep(0.05)
             end_t = time.monotonic()
         finally:
             meter.stop()

@@ -70,7 +70,7 @@ def listening_pids(port: int) -> set[int]:
 
 class CpuMeter:
     """Splits the machine's CPU time during a measurement into the classes above, by sampling
-    /proc every 0.1 s (so that processes that exit meanwhile are counted too).
+    /proc every ``interval`` s (so that processes that exit meanwhile are counted too).
 
     ``result`` after exit: ``cpu_s`` (CPU seconds by class), ``busy_pct`` / ``mine_pct`` /
     ``pg_background_pct`` / ``foreign_pct`` (shares of the machine's capacity; mine = worker +
@@ -81,8 +81,9 @@ class CpuMeter:
     HZ = HZ
 
     def __init__(self, dbname: str, *, nats_port: int | None = None,
-                 bench_backends: set[int] | None = None) -> None:
+                 bench_backends: set[int] | None = None, interval: float = 0.1) -> None:
         self.dbname = dbname
+        self.interval = interval   # a scan of /proc costs a few ms: sample no more often than needed
         self.me = os.getpid()
         self.bench_backends = bench_backends or set()
         self.nats_pids = listening_pids(nats_port) if nats_port else set()
@@ -150,7 +151,7 @@ class CpuMeter:
         self._sample()
 
         def loop() -> None:
-            while not self._stop.wait(0.1):
+            while not self._stop.wait(self.interval):
                 self._sample()
         self._thread = threading.Thread(target=loop, name="bench-cpumeter", daemon=True)
         self._thread.start()
