@@ -5,3 +5,4 @@ DROP DOMAIN outbox_msg_id;
 DROP DOMAIN outbox_event_type;
 DROP DOMAIN outbox_aggregate_id;
 DROP DOMAIN outbox_aggregate_type;
+DROP DOMAIN outbox_subject;

@@ -281,9 +281,10 @@ def verdict(spec: Spec) -> Verdict:
             v.refused.append(f"subject {r}")
         else:
             _subject_verdict(spec.subject, v)
-    elif "aggregate_type" in keys and "event_type" in keys and not v.refused:
-        # The default subject p.<aggregate_type>.<event_type> must be valid (any length): dots
-        # inside either make more tokens, which is fine as long as none is empty.
+    if "aggregate_type" in keys and "event_type" in keys and not v.refused:
+        # Both name the default subject p.<aggregate_type>.<event_type>, so both must be subject
+        # tokens (any length), subject of its own or not: dots inside either make more tokens,
+        # which is fine as long as none is empty.
         for token in f"p.{keys['aggregate_type']}.{keys['event_type']}".split("."):
             _token_verdict(token, v, "default subject", also="*>")
     if spec.headers is not None:

@@ -82,7 +82,7 @@ def one_line_error(r: Result, code: int) -> str:
 # -- a database with events in every state ---------------------------------------------------
 
 def build_dataset(conn: psycopg.Connection[Any]) -> dict[str, Any]:
-    """2 published, 4 dead (one with an event_type that looks like SQL injection), one event held
+    """2 published, 4 dead (one with an event_type that looks like SQL injection (a subject token: no spaces)), one event held
     back behind a dead one, one due pending event, one leased by worker 'w-test'."""
     ids: dict[str, Any] = {}
     ids["published"] = []
@@ -102,7 +102,7 @@ def build_dataset(conn: psycopg.Connection[Any]) -> dict[str, Any]:
          payload='{"order": "o-1", "items": [1, 2]}', headers='{"Trace-Id": "abc"}')
     dead("dead_o2", "order", "o-2", "paid", "boom paid")
     dead("dead_c1", "customer", "c-1", "created", "boom customer")
-    dead("dead_inj", "order", "o-3", "x' OR '1'='1", "boom inj", subject="outbox.inj")
+    dead("dead_inj", "order", "o-3", "x'OR'1'='1", "boom inj", subject="outbox.inj")
     ids["held"] = insert(conn, "order", "o-1", "shipped")          # held back behind dead_o1
     ids["leased"] = insert(conn, "order", "o-7", "created")
     (row,) = claim(conn, 5, worker="w-test")                        # the held one is skipped
@@ -212,7 +212,7 @@ def test_dead_list_filters(dsn: str, data: dict[str, Any]) -> None:
         (*d, "--json"),
         (*d, "--json", "--event-type", "created"),
         (*d, "--json", "--aggregate-type", "order", "--aggregate-id", "o-2"),
-        (*d, "--json", "--event-type", "x' OR '1'='1"),
+        (*d, "--json", "--event-type", "x'OR'1'='1"),
         (*d, "--json", "--event-type", "created' OR '1'='1"),
         (*d, "--json", "--since", "1 hour"),
         (*d, "--json", "--since", "2000-01-01 00:00"),
@@ -363,7 +363,7 @@ def test_confirmation_on_a_terminal(dsn: str, conn: psycopg.Connection[Any], dat
     assert no.code == 1 and no.out == "", no
     assert "About to requeue 3 dead events:" in no.err and "Requeue these 3 dead events? [y/N]" in no.err
     assert [line.split() for line in no.err.splitlines() if line.strip().startswith("order")] == \
-        [["order", "created", "1"], ["order", "paid", "1"], ["order", "x'", "OR", "'1'='1", "1"]]
+        [["order", "created", "1"], ["order", "paid", "1"], ["order", "x'OR'1'='1", "1"]]
     assert no.err.rstrip().endswith("outboxpg: cancelled: nothing changed")
     assert len(dead_ids(conn)) == 4
 

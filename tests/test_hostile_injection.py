@@ -28,6 +28,11 @@ SUBJECT_SAFE = [v for v in INJECTIONS if v and not any(c.isspace() or c in ".*>"
 HEADER_NAME_SAFE = [v for v in INJECTIONS if v and not any(c.isspace() or c == ":" for c in v)]
 
 
+def name_for(v: str) -> str:
+    """v as an aggregate or event type, if it can be one (a subject token), else a stand-in."""
+    return v if v in SUBJECT_SAFE else "inj"
+
+
 @pytest.fixture
 def canary(conn: Conn) -> Conn:
     """A table that an injected DROP TABLE hi_canary or DELETE would hit."""
@@ -50,10 +55,12 @@ def claim_all(conn: Conn, worker: str | None = "inj-test") -> list[dict[str, Any
 def test_insert_and_claim_hand_back_every_field_verbatim(conn: Conn, canary: Conn, dsn: str) -> None:
     with psycopg.connect(dsn) as tx:
         for i, v in enumerate(INJECTIONS):
-            # As aggregate and event type the value cannot be part of a subject: an explicit one.
-            enqueue(tx, v, v, v, {"v": v, v: [v]}, subject=f"inj.one.{i}", headers={"X-Value": v}, msg_id=v)
-            enqueue_many(tx, [Event(v, f"{v}-many", v, {"v": v}, subject=f"inj.many.{i}", headers={"X-Value": v},
-                                    msg_id=f"{v}-many")])
+            # aggregate_type and event_type are subject tokens: the values that can be one go
+            # there too (the others are refused: test_names_that_are_not_subject_tokens_are_refused).
+            name = name_for(v)
+            enqueue(tx, name, v, name, {"v": v, v: [v]}, subject=f"inj.one.{i}", headers={"X-Value": v}, msg_id=v)
+            enqueue_many(tx, [Event(name, f"{v}-many", name, {"v": v}, subject=f"inj.many.{i}",
+                                    headers={"X-Value": v}, msg_id=f"{v}-many")])
         for i, v in enumerate(SUBJECT_SAFE):
             enqueue(tx, "subject", str(i), "e", {}, subject=f"inj.{v}")
         for i, v in enumerate(HEADER_NAME_SAFE):
@@ -75,13 +82,24 @@ def test_insert_and_claim_hand_back_every_field_verbatim(conn: Conn, canary: Con
         elif r["aggregate_type"] == "raw":
             assert r["payload"] == {"v": INJECTIONS[int(r["aggregate_id"])]}
         else:
-            v = r["aggregate_type"]
-            assert v in INJECTIONS
-            many = r["aggregate_id"].endswith("-many")
-            assert (r["aggregate_id"], r["event_type"], r["msg_id"]) == \
-                ((f"{v}-many", v, f"{v}-many") if many else (v, v, v))
+            kind, i = r["subject"].split(".")[1:]
+            v, many = INJECTIONS[int(i)], kind == "many"
+            assert r["aggregate_type"] == r["event_type"] == name_for(v)
+            assert (r["aggregate_id"], r["msg_id"]) == ((f"{v}-many", f"{v}-many") if many else (v, v))
             assert r["headers"] == {"X-Value": v}
             assert r["payload"] == ({"v": v} if many else {"v": v, v: [v]})
+
+
+def test_names_that_are_not_subject_tokens_are_refused(conn: Conn, canary: Conn) -> None:
+    refused = [v for v in INJECTIONS if v and v not in SUBJECT_SAFE and "." not in v]
+    assert refused
+    for v in refused:
+        for column in ("aggregate_type", "event_type"):
+            names = {"aggregate_type": "inj", "event_type": "e", column: v}
+            with pytest.raises(psycopg.errors.CheckViolation) as exc:
+                enqueue(conn, names["aggregate_type"], "1", names["event_type"], {}, subject="inj.explicit")
+            assert exc.value.diag.constraint_name == "outbox_subject_is_valid_nats_subject"
+    intact(conn, 0)
 
 
 def test_functions_store_worker_names_errors_and_reasons_verbatim(conn: Conn, canary: Conn) -> None:
@@ -140,7 +158,7 @@ def pg_reads_as_time(conn: Conn, text: str) -> bool:
 def test_cli_filters_match_literally(conn: Conn, canary: Conn, dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
     """`outboxpg dead list|requeue|discard` with --event-type / --aggregate-type / --aggregate-id /
     --since / --reason set to each value: what matches is the event holding exactly that value."""
-    ids = {v: dead_event(conn, v, v, v) for v in INJECTIONS}
+    ids = {v: dead_event(conn, name_for(v), v, name_for(v)) for v in INJECTIONS}
     control = dead_event(conn, "order", "o-1", "created")
     total = len(ids) + 1
     flags = ("--event-type", "--aggregate-type", "--aggregate-id")
@@ -149,7 +167,9 @@ def test_cli_filters_match_literally(conn: Conn, canary: Conn, dsn: str, capsys:
         code, out, err = run_cli(capsys, "dead", "list", "--dsn", dsn, "--json", f"{flag}={v}")
         assert code == 0, err
         got = orjson.loads(out)
-        assert [d["id"] for d in got["dead_letters"]] == [i], (flag, v)
+        # Types hold only the values that are subject tokens; any other matches nothing.
+        expected = [i] if flag == "--aggregate-id" or v in SUBJECT_SAFE else []
+        assert [d["id"] for d in got["dead_letters"]] == expected, (flag, v)
     # No filter, and filters that match nothing (a LIKE pattern or a quote trick would match all).
     code, out, _ = run_cli(capsys, "dead", "list", "--dsn", dsn, "--json", "--limit=0")
     assert orjson.loads(out)["total"] == total
@@ -168,7 +188,7 @@ def test_cli_filters_match_literally(conn: Conn, canary: Conn, dsn: str, capsys:
     # requeue --all-matching with one value: exactly its event.
     for v in INJECTIONS[:8]:
         code, out, err = run_cli(capsys, "dead", "requeue", "--dsn", dsn, "--all-matching", "--yes",
-                                 f"--event-type={v}")
+                                 f"--aggregate-id={v}")
         assert code == 0, err
         assert conn.execute("SELECT state::text FROM outbox WHERE id = %s", (ids[v],)).fetchone() == ("pending",)
     assert conn.execute("SELECT count(*) FROM outbox WHERE state = 'dead'").fetchone() == (total - 8,)
@@ -189,9 +209,9 @@ def test_cli_filters_match_literally(conn: Conn, canary: Conn, dsn: str, capsys:
 
 def test_cli_filter_as_a_shell_starts_it(conn: Conn, canary: Conn, dsn: str) -> None:
     v = "'); DROP TABLE outbox; --"
-    i = dead_event(conn, "order", "o-1", v)
+    i = dead_event(conn, "order", v, "created")
     r = subprocess.run([sys.executable, "-m", "outboxpg.cli", "dead", "list", "--dsn", dsn, "--json",
-                        "--event-type", v], capture_output=True, text=True, timeout=60)
+                        "--aggregate-id", v], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert [d["id"] for d in orjson.loads(r.stdout)["dead_letters"]] == [i]
     intact(conn, 1)

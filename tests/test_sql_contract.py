@@ -518,8 +518,11 @@ def test_insert_rejects_invalid_default_subject(conn: Conn, subtests: Any) -> No
             with pytest.raises(errors.CheckViolation) as exc:
                 insert(conn, aggregate_type, "1", event_type)
             assert exc.value.diag.constraint_name == SUBJECT_CONSTRAINT
-            # an explicit valid subject makes such names acceptable
-            insert(conn, aggregate_type, "1", event_type, subject="ok.subject")
+            # the names are subject tokens even on an event with a subject of its own
+            with pytest.raises(errors.CheckViolation) as exc:
+                insert(conn, aggregate_type, "1", event_type, subject="ok.subject")
+            assert exc.value.diag.constraint_name == SUBJECT_CONSTRAINT
+    assert states(conn) == {}
 
 
 def test_insert_accepts_valid_subject(conn: Conn) -> None:

@@ -124,7 +124,7 @@ def test_repair_preview_takes_variables_as_data(dsn: str, conn: psycopg.Connecti
     before = snapshot(conn)
     by_type, by_ids, by_aggregate, injected, bad_ids = run_files(
         dsn,
-        ("repair", "-v", "event_type=x' OR '1'='1"),
+        ("repair", "-v", "event_type=x'OR'1'='1"),
         ("repair", "-v", f"ids={data['dead_o1']}, {data['dead_c1']}"),
         ("repair", "-v", "aggregate_type=order", "-v", "aggregate_id=o-1"),
         ("repair", "-v", "event_type=created' OR '1'='1"),
