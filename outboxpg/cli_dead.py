@@ -169,6 +169,8 @@ def cmd_show(args: argparse.Namespace) -> int:
                            "(SELECT partition FROM outbox_partitions WHERE is_default)) AS p",
                            {"t": row["created_at"]}).fetchone()
         row["partition"] = part["p"] if part else None
+        # "unfinished" adds nothing to the state test; it lets the planner use
+        # outbox_unfinished_by_aggregate_idx, whose predicate it is.
         held = cur.execute(
             "SELECT count(*) AS n FROM outbox WHERE aggregate_type = %s AND aggregate_id = %s AND id > %s "
             "AND unfinished AND state IN ('pending', 'processing')",

@@ -33,6 +33,7 @@ SELECT d.aggregate_type,
          ORDER BY aggregate_type, aggregate_id, id) d
   LEFT JOIN outbox h
          ON h.aggregate_type = d.aggregate_type AND h.aggregate_id = d.aggregate_id
+        -- unfinished: implied by the state test; named so that outbox_unfinished_by_aggregate_idx is used
         AND h.id > d.id AND h.unfinished AND h.state IN ('pending', 'processing')
  GROUP BY d.aggregate_type
  ORDER BY d.aggregate_type;
