@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any
 
 import orjson
 
-__all__ = ["OutboxEvent", "PermanentError", "CLAIM_COLUMNS", "event_from_row"]
+__all__ = ["OutboxEvent", "PermanentError", "NotSent", "CLAIM_COLUMNS", "event_from_row", "runs_of"]
 
 
 class PermanentError(Exception):
     """Raise (or return) this from a publisher for an event that can never be published:
     the event is dead-lettered at once with the message as its reason, instead of retried."""
+
+
+class NotSent(Exception):
+    """The outcome a publisher gives an event it did not try to publish because an earlier event
+    of its run failed (or the batch ran out of time first). The worker hands such events back
+    with outbox_release (no attempt counted); the first failure of a run is what outbox_fail
+    records."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,3 +75,22 @@ def event_from_row(row: tuple[Any, ...]) -> OutboxEvent:
     _set_attempt(event, row[8])
     _set_created_at(event, row[9])
     return event
+
+
+def runs_of(events: Sequence[OutboxEvent]) -> list[list[int]]:
+    """The runs of a claimed batch: the positions of each aggregate's events, grouped by
+    (aggregate_type, aggregate_id) in order of first appearance, each group in batch order.
+
+    outbox_claim returns its rows ORDER BY id, so each group is in id order: the order in which
+    that aggregate's events must reach the broker. Events of different aggregates may interleave
+    in the batch; their runs are independent of each other.
+    """
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i, event in enumerate(events):
+        key = (event.aggregate_type, event.aggregate_id)
+        group = groups.get(key)
+        if group is None:
+            groups[key] = [i]
+        else:
+            group.append(i)
+    return list(groups.values())

@@ -2,8 +2,22 @@
 
 Every event goes to its row's subject with ``Nats-Msg-Id`` = the row's msg_id, so JetStream
 drops a re-publish of the same event (after a crash or a lost ack) within the stream's
-duplicate window. Publishes are pipelined and their acks awaited together, bounded by
-``ack_timeout``.
+duplicate window.
+
+Order per aggregate ("sequential acks"). A claimed batch holds runs: consecutive events of one
+aggregate, in id order. Within a run, event k+1 is sent only after JetStream's ack for event k
+said stored (or duplicate: stored before); across runs everything is pipelined, so a batch of
+500 single-event runs costs one round trip, as before. Pipelining inside a run would not be
+safe: messages written before a connection drops can be lost while those queued behind them
+are sent after the reconnect, storing k+1 without k; and an error answer for k (too large, say)
+does not stop k+1. With sequential acks, the proof is short: k+1 leaves this process only after
+the server said k is in the stream, so k+1 is stored after k, whatever happens to the
+connection; and a retry of the run starts again from its first unpublished event, whose
+predecessors the stream already holds (the SQL never hands out an event while an earlier one of
+its aggregate is unfinished, except inside one run). A run stops at its first failure: that
+event's outcome is the failure, the rest of the run get ``NotSent`` (the worker releases them).
+The whole batch is bounded by ``ack_timeout``: an event still unacked then gets a TimeoutError,
+the rest of its run ``NotSent``.
 
 How: a JetStream publish is a core NATS publish with a reply subject, on which the stream
 answers with a JSON PubAck (or an error). nats-py's ``JetStreamContext.publish_async`` does that
@@ -18,8 +32,8 @@ with orjson. It also sees every error answer: publish_async loses those with an 
 publish timed out instead, and "message size exceeds maximum" was retried until dead instead
 of dead-lettered at once.
 
-Permanent errors (dead-lettered at once, never retried): a payload over the server's
-max_payload or the stream's max message size, a header value containing a line break, and a
+Permanent errors (dead-lettered at once, never retried): a message (payload plus headers, as
+NATS counts it) over the server's max_payload, or over the stream's max message size, a header value containing a line break, and a
 subject or header the client refuses. Everything else (no ack in time, no stream answering,
 connection down) is an ordinary failure, retried with backoff.
 """
@@ -27,7 +41,6 @@ connection down) is an ordinary failure, retried with backoff.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -42,7 +55,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import StreamConfig
 
-from outboxpg.events import OutboxEvent, PermanentError
+from outboxpg.events import NotSent, OutboxEvent, PermanentError, runs_of
 
 __all__ = ["NatsPublisher", "check_stream", "ensure_stream"]
 
@@ -58,15 +71,30 @@ _STATUS = "Status"   # nats.js.api.Header.STATUS: an inline status answer (503: 
 
 
 class _Batch:
-    """The acks one publish_batch() call is waiting for."""
+    """One publish_batch() call: its events, their outcomes, and how many runs are unfinished."""
 
-    __slots__ = ("outcomes", "waiting", "done")
+    __slots__ = ("events", "outcomes", "open", "done", "closed")
 
-    def __init__(self, outcomes: list[BaseException | None], done: asyncio.Future[None]) -> None:
-        self.outcomes = outcomes
-        self.waiting = 0
-        self.done = done
+    def __init__(self, events: Sequence[OutboxEvent], done: asyncio.Future[None]) -> None:
+        self.events = events
+        self.outcomes: list[BaseException | None] = [None] * len(events)
+        self.open = 0          # runs not finished yet
+        self.done = done       # set when ``open`` reaches 0
+        self.closed = False    # the batch stopped waiting (ack_timeout or cancelled): send nothing more
 
+
+class _Run:
+    """One aggregate's events in a batch (positions in id order) and how far it got: the event at
+    ``positions[next]`` is the one in flight (``token`` set) or about to be sent."""
+
+    __slots__ = ("batch", "positions", "next", "token", "finished")
+
+    def __init__(self, batch: _Batch, positions: list[int]) -> None:
+        self.batch = batch
+        self.positions = positions
+        self.next = 0
+        self.token: str | None = None
+        self.finished = False
 
 class NatsPublisher:
     """JetStream publisher. ``await start()`` connects (retrying until ``connect_deadline``).
@@ -74,6 +102,8 @@ class NatsPublisher:
     ``on_duplicate(stream_seq)``, if given, is called for every ack that says JetStream already
     had the message (a re-publish dropped by deduplication). ``duplicates`` counts them.
     """
+
+    run_publishing = "sequential-acks"   # how runs keep their order; the worker logs it at start
 
     def __init__(self, url: str = "nats://127.0.0.1:4222", *, ack_timeout: float = 5.0,
                  max_pending: int = 10_000, connect_deadline: float | None = None,
@@ -89,7 +119,7 @@ class NatsPublisher:
         self._closing = False
         self._reply_prefix = ""
         self._reply_prefix_len = 0
-        self._waiting: dict[str, tuple[_Batch, int]] = {}   # reply token -> (batch, index)
+        self._waiting: dict[str, _Run] = {}   # reply token -> the run whose event it answers
         self._token = 0
 
     async def start(self) -> None:
@@ -136,14 +166,20 @@ class NatsPublisher:
                 pass
 
     async def _on_ack(self, msg: Msg) -> None:
-        entry = self._waiting.pop(msg.subject[self._reply_prefix_len:], None)
-        if entry is None:
+        run = self._waiting.pop(msg.subject[self._reply_prefix_len:], None)
+        if run is None:
             return   # the batch stopped waiting (ack_timeout): too late
-        batch, i = entry
-        batch.outcomes[i] = self._outcome(msg)
-        batch.waiting -= 1
-        if batch.waiting == 0 and not batch.done.done():
-            batch.done.set_result(None)
+        run.token = None
+        outcome = self._outcome(msg)
+        if outcome is not None:
+            self._finish(run, outcome)
+            return
+        # Stored (or already stored): only now may the run's next event go out.
+        run.next += 1
+        if run.next < len(run.positions):
+            await self._send(run)
+        else:
+            self._finish(run, None)
 
     def _outcome(self, msg: Msg) -> BaseException | None:
         """What an answer on the reply subject says: None for stored (or already stored)."""
@@ -174,70 +210,120 @@ class NatsPublisher:
         return RuntimeError(f"JetStream refused the message: {error!r}")
 
     async def publish_batch(self, events: Sequence[OutboxEvent]) -> Sequence[BaseException | None]:
+        """Publish a claimed batch, in order per aggregate: each run's next event is sent only
+        once JetStream acked the one before it; the runs themselves are all in flight at once.
+        A run stops at its first failure: that event gets the failure, the rest ``NotSent``.
+        Events still unacked ``ack_timeout`` after the start get a TimeoutError."""
         assert self.js is not None and self.nc is not None, "NatsPublisher.start() was not awaited"
-        outcomes: list[BaseException | None] = [None] * len(events)
-        batch = _Batch(outcomes, asyncio.get_running_loop().create_future())
-        tokens: list[str] = []
-        waiting = self._waiting
-        prefix = self._reply_prefix
-        publish = self.nc.publish
-        max_payload = self.nc.max_payload
-        # One count for the sending loop itself: acks read while it yields (nats-py flushes
-        # inline once its pending buffer is full) cannot finish the batch before it is all sent.
-        batch.waiting = 1
+        batch = _Batch(events, asyncio.get_running_loop().create_future())
+        runs = [_Run(batch, positions) for positions in runs_of(events)]
+        # Counted before the first send: an ack read while this loop yields (nats-py flushes
+        # inline once its pending buffer is full) cannot finish the batch before every run started.
+        batch.open = len(runs)
         try:
-            for i, event in enumerate(events):
-                payload = event.payload
-                if max_payload and len(payload) > max_payload:
-                    outcomes[i] = PermanentError(
-                        f"payload of {len(payload)} bytes exceeds the NATS server's max_payload of {max_payload}")
-                    continue
-                row_headers = event.headers
-                # The values that can hold a line break, looked at in one string (the id and
-                # the attempt are numbers).
-                text = event.msg_id + event.event_type + event.aggregate_type + event.aggregate_id
-                if row_headers:
-                    text += "".join(row_headers.values())
-                if "\n" in text or "\r" in text:
-                    outcomes[i] = PermanentError("a header value contains a line break, which NATS headers cannot carry")
-                    continue
-                headers = {"Nats-Msg-Id": event.msg_id, "Outbox-Id": str(event.id),
-                           "Outbox-Event-Type": event.event_type, "Outbox-Aggregate-Type": event.aggregate_type,
-                           "Outbox-Aggregate-Id": event.aggregate_id, "Outbox-Attempt": str(event.attempt)}
-                if row_headers:
-                    headers = {**row_headers, **headers}
-                self._token += 1
-                token = str(self._token)
-                waiting[token] = (batch, i)
-                batch.waiting += 1
-                try:
-                    # nats-py queues the message and writes the whole batch at once, when its
-                    # flusher task runs after this loop yields.
-                    await publish(event.subject, payload, reply=prefix + token, headers=headers)
-                except (nats.errors.MaxPayloadError, nats.errors.BadSubjectError, nats.errors.BadHeaderError) as exc:
-                    waiting.pop(token, None)
-                    batch.waiting -= 1
-                    outcomes[i] = PermanentError(f"{type(exc).__name__}: {exc}")
-                    continue
-                except Exception as exc:  # noqa: BLE001 - connection trouble: an ordinary failure
-                    waiting.pop(token, None)
-                    batch.waiting -= 1
-                    outcomes[i] = exc
-                    continue
-                tokens.append(token)
-            batch.waiting -= 1
-            if batch.waiting:
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(self.ack_timeout):
-                        await batch.done
+            async with asyncio.timeout(self.ack_timeout):
+                for run in runs:
+                    await self._send(run)
+                if batch.open:
+                    await batch.done
+        except TimeoutError:
+            pass
         finally:
-            if batch.waiting:
-                # Unanswered (timed out, or this task was cancelled): stop waiting for them.
-                for token in tokens:
-                    entry = waiting.pop(token, None)
-                    if entry is not None:
-                        outcomes[entry[1]] = TimeoutError(f"no ack from JetStream within {self.ack_timeout:g}s")
-        return outcomes
+            if batch.open:
+                # Timed out, or this task was cancelled: forget the unanswered publishes, send
+                # nothing more. The event in flight failed; the rest of its run was not sent.
+                batch.closed = True
+                for run in runs:
+                    if run.finished:
+                        continue
+                    if run.token is not None:
+                        self._waiting.pop(run.token, None)
+                        self._finish(run, TimeoutError(f"no ack from JetStream within {self.ack_timeout:g}s"))
+                    else:
+                        self._finish(run, NotSent("not sent: the batch ran out of time first"))
+        return batch.outcomes
+
+    async def _send(self, run: _Run) -> None:
+        """Send the run's event at ``positions[next]``, or finish the run if it cannot be sent."""
+        batch = run.batch
+        if batch.closed:
+            return
+        event = batch.events[run.positions[run.next]]
+        payload = event.payload
+        row_headers = event.headers
+        # The values that can hold a line break, looked at in one string (the id and the
+        # attempt are numbers).
+        text = event.msg_id + event.event_type + event.aggregate_type + event.aggregate_id
+        if row_headers:
+            text += "".join(row_headers.values())
+        if "\n" in text or "\r" in text:
+            self._finish(run, PermanentError("a header value contains a line break, which NATS headers cannot carry"))
+            return
+        outbox_id, attempt = str(event.id), str(event.attempt)
+        max_payload = self.nc.max_payload  # type: ignore[union-attr]
+        if max_payload:
+            # NATS counts the header block in max_payload. A message over it would make the server
+            # answer -ERR and close the connection (for good, in nats-py): refuse it here.
+            size = len(payload) + _FIXED_HEADER_BYTES + len(text.encode()) + len(outbox_id) + len(attempt)
+            if row_headers:
+                size += sum(len(k) + 4 for k in row_headers if k not in _OUTBOX_HEADERS)
+            if size > max_payload:
+                self._finish(run, PermanentError(
+                    f"message of {size} bytes (payload {len(payload)}, headers {size - len(payload)}) exceeds "
+                    f"the NATS server's max_payload of {max_payload}"))
+                return
+        headers = {"Nats-Msg-Id": event.msg_id, "Outbox-Id": outbox_id, "Outbox-Event-Type": event.event_type,
+                   "Outbox-Aggregate-Type": event.aggregate_type, "Outbox-Aggregate-Id": event.aggregate_id,
+                   "Outbox-Attempt": attempt}
+        if row_headers:
+            headers = {**row_headers, **headers}
+        self._token += 1
+        token = str(self._token)
+        self._waiting[token] = run
+        run.token = token
+        try:
+            # nats-py queues the message; its flusher task writes everything queued at once.
+            await self.nc.publish(event.subject, payload, reply=self._reply_prefix + token,  # type: ignore[union-attr]
+                                  headers=headers)
+        except (nats.errors.MaxPayloadError, nats.errors.BadSubjectError, nats.errors.BadHeaderError) as exc:
+            self._forget(run, token)
+            self._finish(run, PermanentError(f"{type(exc).__name__}: {exc}"))
+        except Exception as exc:  # noqa: BLE001 - connection trouble: an ordinary failure
+            self._forget(run, token)
+            self._finish(run, exc)
+
+    def _forget(self, run: _Run, token: str) -> None:
+        self._waiting.pop(token, None)
+        if run.token == token:
+            run.token = None
+
+    @staticmethod
+    def _finish(run: _Run, outcome: BaseException | None) -> None:
+        """End the run: ``outcome`` for the event at ``positions[next]`` (None: the run's last
+        event, stored), NotSent for the events after it."""
+        if run.finished:
+            return
+        run.finished = True
+        run.token = None
+        batch = run.batch
+        positions = run.positions
+        if outcome is not None:
+            outcomes = batch.outcomes
+            outcomes[positions[run.next]] = outcome
+            if run.next + 1 < len(positions):
+                not_sent = NotSent(f"not sent: event {batch.events[positions[run.next]].id} of its aggregate "
+                                   "failed before it")
+                for i in positions[run.next + 1:]:
+                    outcomes[i] = not_sent
+        batch.open -= 1
+        if batch.open == 0 and not batch.done.done():
+            batch.done.set_result(None)
+
+
+# Header bytes besides the values: "NATS/1.0\r\n", "<name>: " and "\r\n" per header, the closing "\r\n".
+_OUTBOX_HEADERS = ("Nats-Msg-Id", "Outbox-Id", "Outbox-Event-Type", "Outbox-Aggregate-Type", "Outbox-Aggregate-Id",
+                   "Outbox-Attempt")
+_FIXED_HEADER_BYTES = len("NATS/1.0\r\n") + sum(len(name) + 4 for name in _OUTBOX_HEADERS) + 2
 
 
 async def check_stream(js: JetStreamContext, subject: str, needed_window: timedelta) -> list[str]:

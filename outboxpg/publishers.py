@@ -8,11 +8,21 @@ returning one outcome per event, in order: ``None`` for delivered, an exception 
 (retried with backoff), a ``PermanentError`` for never-publishable (dead-lettered at once).
 It may also have ``async start()`` and ``async close()``.
 
-The events of one batch belong to different aggregates (outbox_claim hands out one event per
-aggregate at a time), so a publisher may send them all concurrently.
+Order. A batch holds runs: up to ``outbox_settings.max_run`` consecutive events of one
+aggregate (aggregate_type, aggregate_id), under one lease. Events of one aggregate come in id
+order in a batch (they may be interleaved with other aggregates' events); events of different
+aggregates are independent. The worker reads the outcomes run by run: the events before a run's
+first failure are completed, the first failure is failed (``outbox_fail``), and every event
+after it is treated as NOT published, whatever its outcome says: it is released
+(``outbox_release``, no attempt counted) and handed out again after the failed one. So a batch
+publisher must itself publish an aggregate's events one after another, each only once the one
+before it is delivered, and stop at the first failure: sending them concurrently could deliver
+event k+1 without event k, and the destination would then hold them out of order. Events of
+different aggregates may be sent concurrently. ``outboxpg.events.runs_of(events)`` groups a batch
+into runs; ``NotSent`` is the outcome to give the events a publisher did not try.
 
 Plain functions are wrapped by ``FunctionPublisher``: ``fn(event)``, sync or async; returning
-means delivered, raising means failed.
+means delivered, raising means failed. It keeps that order for you.
 """
 
 from __future__ import annotations
@@ -23,9 +33,10 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from outboxpg.events import OutboxEvent, PermanentError
+from outboxpg.events import NotSent, OutboxEvent, PermanentError, runs_of
 
-__all__ = ["Publisher", "FunctionPublisher", "as_publisher", "load_publisher", "print_event"]
+__all__ = ["Publisher", "FunctionPublisher", "NotSent", "PermanentError", "as_publisher", "load_publisher", "print_event",
+           "runs_of"]
 
 Outcome = BaseException | None
 
@@ -36,12 +47,18 @@ class Publisher(Protocol):
 
 
 class FunctionPublisher:
-    """Adapts ``fn(event)`` (sync or async) to a batch publisher.
+    """Adapts ``fn(event)`` (sync or async) to a batch publisher, in order per aggregate.
 
-    Async functions run concurrently for the whole batch; sync functions run one after another
-    in a worker thread, so a blocking call (an HTTP request, say) never stalls the event loop.
-    Each call is bounded by ``timeout`` seconds.
+    Async functions: the runs of a batch run concurrently, the events of one run one after
+    another, each call only once the previous one returned; a run stops at its first failure
+    (its remaining events get ``NotSent``). The whole batch is bounded by ``timeout`` seconds: a
+    call still running then fails with a TimeoutError, the calls not started get ``NotSent``.
+    Sync functions run one after another in a worker thread, so a blocking call (an HTTP
+    request, say) never stalls the event loop; a run's events after its first failure are
+    skipped (``NotSent``). Bounded by ``timeout`` seconds per event.
     """
+
+    run_publishing = "sequential-calls"   # the worker logs it at start
 
     def __init__(self, fn: Callable[[OutboxEvent], Any], timeout: float = 10.0) -> None:
         self.fn = fn
@@ -50,27 +67,57 @@ class FunctionPublisher:
 
     async def publish_batch(self, events: Sequence[OutboxEvent]) -> Sequence[Outcome]:
         if self.is_async:
-            return await asyncio.gather(*(self._one_async(e) for e in events))
+            outcomes: list[Outcome] = [None] * len(events)
+            deadline = asyncio.get_running_loop().time() + self.timeout
+            await asyncio.gather(*(self._run_async(events, run, outcomes, deadline) for run in runs_of(events)))
+            return outcomes
         return await asyncio.wait_for(asyncio.to_thread(self._all_sync, events), self.timeout * max(1, len(events)))
 
-    async def _one_async(self, event: OutboxEvent) -> Outcome:
-        try:
-            await asyncio.wait_for(self.fn(event), self.timeout)
-            return None
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # noqa: BLE001 - any failure of user code is an outcome
-            return exc if isinstance(exc, Exception) else RuntimeError(repr(exc))
+    async def _run_async(self, events: Sequence[OutboxEvent], run: list[int], outcomes: list[Outcome],
+                         deadline: float) -> None:
+        loop = asyncio.get_running_loop()
+        for n, i in enumerate(run):
+            if loop.time() >= deadline:
+                # Out of time before this call started: not tried, handed back without an attempt.
+                outcomes[i] = NotSent("not sent: the batch ran out of time first")
+                _not_sent(events, run[n + 1:], events[i].id, outcomes)
+                return
+            outcome: Outcome = None
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await self.fn(events[i])
+            except asyncio.CancelledError:
+                raise
+            except TimeoutError as exc:
+                outcome = exc if str(exc) else TimeoutError(f"publish took longer than {self.timeout:g}s")
+            except BaseException as exc:  # noqa: BLE001 - any failure of user code is an outcome
+                outcome = exc if isinstance(exc, Exception) else RuntimeError(repr(exc))
+            if outcome is not None:
+                outcomes[i] = outcome
+                _not_sent(events, run[n + 1:], events[i].id, outcomes)
+                return
 
     def _all_sync(self, events: Sequence[OutboxEvent]) -> list[Outcome]:
-        outcomes: list[Outcome] = []
-        for event in events:
+        outcomes: list[Outcome] = [None] * len(events)
+        failed: set[tuple[str, str]] = set()   # aggregates whose run has failed in this batch
+        for i, event in enumerate(events):
+            key = (event.aggregate_type, event.aggregate_id)
+            if failed and key in failed:
+                outcomes[i] = NotSent("not sent: an earlier event of its aggregate failed")
+                continue
             try:
                 self.fn(event)
-                outcomes.append(None)
             except Exception as exc:  # noqa: BLE001 - any failure of user code is an outcome
-                outcomes.append(exc)
+                outcomes[i] = exc
+                failed.add(key)
         return outcomes
+
+
+def _not_sent(events: Sequence[OutboxEvent], positions: list[int], failed_id: int, outcomes: list[Outcome]) -> None:
+    if positions:
+        skipped = NotSent(f"not sent: event {failed_id} of its aggregate failed before it")
+        for i in positions:
+            outcomes[i] = skipped
 
 
 def as_publisher(obj: Any) -> Any:

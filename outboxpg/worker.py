@@ -5,8 +5,17 @@ an event (order, retries, dead letters, fencing) is made by the SQL functions it
     await worker.run()          # until worker.stop()
 
 Loop: drain (claim after claim until one comes back short; each batch is published and
-completed/failed by a task of its own, up to ``concurrency`` batches in flight), then go idle (take the wakeup lock, claim once more, sleep) until a
-notification, the next retry or lease expiry (outbox_next_wakeup), or the fallback poll.
+completed/failed by a task of its own, up to ``concurrency`` batches in flight). After a short
+claim with batches in flight, wait for the first of them to be reported (its report makes the
+next runs of its aggregates claimable) and drain again; with none in flight, go idle (take the
+wakeup lock, claim once more, sleep) until a notification, the next retry or lease expiry
+(outbox_next_wakeup), or the fallback poll.
+
+A claimed batch holds runs: up to ``outbox_settings.max_run`` consecutive events of one aggregate,
+in id order, under one lease. The publisher keeps each run in order (see publishers.py); the
+report reads the outcomes run by run (``split_runs``): the events before a run's first failure
+are completed, the failure is failed, the rest are released (not an attempt). Nothing failed:
+one outbox_complete statement, as before runs existed.
 """
 
 from __future__ import annotations
@@ -27,12 +36,12 @@ from psycopg.adapt import Buffer, Loader
 from psycopg_pool import AsyncConnectionPool
 
 from outboxpg.errors import first_line
-from outboxpg.events import CLAIM_COLUMNS, OutboxEvent, PermanentError, event_from_row
+from outboxpg.events import CLAIM_COLUMNS, OutboxEvent, PermanentError, event_from_row, runs_of
 from outboxpg.metrics import WorkerMetrics
 from outboxpg.publishers import as_publisher
 from outboxpg.wakeup import CONNECT_OPTIONS, IdleLock, Listener
 
-__all__ = ["Worker", "WorkerConfig", "WorkerStats"]
+__all__ = ["Worker", "WorkerConfig", "WorkerStats", "split_runs"]
 
 log = logging.getLogger("outboxpg.worker")
 
@@ -88,6 +97,7 @@ class WorkerStats:
     failed: int = 0
     dead: int = 0
     lost_leases: int = 0
+    released: int = 0
     claims: int = 0
     lag_sum: float = 0.0
     lag_max: float = 0.0
@@ -125,9 +135,6 @@ class Worker:
 
     async def run(self) -> None:
         cfg = self.cfg
-        log.info("event=start worker=%s batch_size=%d concurrency=%d lease=%gs poll_interval=%gs "
-                 "poll_only=%s publish_timeout=%gs", cfg.name, cfg.batch_size, cfg.concurrency, cfg.lease,
-                 cfg.poll_interval, cfg.poll_only, cfg.publish_timeout)
         self.pool = AsyncConnectionPool(
             cfg.dsn, min_size=1, max_size=cfg.concurrency + 2, open=False, timeout=10,
             kwargs={"autocommit": True, **CONNECT_OPTIONS}, configure=self._configure,
@@ -144,6 +151,10 @@ class Worker:
         try:
             if hasattr(self.publisher, "start"):
                 await self.publisher.start()
+            log.info("event=start worker=%s batch_size=%d concurrency=%d lease=%gs poll_interval=%gs "
+                     "poll_only=%s publish_timeout=%gs run_publishing=%s", cfg.name, cfg.batch_size, cfg.concurrency,
+                     cfg.lease, cfg.poll_interval, cfg.poll_only, cfg.publish_timeout,
+                     getattr(self.publisher, "run_publishing", "publisher-defined"))
             await self._loop()
         finally:
             for task in background:
@@ -178,16 +189,19 @@ class Worker:
                 claimed = await self._drain()
                 if self._stopping:
                     break
-                if claimed:
-                    if self.idle_lock.held:
-                        self._release_lock_soon()   # busy: producers need not notify
-                    continue
+                if claimed and self.idle_lock.held:
+                    self._release_lock_soon()   # busy: producers need not notify
                 if self._inflight:
-                    # Never sleep with batches in flight: their reports can make events claimable
-                    # that no NOTIFY will announce (the next event of the same aggregate, a retry
-                    # due soon). Wait for them, then look again.
-                    await asyncio.wait(self._inflight)
+                    # The last claim came back short: everything claimable now is claimed. Never
+                    # sleep with batches in flight: each report makes the next run of its
+                    # aggregates claimable, and no NOTIFY announces that. Claim again as soon
+                    # as the first of them is reported (not the last: one slow batch must not
+                    # hold back the aggregates the others free), not before (nothing new would
+                    # be claimable: claiming in a loop would only walk the backlog for nothing).
+                    await self._first_reported()
                     continue
+                if claimed:
+                    continue    # its batch is reported already: claim what that made claimable
                 await self._lock_released()
                 if self.cfg.poll_only:
                     await self._sleep(await self._sleep_seconds())
@@ -210,6 +224,14 @@ class Worker:
             if self._inflight:
                 await asyncio.gather(*self._inflight, return_exceptions=True)
             await self._lock_released()
+
+    async def _first_reported(self) -> None:
+        """Until one in-flight batch is reported, or a wake-up (a notification, stop())."""
+        woken = asyncio.ensure_future(self._wake.wait())
+        try:
+            await asyncio.wait({*self._inflight, woken}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            woken.cancel()
 
     def _release_lock_soon(self) -> None:
         if self._releasing is None or self._releasing.done():
@@ -317,15 +339,19 @@ class Worker:
                       token: Any) -> None:
         assert self.pool is not None
         acked_at = datetime.now(timezone.utc)
+        released: list[int] = []
+        delivered: Sequence[OutboxEvent]
         if any(o is not None for o in outcomes):
-            ok = [e.id for e, o in zip(events, outcomes) if o is None]
-            failed = [(e, o) for e, o in zip(events, outcomes) if o is not None]
+            delivered, failed, released = split_runs(events, outcomes)
+            ok = [e.id for e in delivered]
         else:
-            ok, failed = [e.id for e in events], []
+            delivered, failed = events, []
+            ok = [e.id for e in events]
         # The ids as one bigint[] literal, joined in C: psycopg's list dumper would visit each
         # element in Python, for the same text on the wire.
         ok_ids = "{" + ",".join(map(str, ok)) + "}"
         states: list[str] = []
+        handed_back = 0
         attempts = 5
         for attempt in range(attempts):
             try:
@@ -335,13 +361,17 @@ class Worker:
                         cur = await conn.execute(_COMPLETE, (ok_ids, token), prepare=True)
                         completed = (await cur.fetchone())[0]  # type: ignore[index]
                         break
+                    # Any order is fine for the SQL: each call touches only its own ids.
                     async with conn.pipeline():
                         done_cur = await conn.execute(_COMPLETE, (ok_ids, token), prepare=True) if ok else None
                         fail_curs = [await conn.execute(_FAIL, (e.id, token, _error_text(o),
                                                                 isinstance(o, PermanentError)), prepare=True)
                                      for e, o in failed]
+                        release_cur = (await conn.execute(_RELEASE, ("{" + ",".join(map(str, released)) + "}", token),
+                                                          prepare=True) if released else None)
                     completed = (await done_cur.fetchone())[0] if done_cur else 0  # type: ignore[index]
                     states = [(await c.fetchone())[0] for c in fail_curs]  # type: ignore[index]
+                    handed_back = (await release_cur.fetchone())[0] if release_cur else 0  # type: ignore[index]
                 break
             except psycopg.Error as exc:
                 log.warning("event=db_error during=report attempt=%d error=%r", attempt + 1, first_line(exc))
@@ -357,6 +387,11 @@ class Worker:
                 await asyncio.sleep(0.1 * 2 ** attempt)
         st = self.stats
         st.delivered += completed
+        st.released += handed_back
+        if handed_back < len(released):
+            st.lost_leases += len(released) - handed_back
+            log.warning("event=lease_lost worker=%s events=%d note=%r", self.cfg.name, len(released) - handed_back,
+                        "not released: the lease had expired and was taken over")
         if completed < len(ok):
             st.lost_leases += len(ok) - completed
             log.warning("event=lease_lost worker=%s events=%d note=%r", self.cfg.name, len(ok) - completed,
@@ -375,8 +410,7 @@ class Worker:
         if m is not None:
             # Which reports were refused for a lost lease is not known one by one: count the
             # first `completed` delivered events by type (exact whenever no lease was lost).
-            delivered = [e for e, o in zip(events, outcomes) if o is None][:completed]
-            for e in delivered:
+            for e in delivered[:completed]:
                 m.delivered.labels(e.event_type).inc()
             if completed < len(ok):
                 m.lost_leases.inc(len(ok) - completed)
@@ -436,10 +470,34 @@ class Worker:
     def _log_summary(self, final: bool = False) -> None:
         st = self.stats
         avg = st.lag_sum / st.lag_count if st.lag_count else 0.0
-        log.info("event=%s worker=%s delivered=%d failed=%d dead=%d lost_leases=%d lag_avg_ms=%.1f lag_max_ms=%.1f "
-                 "listener_up=%s", "final_summary" if final else "summary", self.cfg.name, st.delivered, st.failed,
-                 st.dead, st.lost_leases, avg * 1000, st.lag_max * 1000, self.listener.up)
+        log.info("event=%s worker=%s delivered=%d failed=%d dead=%d released=%d lost_leases=%d lag_avg_ms=%.1f "
+                 "lag_max_ms=%.1f listener_up=%s", "final_summary" if final else "summary", self.cfg.name, st.delivered,
+                 st.failed, st.dead, st.released, st.lost_leases, avg * 1000, st.lag_max * 1000, self.listener.up)
         st.lag_sum, st.lag_count, st.lag_max = 0.0, 0, 0.0
+
+
+def split_runs(events: Sequence[OutboxEvent], outcomes: Sequence[BaseException | None]
+               ) -> tuple[list[OutboxEvent], list[tuple[OutboxEvent, BaseException]], list[int]]:
+    """Read a batch's outcomes run by run: (delivered, failed, released ids).
+
+    In each run (one aggregate's events, in id order) the events before the first failure are
+    delivered, the first failure is failed, and every event after it is released, whatever its
+    outcome says: it may not count as published while an earlier event of its aggregate is not
+    (the stream would hold them out of order), so it is handed out again after the failed one.
+    """
+    delivered: list[OutboxEvent] = []
+    failed: list[tuple[OutboxEvent, BaseException]] = []
+    released: list[int] = []
+    for run in runs_of(events):
+        for n, i in enumerate(run):
+            outcome = outcomes[i]
+            if outcome is None:
+                delivered.append(events[i])
+                continue
+            failed.append((events[i], outcome))
+            released.extend(events[j].id for j in run[n + 1:])
+            break
+    return delivered, failed, released
 
 
 def _error_text(exc: BaseException | None) -> str:

@@ -128,3 +128,151 @@ async def test_a_late_ack_is_ignored_and_concurrent_batches_keep_their_own(nats_
 async def test_unstarted_publisher_says_so() -> None:
     with pytest.raises(AssertionError, match="start"):
         await NatsPublisher().publish_batch([])
+
+
+# -- runs: order per aggregate --------------------------------------------------------------
+
+class _FakeMsg:
+    def __init__(self, subject: str, data: bytes) -> None:
+        self.subject, self.data, self.headers = subject, data, None
+
+
+class _FakeNats:
+    """Stands in for nats-py's Client: records every publish and answers them in random order
+    (across all outstanding messages, so acks of different runs interleave), failing the event
+    ids in ``refuse`` with a "too large" error answer and never answering those in ``silent``.
+    It checks, at every send, that the aggregate's previous event was acked as stored."""
+
+    max_payload = 1024 * 1024
+    prefix = "_INBOX.fake."
+
+    def __init__(self, pub: NatsPublisher, seed: int, refuse: set[int] = set(), silent: set[int] = set()) -> None:
+        import random
+
+        self.pub = pub
+        self.rng = random.Random(seed)
+        self.refuse, self.silent = refuse, silent
+        self.sent: list[int] = []
+        self.outstanding: list[tuple[int, str]] = []
+        self.stored: set[int] = set()
+        self.previous: dict[int, int | None] = {}   # event id -> the id before it in its aggregate
+        self.violations: list[str] = []
+        self.sent_at_first_ack: int | None = None
+
+    async def publish(self, subject: str, payload: bytes, reply: str = "", headers: dict[str, str] | None = None) -> None:
+        assert headers is not None
+        i = int(headers["Outbox-Id"])
+        before = self.previous[i]
+        if before is not None and before not in self.stored:
+            self.violations.append(f"{i} sent before {before} was acked as stored")
+        self.sent.append(i)
+        self.outstanding.append((i, reply))
+
+    async def answer(self) -> None:
+        """Answer one outstanding message at random, forever (cancel it)."""
+        while True:
+            await asyncio.sleep(0)
+            if not self.outstanding:
+                continue
+            i, reply = self.outstanding.pop(self.rng.randrange(len(self.outstanding)))
+            if self.sent_at_first_ack is None:
+                self.sent_at_first_ack = len(self.sent)
+            if i in self.silent:
+                continue
+            if i in self.refuse:
+                data = orjson.dumps({"error": {"code": 400, "err_code": 10054,
+                                               "description": "message size exceeds maximum allowed"}})
+            else:
+                self.stored.add(i)
+                data = orjson.dumps({"stream": "S", "seq": len(self.stored)})
+            await self.pub._on_ack(_FakeMsg(reply, data))  # type: ignore[arg-type]
+
+
+def _fake_publisher(seed: int, ack_timeout: float = 2.0, **kw: Any) -> tuple[NatsPublisher, _FakeNats]:
+    pub = NatsPublisher(ack_timeout=ack_timeout)
+    fake = _FakeNats(pub, seed, **kw)
+    pub.nc = fake  # type: ignore[assignment]
+    pub.js = object()  # type: ignore[assignment]
+    pub._reply_prefix, pub._reply_prefix_len = fake.prefix, len(fake.prefix)
+    return pub, fake
+
+
+def _interleaved(aggregates: dict[str, int]) -> list[OutboxEvent]:
+    """Events of several aggregates, ids ascending, aggregates interleaved round-robin (as a
+    claim ORDER BY id returns them)."""
+    out: list[OutboxEvent] = []
+    left = dict(aggregates)
+    while any(left.values()):
+        for agg in aggregates:
+            if left[agg]:
+                left[agg] -= 1
+                out.append(event(len(out) + 1, "fake.x", aggregate_id=agg))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(20))
+async def test_a_run_sends_event_k_plus_1_only_after_k_is_acked_and_stops_at_its_first_failure(seed: int) -> None:
+    events = _interleaved({"a": 6, "b": 6, "c": 1, "d": 4})
+    by_agg: dict[str, list[int]] = {}
+    for e in events:
+        by_agg.setdefault(e.aggregate_id, []).append(e.id)
+    a, b, c, d = by_agg["a"], by_agg["b"], by_agg["c"], by_agg["d"]
+    # a: its 3rd event is refused as too large; b: its 2nd event is never answered (times out).
+    pub, fake = _fake_publisher(seed, ack_timeout=0.3, refuse={a[2]}, silent={b[1]})
+    for ids in by_agg.values():
+        for n, i in enumerate(ids):
+            fake.previous[i] = ids[n - 1] if n else None
+    answering = asyncio.ensure_future(fake.answer())
+    try:
+        out = dict(zip((e.id for e in events), await pub.publish_batch(events)))
+    finally:
+        answering.cancel()
+    assert fake.violations == []
+    assert [type(out[i]).__name__ for i in a] == ["NoneType", "NoneType", "PermanentError", "NotSent", "NotSent",
+                                                  "NotSent"]
+    assert [type(out[i]).__name__ for i in b] == ["NoneType", "TimeoutError", "NotSent", "NotSent", "NotSent",
+                                                  "NotSent"]
+    assert [out[i] for i in c + d] == [None] * 5
+    # What followed a failure in its run never left the process.
+    assert set(fake.sent) == {*a[:3], *b[:2], *c, *d}
+    assert fake.sent.count(a[2]) == 1 and len(fake.sent) == len(set(fake.sent))
+    # Runs are pipelined: the first event of every run went out before the first ack came back.
+    assert fake.sent_at_first_ack == 4
+    assert not pub._waiting
+
+
+async def test_single_event_runs_are_all_sent_before_the_first_ack() -> None:
+    events = [event(i, "fake.x") for i in range(1, 501)]   # 500 aggregates, one event each
+    pub, fake = _fake_publisher(0)
+    fake.previous = {e.id: None for e in events}
+    answering = asyncio.ensure_future(fake.answer())
+    try:
+        out = await pub.publish_batch(events)
+    finally:
+        answering.cancel()
+    assert out == [None] * 500
+    assert fake.sent_at_first_ack == 500
+
+
+async def test_headers_count_toward_max_payload(nats_server: Any) -> None:
+    """A message whose payload fits but whose headers push it over max_payload is refused here
+    as permanent: sent, the server would answer -ERR and close the connection for good."""
+    stream = await make_stream(nats_server.url)
+    pub = NatsPublisher(nats_server.url, ack_timeout=5)
+    await pub.start()
+    try:
+        assert pub.nc is not None
+        limit = pub.nc.max_payload
+        subject = f"{stream.prefix}.order.created"
+        fits = event(1, subject, payload=b"x" * (limit - 400))
+        over = event(2, subject, payload=b"x" * (limit - 100), aggregate_id="other")
+        after = event(3, subject)
+        out = await pub.publish_batch([fits, over, after])
+        assert out[0] is None and out[2] is None
+        assert isinstance(out[1], PermanentError) and "max_payload" in str(out[1]) and "headers" in str(out[1])
+        assert await pub.publish_batch([event(4, subject)]) == [None], "the connection is still usable"
+        info = await stream.js.stream_info(stream.name)
+        assert info.state.messages == 3
+    finally:
+        await pub.close()
+        await stream.nc.close()
