@@ -1,0 +1,294 @@
+"""Runs: the worker delivers up to outbox_settings.max_run consecutive events of one aggregate
+under one lease, and the stream still never holds an aggregate's events out of id order,
+whatever fails in the middle of a run. Each test injects a fault at the k-th event of runs,
+then reads the JetStream stream back and checks, per aggregate, strictly increasing outbox ids
+(the Outbox-Id header), each event once, and the database's end state."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import nats
+import psycopg
+import pytest
+
+from jetstream import StreamHandle, make_stream, read_stream
+from outboxpg import enqueue
+from outboxpg.events import OutboxEvent
+from outboxpg.nats_publisher import NatsPublisher
+from outboxpg.publishers import FunctionPublisher
+from outboxpg.worker import Worker, WorkerConfig
+
+
+async def wait_until(pred: Callable[[], Awaitable[bool]], timeout: float, what: str) -> None:
+    start = time.monotonic()
+    while not await pred():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def states(conn: psycopg.Connection[Any]) -> dict[int, str]:
+    return dict(conn.execute("SELECT id, state::text FROM outbox").fetchall())
+
+
+async def until_published(conn: psycopg.Connection[Any], n: int, timeout: float) -> None:
+    async def done() -> bool:
+        return conn.execute("SELECT count(*) FROM outbox WHERE state = 'published'").fetchone()[0] >= n
+    await wait_until(done, timeout, f"{n} events published")
+
+
+class Running:
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.task = asyncio.create_task(worker.run())
+
+    async def stop(self) -> None:
+        self.worker.stop()
+        await asyncio.wait_for(self.task, 30)
+
+
+def start(dsn: str, publisher: Any, **config: Any) -> Running:
+    config.setdefault("publish_timeout", 2.0)
+    config.setdefault("lease", 10.0)
+    config.setdefault("poll_interval", 5.0)
+    return Running(Worker(WorkerConfig(dsn=dsn, **config), publisher))
+
+
+def write(conn: psycopg.Connection[Any], aggregates: list[str], per_aggregate: int,
+          payload: Callable[[str, int], dict[str, Any]] = lambda a, n: {"n": n}) -> dict[str, list[int]]:
+    """``per_aggregate`` events for each aggregate ("order" type), interleaved round-robin in one
+    transaction; returns each aggregate's ids in order."""
+    ids: dict[str, list[int]] = defaultdict(list)
+    with conn.transaction():
+        for n in range(per_aggregate):
+            for agg in aggregates:
+                ids[agg].append(enqueue(conn, "order", agg, "step", payload(agg, n)))
+    return dict(ids)
+
+
+async def stream_ids(url: str, stream: StreamHandle) -> dict[str, list[int]]:
+    """Outbox ids per aggregate, in stream order."""
+    nc = await nats.connect(url)
+    try:
+        msgs = await read_stream(StreamHandle(nc, nc.jetstream(), stream.name, stream.prefix))
+    finally:
+        await nc.close()
+    per: dict[str, list[int]] = defaultdict(list)
+    for m in msgs:
+        per[m.aggregate.split("/", 1)[1]].append(m.outbox_id)
+    return dict(per)
+
+
+def assert_in_order_once(got: dict[str, list[int]], expected: dict[str, list[int]]) -> None:
+    """Per aggregate: strictly increasing ids (so no duplicates) and exactly the expected ones."""
+    for agg, ids in got.items():
+        assert all(a < b for a, b in zip(ids, ids[1:])), f"aggregate {agg}: stream order {ids}"
+    assert got == {agg: ids for agg, ids in expected.items() if ids}
+
+
+def assert_no_send_before_previous_delivered(calls: list[tuple[int, bool]], ids: dict[str, list[int]]) -> None:
+    """``calls``: (event id, succeeded) in call order. Event j of an aggregate may be tried only
+    after event j-1 succeeded."""
+    previous = {i: agg_ids[n - 1] for agg_ids in ids.values() for n, i in enumerate(agg_ids) if n}
+    delivered: set[int] = set()
+    for i, ok in calls:
+        if i in previous:
+            assert previous[i] in delivered, f"event {i} tried before event {previous[i]} was delivered"
+        if ok:
+            delivered.add(i)
+
+
+class JetStreamFunction:
+    """A user publisher ``fn(event)`` that publishes to JetStream itself (with the headers the
+    stream checks read back) and fails (raises, or hangs past the publish timeout) at the
+    events in ``faults`` on their first attempt."""
+
+    def __init__(self, url: str, faults: set[int], fault: str) -> None:
+        self.url, self.faults, self.fault = url, faults, fault
+        self.calls: list[tuple[int, bool]] = []
+        self.nc: Any = None
+
+    async def connect(self) -> None:
+        self.nc = await nats.connect(self.url)
+        self.js = self.nc.jetstream()
+
+    async def __call__(self, event: OutboxEvent) -> None:
+        ok = False
+        try:
+            headers = {"Nats-Msg-Id": event.msg_id, "Outbox-Id": str(event.id),
+                       "Outbox-Aggregate-Type": event.aggregate_type, "Outbox-Aggregate-Id": event.aggregate_id}
+            if event.id in self.faults and self.fault == "raise":
+                self.faults.discard(event.id)
+                raise RuntimeError(f"injected failure at event {event.id}")
+            await self.js.publish(event.subject, event.payload, headers=headers)
+            if event.id in self.faults and self.fault == "hang":
+                # Stored, but the answer comes too late: the worker fails it at its deadline
+                # (the call is cancelled here) and retries it; JetStream drops the re-publish.
+                self.faults.discard(event.id)
+                await asyncio.sleep(30)
+            ok = True
+        finally:
+            self.calls.append((event.id, ok))
+
+
+@pytest.mark.parametrize("fault", ["raise", "hang"])
+async def test_user_publisher_failing_or_timing_out_at_the_kth_event_of_a_run(dsn, conn, nats_server, fast_retries,
+                                                                             fault):
+    """(a) the k-th event of a run raises; (b) it times out (stored, but too late). The rest of
+    that run is released, not tried; the run resumes at the failed event; the others flow."""
+    conn.execute("UPDATE outbox_settings SET max_run = 5")
+    stream = await make_stream(nats_server.url)
+    conn.execute("UPDATE outbox_settings SET subject_prefix = %s", (stream.prefix,))
+    ids = write(conn, [f"a{i}" for i in range(6)], 12)
+    # The 3rd event of the first run of a0..a2, the 1st of a3's second run, a4's last.
+    faults = {ids["a0"][2], ids["a1"][2], ids["a2"][2], ids["a3"][5], ids["a4"][11]}
+    fn = JetStreamFunction(nats_server.url, set(faults), fault)
+    await fn.connect()
+    try:
+        running = start(dsn, FunctionPublisher(fn, timeout=0.5), publish_timeout=0.5, lease=5, batch_size=100)
+        await until_published(conn, 72, 30)
+        await running.stop()
+    finally:
+        await fn.nc.close()
+    assert_in_order_once(await stream_ids(nats_server.url, stream), ids)
+    assert_no_send_before_previous_delivered(fn.calls, ids)
+    tried = defaultdict(int)
+    for i, _ in fn.calls:
+        tried[i] += 1
+    # Each faulty event was tried twice; every other event once: what followed a failure in
+    # its run was released untried and came again after it.
+    assert {i for i, n in tried.items() if n == 2} == faults
+    assert all(n == 1 for i, n in tried.items() if i not in faults)
+    errors = dict(conn.execute("SELECT id, last_error FROM outbox WHERE last_error IS NOT NULL").fetchall())
+    assert set(errors) == faults, "a release records no failure"
+    assert set(states(conn).values()) == {"published"}
+    stats = running.worker.stats
+    assert (stats.delivered, stats.failed, stats.dead) == (72, 5, 0)
+    # a0..a2 lose two events each, a3 four (its 2nd run cut at its 1st), a4 none (its last).
+    assert stats.released == 2 * 3 + 4
+
+
+async def test_too_large_kth_event_is_dead_at_once_and_holds_back_its_aggregate_only(dsn, conn, nats_server,
+                                                                                    fast_retries):
+    """(c) the k-th event of a run is over max_payload (the payload alone, or only with the
+    headers NATS counts too): dead-lettered at once as permanent; the events after it stay
+    pending behind the dead letter (order beats liveness) while other aggregates flow."""
+    conn.execute("UPDATE outbox_settings SET max_run = 10")
+    stream = await make_stream(nats_server.url)
+    conn.execute("UPDATE outbox_settings SET subject_prefix = %s", (stream.prefix,))
+    probe = await nats.connect(nats_server.url)
+    limit = probe.max_payload
+    await probe.close()
+    # '{"blob": "x...x"}' as jsonb text: 12 bytes besides the x's.
+    huge = {"blob": "x" * (limit + 100)}
+    just_under = {"blob": "x" * (limit - 12 - 60)}   # fits alone, not with ~250 bytes of headers
+
+    def payload(agg: str, n: int) -> dict[str, Any]:
+        if n == 3 and agg == "big":
+            return huge
+        if n == 2 and agg == "tight":
+            return just_under
+        return {"n": n}
+
+    ids = write(conn, ["big", "tight", "ok1", "ok2"], 8, payload)
+    running = start(dsn, NatsPublisher(nats_server.url, ack_timeout=2), batch_size=100)
+    await until_published(conn, 3 + 2 + 8 + 8, 20)
+    await asyncio.sleep(0.5)   # nothing more may follow: the held-back events stay pending
+    await running.stop()
+    s = states(conn)
+    assert [s[i] for i in ids["big"]] == ["published"] * 3 + ["dead"] + ["pending"] * 4
+    assert [s[i] for i in ids["tight"]] == ["published"] * 2 + ["dead"] + ["pending"] * 5
+    dead = conn.execute("SELECT id, attempts, last_error FROM outbox WHERE state = 'dead' ORDER BY id").fetchall()
+    assert [(i, n) for i, n, _ in dead] == [(ids["tight"][2], 1), (ids["big"][3], 1)]
+    assert all("max_payload" in e for _, _, e in dead)
+    # Released, not failed: the held-back events never counted an attempt nor got an error.
+    held = ids["big"][4:] + ids["tight"][3:]
+    assert conn.execute("SELECT count(*) FROM outbox WHERE id = ANY(%s) AND attempts = 0 AND last_error IS NULL",
+                        (held,)).fetchone()[0] == len(held)
+    expected = {"big": ids["big"][:3], "tight": ids["tight"][:2], "ok1": ids["ok1"], "ok2": ids["ok2"]}
+    assert_in_order_once(await stream_ids(nats_server.url, stream), expected)
+    assert running.worker.stats.dead == 2
+
+
+class Proxy:
+    """A TCP proxy to a NATS server that can cut every connection through it at once, dropping
+    whatever it read and had not yet forwarded (as a network failure would)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.writers: list[asyncio.StreamWriter] = []
+        self.server: asyncio.Server | None = None
+        self.cuts = 0
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._client, "127.0.0.1", 0)
+        return f"nats://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:
+            writer.close()
+            return
+        self.writers += [writer, up_writer]
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(Exception):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            dst.transport.abort()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    def cut(self) -> None:
+        self.cuts += 1
+        for w in self.writers:
+            w.transport.abort()
+        self.writers.clear()
+
+    async def close(self) -> None:
+        self.cut()
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
+
+
+@pytest.mark.parametrize("how", ["proxy-cut", "server-restart"])
+async def test_nats_connection_dropped_in_the_middle_of_runs(dsn, conn, nats_server, own_nats_server, fast_retries,
+                                                             how):
+    """(d) the connection to NATS drops while runs are being published: cut by a proxy (bytes in
+    flight lost) or the server restarted. No aggregate's events are stored out of order, and
+    every event is delivered exactly once in the end."""
+    conn.execute("UPDATE outbox_settings SET max_run = 50")
+    server = nats_server if how == "proxy-cut" else own_nats_server
+    stream = await make_stream(server.url)
+    await stream.nc.close()
+    conn.execute("UPDATE outbox_settings SET subject_prefix = %s", (stream.prefix,))
+    ids = write(conn, [f"h{i}" for i in range(8)], 400)    # 3,200 events, 8 hot aggregates
+    total = 3200
+    proxy = Proxy(server.port)
+    url = await proxy.start() if how == "proxy-cut" else server.url
+    running = start(dsn, NatsPublisher(url, ack_timeout=1.0), batch_size=100, publish_timeout=1.0, lease=3)
+    try:
+        for k in range(3):
+            await until_published(conn, 300 + k * 700, 30)
+            if how == "proxy-cut":
+                proxy.cut()
+            else:
+                server.stop()
+                await asyncio.sleep(0.5)
+                server.start()
+        await until_published(conn, total, 60)
+        await running.stop()
+    finally:
+        await proxy.close()
+    assert running.worker.stats.failed > 0, "the drops were felt"
+    assert set(states(conn).values()) == {"published"}
+    assert_in_order_once(await stream_ids(server.url, stream), ids)
