@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lease", type=float, default=float(_env("LEASE", d.lease)),
                    help="seconds a claimed batch is leased; at least twice --publish-timeout [OUTBOXPG_LEASE]")
     p.add_argument("--publish-timeout", type=float, default=float(_env("PUBLISH_TIMEOUT", d.publish_timeout)),
-                   help="seconds to wait for a publish (JetStream ack) before failing it [OUTBOXPG_PUBLISH_TIMEOUT]")
+                   help="seconds a batch has for its publishes (JetStream acks): a run's event still unacked "
+                        "then fails, the rest of its run is released [OUTBOXPG_PUBLISH_TIMEOUT]")
     p.add_argument("--poll-interval", type=float, default=float(_env("POLL_INTERVAL", d.poll_interval)),
                    help="fallback poll when no notification comes, seconds [OUTBOXPG_POLL_INTERVAL]")
     p.add_argument("--poll-only", action="store_true", default=_env("POLL_ONLY", "").lower() in _TRUE,

@@ -292,3 +292,33 @@ async def test_nats_connection_dropped_in_the_middle_of_runs(dsn, conn, nats_ser
     assert running.worker.stats.failed > 0, "the drops were felt"
     assert set(states(conn).values()) == {"published"}
     assert_in_order_once(await stream_ids(server.url, stream), ids)
+
+
+async def test_claims_again_when_the_first_in_flight_batch_is_reported_not_the_last(dsn, conn):
+    """A slow batch in flight must not hold back an aggregate that the other batches' reports
+    make claimable again: after a short claim the worker waits for the FIRST in-flight batch."""
+    slow_started = asyncio.Event()
+    done_at: dict[int, float] = {}
+
+    async def publish(event: OutboxEvent) -> None:
+        if event.aggregate_id == "slow":
+            slow_started.set()
+            await asyncio.sleep(3)
+        done_at[event.id] = time.monotonic()
+
+    slow = enqueue(conn, "order", "slow", "step", {})
+    hot = [enqueue(conn, "order", "hot", "step", {"n": n}) for n in range(5)]
+    # One event per claim: the slow one, then the hot aggregate's events one batch each, every
+    # next one claimable only once the previous batch is reported.
+    running = start(dsn, FunctionPublisher(publish), batch_size=1, concurrency=4, publish_timeout=5)
+    await asyncio.wait_for(slow_started.wait(), 5)
+    t0 = time.monotonic()
+    await wait_until(lambda: _all_in(hot, done_at), 2.0, "the hot aggregate delivered while the slow batch hangs")
+    assert slow not in done_at
+    await running.stop()
+    assert max(done_at[i] for i in hot) - t0 < 2.0
+    assert sorted(hot, key=done_at.__getitem__) == hot
+
+
+async def _all_in(ids: list[int], seen: dict[int, float]) -> bool:
+    return all(i in seen for i in ids)
