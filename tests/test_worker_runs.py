@@ -322,3 +322,19 @@ async def test_claims_again_when_the_first_in_flight_batch_is_reported_not_the_l
 
 async def _all_in(ids: list[int], seen: dict[int, float]) -> bool:
     return all(i in seen for i in ids)
+
+
+async def test_worker_logs_its_run_publishing_scheme_at_start(dsn, nats_server, caplog):
+    caplog.set_level("INFO", logger="outboxpg.worker")
+    for publisher, scheme in ((NatsPublisher(nats_server.url), "sequential-acks"),
+                              (FunctionPublisher(lambda e: None), "sequential-calls")):
+        running = start(dsn, publisher)
+        await wait_until(lambda: _logged(caplog, "event=start"), 10, "the start line")
+        await running.stop()
+        lines = [r.getMessage() for r in caplog.records if "event=start" in r.getMessage()]
+        assert len(lines) == 1 and lines[0].endswith(f"run_publishing={scheme}"), lines
+        caplog.clear()
+
+
+async def _logged(caplog: Any, text: str) -> bool:
+    return any(text in r.getMessage() for r in caplog.records)
