@@ -33,6 +33,13 @@ CREATE TABLE outbox_settings (
     max_claim_batch    integer  NOT NULL DEFAULT 10000
                        CONSTRAINT max_claim_batch_positive CHECK (max_claim_batch >= 1),
 
+    -- outbox_claim() hands out up to max_run consecutive events of one aggregate under one
+    -- lease (a run), so that a busy aggregate moves more than one event per claim -> publish ->
+    -- report round trip. Still at most one run per aggregate is in flight, and a worker
+    -- publishes a run's events one after another. 1 restores one event per aggregate at a time.
+    max_run            integer  NOT NULL DEFAULT 100
+                       CONSTRAINT max_run_positive CHECK (max_run >= 1),
+
     -- Partitions: outbox_maintain() keeps partitions_ahead partitions of partition_width ready
     -- beyond the current one, and drops partitions whose whole range is older than retention
     -- and that hold only finished (published or discarded) events.

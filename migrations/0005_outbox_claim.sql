@@ -1,74 +1,302 @@
 -- outboxpg 0005: handing out events to workers.
 --
---   SELECT * FROM outbox_claim(100);                    -- 100 events, default lease
+--   SELECT * FROM outbox_claim(100);                    -- up to 100 events, default lease
 --   SELECT * FROM outbox_claim(100, '2 minutes', 'w1');
 --
 -- Each call leases up to batch_size due events under one fresh lease_token, which the caller
 -- passes back to outbox_complete / outbox_fail / outbox_release. The lease is committed with
 -- the caller's statement: claim in its own short transaction, publish outside any transaction.
 --
+-- The queue is a queue of aggregates, not of events. outbox_heads holds one row per aggregate
+-- (aggregate_type, aggregate_id) that has unfinished events: the head of its line. A claim takes
+-- heads whose time has come (ready_at), oldest first, and hands out a run from each: up to
+-- outbox_settings.max_run consecutive events of that aggregate, in id order. So the work of a
+-- claim is bounded by what it hands out, whatever the depth of the backlog and however the
+-- events spread over aggregates: a million events of ten aggregates cost a claim ten heads and
+-- the runs it returns, and an empty claim is a look at one index.
+--
 -- Rules kept here:
---   * Exclusive: FOR UPDATE SKIP LOCKED, so concurrent claimers never get the same event and
---     never wait on each other.
---   * Head of line per aggregate: an event is handed out only when no earlier event (lower id)
---     of its (aggregate_type, aggregate_id) is unfinished: pending (including waiting for a
---     retry), processing or dead. So at most one event per aggregate is in flight, and a dead
---     event holds back its own aggregate only. This stays correct under concurrency because an
---     event never goes from finished back to unfinished: a claimer that sees every earlier event
---     finished in its snapshot is right, and one that sees an earlier event unfinished (even one
---     a concurrent claimer is taking) skips the later one.
+--   * Exclusive: heads are taken FOR NO KEY UPDATE SKIP LOCKED, so concurrent claimers never
+--     get the same aggregate and never wait on each other; the events of a run are locked with
+--     SKIP LOCKED too, and a run ends at the first event someone else is changing right now.
+--   * Order per aggregate: a head's ready_at is the end of its run's lease while the run is in
+--     flight, so at most one run per aggregate is out at a time, and a run is a prefix of the
+--     aggregate's unfinished events: it stops at the first event that is not pending and due
+--     (a retry waiting for its backoff, a dead letter, a leased one) and at the commit-order
+--     guard (below). A dead event holds back its own aggregate only (its head's ready_at is NULL).
 --   * Commit order: an event is handed out only once no open transaction can still commit an
---     earlier id (outbox_commit_horizon), so "earlier" means earlier in id order AND nothing
---     earlier is still on its way.
---   * Expired leases are reclaimed here, so no separate reaper is needed. An expired lease is a
---     failed attempt (the worker died or hung): retried after a backoff, or dead once
---     max_attempts is reached. The claim finds them where it finds due events, in id order
---     among the in-flight events; no index on the lease columns is needed (see 0002).
---   * A claim is a HOT update (state and lease columns are in no index): it adds no index
---     entries, which is most of what it would otherwise cost.
+--     earlier event of its aggregate (outbox_commit_guard; 0013 for the producers' side).
+--   * Expired leases are reclaimed here, so no separate reaper is needed: a head whose run's
+--     lease ran out comes due; the run's first event has failed an attempt (the worker died or
+--     hung) and is retried after a backoff, or is dead once max_attempts is reached; the rest
+--     of the run goes back to pending without an attempt counted.
+--
+-- How new events reach outbox_heads: the producers do not write there (a producer's row would
+-- stay invisible, and a lock on it held, until its transaction ends). Claims take new events in
+-- instead, in id order, from an intake cursor (outbox_intake.intake_id): every committed event
+-- with an id up to it has its aggregate's head. The cursor only moves up to the commit horizon,
+-- below which no open transaction can still commit an event; events above it that are visible
+-- are taken in on every claim until the cursor passes them (few: only what committed since,
+-- plus what an open transaction holds back). At most `chunk` events are read per claim.
 --
 -- batch_size below 1 or NULL is an error; above outbox_settings.max_claim_batch it is clamped.
 -- depends: 0002_outbox_table 0004_outbox_retry_delay
 DO $$ BEGIN PERFORM set_config('search_path', format('%I, pg_temp', current_schema()), false); END $$;
 
--- The largest id that no open transaction can still precede. Producers mark "this transaction
--- may still commit ids above L" with a shared advisory lock keyed -(L + 1), and hold the shared
--- lock (1868724336, 3) while they do (see 0013_outbox_commit_order.sql). Order matters:
---   1. the last id assigned so far: every id assigned later is above it, so nothing that starts
---      inserting from now on can precede an id up to it;
---   2. if no producing transaction is open (the exclusive try-lock succeeds), that id is the
---      horizon; otherwise the lowest L among the open ones bounds it too.
--- outbox_claim calls this before taking the snapshot it claims from: a transaction that commits
--- in between was still counted here, so its events are either visible or above the horizon.
+-- The advisory lock key of an aggregate, as producers take it (0013) and claims look for it.
+-- Schema-qualified built-ins: it is inlined into its callers, and may be called from any search_path.
+CREATE FUNCTION outbox_aggregate_key(aggregate_type text, aggregate_id text) RETURNS integer
+LANGUAGE sql
+IMMUTABLE PARALLEL SAFE
+AS $$ SELECT pg_catalog.hashtext($1 OPERATOR(pg_catalog.||) '/' OPERATOR(pg_catalog.||) $2) $$;
+
+COMMENT ON FUNCTION outbox_aggregate_key(text, text) IS
+    'Second key of the advisory lock (1868724337, key) a producing transaction holds on each aggregate it wrote (0013). Hash collisions only hold back more, never less.';
+
+-- One row per aggregate with unfinished events. Written only by the outbox_* functions.
+CREATE TABLE outbox_heads (
+    aggregate_type outbox_aggregate_type NOT NULL,
+    aggregate_id   outbox_aggregate_id   NOT NULL,
+    lock_key       integer      NOT NULL,
+    -- No unfinished event of the aggregate has a lower id: where a claim starts reading its
+    -- line (so it never steps over the published events before it). Usually the head event.
+    head_id        bigint       NOT NULL,
+    -- When the head can be claimed: its first event's next_attempt_at (pending), or the end of
+    -- its run's lease (in flight). NULL: its first event is dead; requeue or discard it.
+    ready_at       timestamptz,
+    PRIMARY KEY (aggregate_type, aggregate_id)
+-- Room on each page for the claim's and the report's row versions (HOT updates).
+) WITH (fillfactor = 50);
+
+COMMENT ON TABLE outbox_heads IS
+    'outboxpg: the head of each aggregate''s line of unfinished events (ready_at: when it can be claimed; NULL: held by a dead letter). Kept by the outbox_* functions.';
+
+CREATE INDEX outbox_heads_ready_idx ON outbox_heads (ready_at) WHERE ready_at IS NOT NULL;
+
+CREATE TABLE outbox_intake (
+    singleton     boolean PRIMARY KEY DEFAULT true CHECK (singleton),
+    -- Every committed event with an id up to this has its aggregate in outbox_heads (or is finished).
+    intake_id     bigint       NOT NULL DEFAULT 0,
+    -- When a worker last called outbox_claim (to the second), whatever the claim found.
+    last_claim_at timestamptz
+);
+
+COMMENT ON TABLE outbox_intake IS
+    'outboxpg: how far claims have taken new events into outbox_heads, and when a worker last claimed.';
+
+INSERT INTO outbox_intake DEFAULT VALUES;
+
+-- The commit-order guard, read once per claim. Ids come from a sequence when a row is
+-- inserted, not when its transaction commits, so a lower id can become visible after a higher
+-- one. Producing transactions announce themselves with shared advisory locks (0013):
+--   (1868724336, 3)    "a producing transaction is open" (lets this skip pg_locks when none is);
+--   -(L + 1)           (one bigint) "this transaction may still commit ids above L", per statement;
+--   (1868724337, key)  per aggregate written (key: outbox_aggregate_key), taken before the id;
+--   (1868724336, 4)    "this transaction wrote too many aggregates to name them all": it holds
+--                      back every event above its L.
+-- Returns, in this order of reading:
+--   last_id     the last id assigned before the call: every id assigned later is above it;
+--   settled     no open transaction can still commit an id up to it;
+--   open_below  ids up to it can be handed out unless their aggregate's key is in held_keys.
+-- The caller takes its snapshot after this returns: a transaction that commits in between was
+-- still counted here, so its events are either visible or held back.
+CREATE FUNCTION outbox_commit_guard(OUT last_id bigint, OUT settled bigint, OUT open_below bigint,
+                                    OUT held_keys integer[])
+LANGUAGE plpgsql
+VOLATILE
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    -- On a sequence never used yet, last_value is the next id, not the last one.
+    SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END INTO last_id FROM outbox_id_seq;
+    settled := last_id;
+    open_below := last_id;
+    held_keys := '{}';
+    IF pg_try_advisory_lock(1868724336, 3) THEN
+        PERFORM pg_advisory_unlock(1868724336, 3);
+        RETURN;
+    END IF;
+    WITH l AS MATERIALIZED (
+        SELECT l.pid, l.classid, l.objid, l.objsubid
+          FROM pg_locks l
+         WHERE l.locktype = 'advisory'
+           AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+           AND l.pid <> pg_backend_pid()),
+    horizon AS (
+        SELECT l.pid, -((l.classid::bigint << 32) | l.objid::bigint) - 1 AS below
+          FROM l
+         WHERE l.objsubid = 1 AND l.classid >= 2147483648)   -- negative one-bigint keys
+    SELECT least(last_id, (SELECT min(h.below) FROM horizon h)),
+           least(last_id, (SELECT min(h.below) FROM horizon h
+                             WHERE h.pid IN (SELECT w.pid FROM l w
+                                              WHERE w.objsubid = 2 AND w.classid = 1868724336 AND w.objid = 4))),
+           coalesce((SELECT array_agg(DISTINCT (a.objid::bigint - CASE WHEN a.objid::bigint >= 2147483648
+                                                                     THEN 4294967296 ELSE 0 END)::integer)
+                       FROM l a WHERE a.objsubid = 2 AND a.classid = 1868724337), '{}')
+      INTO settled, open_below, held_keys;
+END;
+$$;
+
+COMMENT ON FUNCTION outbox_commit_guard() IS
+    'What open producing transactions hold back: ids above settled may still gain an earlier neighbour; up to open_below only the aggregates in held_keys.';
+
+-- The largest id that no open producing transaction can still precede (kept for psql users
+-- and monitors; the claim reads outbox_commit_guard()).
 CREATE FUNCTION outbox_commit_horizon() RETURNS bigint
 LANGUAGE plpgsql
 VOLATILE
 SET search_path FROM CURRENT
 AS $$
-DECLARE
-    last_id bigint;
-    lowest  bigint;
 BEGIN
-    -- On a sequence never used yet, last_value is the next id, not the last one.
-    SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END INTO last_id FROM outbox_id_seq;
-    IF pg_try_advisory_lock(1868724336, 3) THEN
-        PERFORM pg_advisory_unlock(1868724336, 3);
-        RETURN last_id;
-    END IF;
-    SELECT min(-((l.classid::bigint << 32) | l.objid::bigint) - 1)
-      INTO lowest
-      FROM pg_locks l
-     WHERE l.locktype = 'advisory'
-       AND l.objsubid = 1                    -- one-bigint keys
-       AND l.classid >= 2147483648           -- negative ones: outboxpg's
-       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-       AND l.pid <> pg_backend_pid();
-    RETURN least(last_id, lowest);
+    RETURN (SELECT g.settled FROM outbox_commit_guard() g);
 END;
 $$;
 
 COMMENT ON FUNCTION outbox_commit_horizon() IS
-    'Largest outbox id that no open producing transaction can still precede; outbox_claim hands out ids up to it.';
+    'Largest outbox id that no open producing transaction can still precede.';
+
+-- Take newly committed events into outbox_heads: up to `chunk` in-flow events above the intake
+-- cursor, oldest first. Returns the cursor afterwards, or NULL when another claim is taking in
+-- right now (one at a time: the others skip it rather than wait).
+CREATE FUNCTION outbox_take_in(settled bigint, last_id bigint, chunk integer) RETURNS bigint
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+SET plan_cache_mode = force_generic_plan  -- see outbox_claim, also for the settings below
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET enable_mergejoin = off
+SET enable_material = off
+SET jit = off
+AS $$
+DECLARE
+    upto    bigint;
+    types   text[];
+    ids     text[];
+    firsts  bigint[];
+    readies timestamptz[];
+    seen    bigint;
+    top     bigint;
+BEGIN
+    SELECT i.intake_id INTO upto FROM outbox_intake i FOR UPDATE SKIP LOCKED;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    IF upto >= last_id THEN
+        RETURN upto;
+    END IF;
+
+    -- One row per aggregate among the new events, with its first event.
+    SELECT array_agg(a.aggregate_type ORDER BY a.aggregate_type, a.aggregate_id),
+           array_agg(a.aggregate_id ORDER BY a.aggregate_type, a.aggregate_id),
+           array_agg(a.first_id ORDER BY a.aggregate_type, a.aggregate_id),
+           array_agg(a.ready ORDER BY a.aggregate_type, a.aggregate_id),
+           sum(a.n), max(a.top)
+      INTO types, ids, firsts, readies, seen, top
+      FROM (SELECT e.aggregate_type, e.aggregate_id, min(e.id) AS first_id, count(*) AS n, max(e.id) AS top,
+                   (array_agg(CASE WHEN e.state = 'processing' THEN e.locked_until ELSE e.next_attempt_at END
+                              ORDER BY e.id))[1] AS ready
+              FROM (SELECT o.id, o.aggregate_type, o.aggregate_id, o.state, o.next_attempt_at, o.locked_until
+                      FROM outbox o
+                     WHERE o.in_flow
+                       AND o.id > upto AND o.id <= last_id
+                     ORDER BY o.id
+                     LIMIT chunk) e
+             GROUP BY e.aggregate_type, e.aggregate_id) a;
+
+    IF types IS NOT NULL THEN
+        -- Lock the heads that exist, in key order (as reports do): a report about to drop one of
+        -- them because it saw no more events of its aggregate waits for this transaction, and
+        -- then sees these events (outbox_refresh_heads).
+        PERFORM 1
+           FROM unnest(types, ids) AS s(t, i)
+           JOIN outbox_heads h ON h.aggregate_type = s.t COLLATE "C" AND h.aggregate_id = s.i COLLATE "C"
+          ORDER BY h.aggregate_type, h.aggregate_id
+            FOR KEY SHARE OF h;
+        -- An event that committed late below its aggregate's head (it was held back by the
+        -- commit-order guard meanwhile): the line starts there now.
+        UPDATE outbox_heads h
+           SET head_id = s.f
+          FROM unnest(types, ids, firsts) AS s(t, i, f)
+         WHERE h.aggregate_type = s.t COLLATE "C" AND h.aggregate_id = s.i COLLATE "C"
+           AND h.head_id > s.f;
+        INSERT INTO outbox_heads (aggregate_type, aggregate_id, lock_key, head_id, ready_at)
+        SELECT s.t, s.i, outbox_aggregate_key(s.t, s.i), s.f, s.r
+          FROM unnest(types, ids, firsts, readies) AS s(t, i, f, r)
+        ON CONFLICT DO NOTHING;
+    END IF;
+
+    -- Past everything read (all of it when fewer than chunk came back), never past the horizon.
+    top := least(CASE WHEN coalesce(seen, 0) < chunk THEN last_id ELSE top END, settled);
+    IF top > upto THEN
+        UPDATE outbox_intake SET intake_id = top;
+        upto := top;
+    END IF;
+    RETURN upto;
+END;
+$$;
+
+COMMENT ON FUNCTION outbox_take_in(bigint, bigint, integer) IS
+    'Called by outbox_claim: registers the aggregates of newly committed events in outbox_heads and moves the intake cursor.';
+
+-- Recompute the heads of the given aggregates from their first unfinished event, after a
+-- report or a repair changed their events; drop the heads with none left. A head is dropped
+-- only under FOR UPDATE, taken in a statement of its own before the events are looked at:
+-- a claim taking in a new event of the aggregate either holds its KEY SHARE lock first (and
+-- this statement, with a snapshot taken after it, sees the event), or finds the head gone and
+-- creates it again.
+CREATE FUNCTION outbox_refresh_heads(types text[], ids text[]) RETURNS void
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+SET plan_cache_mode = force_generic_plan  -- see outbox_claim, also for the settings below
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET enable_hashjoin = off
+SET enable_mergejoin = off
+SET enable_material = off
+SET jit = off
+AS $$
+DECLARE
+    upto bigint;
+BEGIN
+    PERFORM 1
+       FROM (SELECT DISTINCT s.t, s.i FROM unnest(types, ids) AS s(t, i)) s
+       JOIN outbox_heads h ON h.aggregate_type = s.t COLLATE "C" AND h.aggregate_id = s.i COLLATE "C"
+      ORDER BY h.aggregate_type, h.aggregate_id
+        FOR UPDATE OF h;
+    -- Events not taken in yet may lie below a head_id (see outbox_take_in).
+    SELECT i.intake_id INTO upto FROM outbox_intake i;
+
+    WITH firsts AS MATERIALIZED (
+        SELECT h.aggregate_type, h.aggregate_id, f.id, f.state, f.next_attempt_at, f.locked_until
+          FROM (SELECT DISTINCT s.t, s.i FROM unnest(types, ids) AS s(t, i)) s
+          JOIN outbox_heads h ON h.aggregate_type = s.t COLLATE "C" AND h.aggregate_id = s.i COLLATE "C"
+          LEFT JOIN LATERAL (
+                SELECT o.id, o.state, o.next_attempt_at, o.locked_until
+                  FROM outbox o
+                 WHERE o.aggregate_type = h.aggregate_type AND o.aggregate_id = h.aggregate_id
+                   AND o.unfinished
+                   AND o.id >= least(h.head_id, upto + 1)
+                 ORDER BY o.id
+                 LIMIT 1) f ON true),
+    dropped AS (
+        DELETE FROM outbox_heads h
+         USING firsts f
+         WHERE f.id IS NULL
+           AND h.aggregate_type = f.aggregate_type AND h.aggregate_id = f.aggregate_id)
+    UPDATE outbox_heads h
+       SET head_id  = f.id,
+           ready_at = CASE f.state WHEN 'pending' THEN f.next_attempt_at
+                                   WHEN 'processing' THEN f.locked_until END
+      FROM firsts f
+     WHERE f.id IS NOT NULL
+       AND h.aggregate_type = f.aggregate_type AND h.aggregate_id = f.aggregate_id
+       AND (h.head_id, h.ready_at) IS DISTINCT FROM
+           (f.id, CASE f.state WHEN 'pending' THEN f.next_attempt_at WHEN 'processing' THEN f.locked_until END);
+END;
+$$;
+
+COMMENT ON FUNCTION outbox_refresh_heads(text[], text[]) IS
+    'Called by the report and repair functions: recompute (or drop) the heads of the given aggregates from their first unfinished event.';
 
 CREATE FUNCTION outbox_claim(batch_size integer, lease interval DEFAULT NULL, worker text DEFAULT NULL)
 RETURNS TABLE (
@@ -92,36 +320,36 @@ SET search_path FROM CURRENT
 SET plan_cache_mode = force_generic_plan
 -- Pinned plan shape. These run with generic plans (planned once per session), and a plan made
 -- while the table was small must not turn into scans of the whole backlog after a burst (seen:
--- seconds per claim until the next ANALYZE). Index probes and nested loops are the right plan
--- at every size here, so the planner is not given the choice.
+-- seconds per claim until the next ANALYZE). The outbox table is only ever reached through an
+-- index probe per head (LATERAL) or by tuple id; joins between the small in-memory sets of a
+-- claim may hash.
 SET enable_seqscan = off
 SET enable_bitmapscan = off
-SET enable_hashjoin = off
 SET enable_mergejoin = off
 SET enable_material = off
 SET jit = off
 AS $$
 #variable_conflict use_column
 DECLARE
-    cfg    outbox_settings;
-    token  uuid := gen_random_uuid();
+    cfg     outbox_settings;
+    token   uuid := gen_random_uuid();
     -- The lease runs from the moment of the claim, not from the start of the caller's transaction.
-    t      timestamptz := clock_timestamp();
-    owner  text;
-    n      integer;
-    horizon bigint;
-    -- The batch, accumulated over the passes of the loop below.
-    ids    bigint[] := '{}';
-    tids   tid[] := '{}';
-    oldest timestamptz;
-    newest timestamptz;
-    -- One pass.
-    pass_ids     bigint[];
-    pass_tids    tid[];
-    expired_ids  bigint[];
-    expired_tids tid[];
-    pass_oldest  timestamptz;
-    pass_newest  timestamptz;
+    t       timestamptz := clock_timestamp();
+    owner   text;
+    n       integer;
+    g       record;
+    upto    bigint;
+    took_in boolean;
+    heads   outbox_heads[];
+    -- What to do with the events read (parallel arrays).
+    c_ids   bigint[];
+    c_tids  tid[];
+    r_ids   bigint[];
+    r_tids  tid[];
+    r_first boolean[];
+    r_retry timestamptz[];
+    lo      timestamptz;
+    hi      timestamptz;
 BEGIN
     IF batch_size IS NULL OR batch_size < 1 THEN
         RAISE EXCEPTION 'outbox_claim: batch_size must be 1 or more, got %', coalesce(batch_size::text, 'NULL')
@@ -136,62 +364,150 @@ BEGIN
     END IF;
     owner := coalesce(worker, nullif(current_setting('application_name'), ''), 'backend ' || pg_backend_pid());
 
-    LOOP
-        -- Commit order: see outbox_commit_horizon(). Read before the snapshot of the next statement.
-        horizon := outbox_commit_horizon();
+    -- Commit order: read before the snapshots of the statements below.
+    SELECT * INTO g FROM outbox_commit_guard();
+    upto := outbox_take_in(g.settled, g.last_id, least(greatest(2 * n, 1000), 10000));
+    IF NOT cfg.commit_order_guard THEN
+        -- Switched off (0013): whatever is visible, in id order per aggregate.
+        g.settled := g.last_id;
+        g.open_below := g.last_id;
+        g.held_keys := '{}';
+    END IF;
+    took_in := upto IS NOT NULL;
+    IF NOT took_in THEN
+        SELECT i.intake_id INTO upto FROM outbox_intake i;
+    END IF;
 
-        -- Lock the candidates first and update them afterwards by their tuple ids (ctid): a
-        -- row locked here stays where it is until this transaction updates it, and fetching
-        -- it by ctid costs no index probe at all (joining the update to the candidate query
-        -- instead lets the planner hash the whole table). A candidate is a due event or an
-        -- expired lease, at the head of its aggregate's line; SKIP LOCKED: one being claimed
-        -- or reported right now is left alone.
-        SELECT array_agg(c.id) FILTER (WHERE NOT c.expired),
-               array_agg(c.ctid) FILTER (WHERE NOT c.expired),
-               array_agg(c.id) FILTER (WHERE c.expired),
-               array_agg(c.ctid) FILTER (WHERE c.expired),
-               min(c.created_at), max(c.created_at)
-          INTO pass_ids, pass_tids, expired_ids, expired_tids, pass_oldest, pass_newest
-          FROM (SELECT o.id, o.ctid, o.created_at, o.state = 'processing' AS expired
-                  FROM outbox o
-                 WHERE o.in_flow
-                   AND (o.state = 'pending' AND o.next_attempt_at <= t
-                        OR o.state = 'processing' AND o.locked_until < t)
-                   AND o.id <= horizon
-                   AND o.id <> ALL (ids)      -- locked by an earlier pass (empty at first)
-                   AND NOT EXISTS (
-                         SELECT 1
-                           FROM outbox earlier
-                          WHERE earlier.aggregate_type = o.aggregate_type
-                            AND earlier.aggregate_id = o.aggregate_id
-                            AND earlier.id < o.id
-                            AND earlier.unfinished)
-                 ORDER BY o.id
-                 LIMIT n - cardinality(ids)
-                   FOR UPDATE SKIP LOCKED) c;
-        ids    := ids || pass_ids;            -- || and least/greatest ignore NULLs
-        tids   := tids || pass_tids;
-        oldest := least(oldest, pass_oldest);
-        newest := greatest(newest, pass_newest);
-        EXIT WHEN expired_ids IS NULL;
+    -- The heads whose time has come, oldest first, leaving out those that the guard holds back
+    -- (head_id is a lower bound of the first event's id; the runs below check each event).
+    SELECT array_agg(ROW(h.aggregate_type, h.aggregate_id, h.lock_key, h.head_id, h.ready_at)::outbox_heads
+                     ORDER BY h.ready_at, h.aggregate_type, h.aggregate_id)
+      INTO heads
+      FROM (SELECT h.aggregate_type, h.aggregate_id, h.lock_key, h.head_id, h.ready_at
+              FROM outbox_heads h
+             WHERE h.ready_at <= t
+               AND (h.head_id <= g.settled
+                    OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys)))
+             ORDER BY h.ready_at
+             LIMIT n
+               FOR NO KEY UPDATE SKIP LOCKED) h;
 
-        -- Reclaim the expired leases among them: retried after a backoff, or dead. Their old
-        -- token matches nothing from now on (fencing).
-        UPDATE outbox o
-           SET state           = CASE WHEN o.attempts >= cfg.max_attempts THEN 'dead' ELSE 'pending' END::outbox_state,
-               next_attempt_at = t + outbox_retry_delay(o.attempts, cfg.backoff_base, cfg.backoff_cap),
-               dead_at         = CASE WHEN o.attempts >= cfg.max_attempts THEN t END,
-               last_error      = format('lease expired at %s (held by %s)', o.locked_until, o.locked_by),
-               locked_until    = NULL,
-               lease_token     = NULL
-         WHERE o.ctid = ANY (expired_tids)                -- locked above
-           AND (o.id = ANY (expired_ids)) IS TRUE         -- as below
-           AND o.created_at BETWEEN pass_oldest AND pass_newest;
-        -- Look again for the rest of the batch: a worker's crash must not cost the next claim
-        -- its batch (a short claim tells a worker that the backlog is drained).
-        EXIT WHEN cardinality(ids) >= n;
-    END LOOP;
-    IF cardinality(ids) = 0 THEN
+    IF heads IS NOT NULL THEN
+        -- Each head's line: its first max_run unfinished events, read twice: as they are
+        -- (`line`) and locked, SKIP LOCKED (`e`). An event someone else is changing right now
+        -- is missing from the second read, and the run ends before it (`matched`).
+        WITH cand AS MATERIALIZED (
+            SELECT h.ord, h.lock_key, cardinality(line.ids) AS line_length,
+                   e.id, e.ctid, e.created_at, e.state, e.attempts, e.next_attempt_at, e.locked_until,
+                   e.lease_token,
+                   e.id = line.ids[row_number() OVER w] AS matched
+              FROM unnest(heads) WITH ORDINALITY AS h(aggregate_type, aggregate_id, lock_key, head_id, ready_at, ord)
+             CROSS JOIN LATERAL (
+                   SELECT array(SELECT o.id FROM outbox o
+                                 WHERE o.aggregate_type = h.aggregate_type AND o.aggregate_id = h.aggregate_id
+                                   AND o.unfinished AND o.id >= least(h.head_id, upto + 1)
+                                 ORDER BY o.id LIMIT cfg.max_run) AS ids) line
+              LEFT JOIN LATERAL (
+                   SELECT o.id, o.ctid, o.created_at, o.state, o.attempts, o.next_attempt_at, o.locked_until,
+                          o.lease_token
+                     FROM outbox o
+                    WHERE o.aggregate_type = h.aggregate_type AND o.aggregate_id = h.aggregate_id
+                      AND o.unfinished AND o.id >= least(h.head_id, upto + 1)
+                    ORDER BY o.id
+                    LIMIT cfg.max_run
+                      FOR UPDATE SKIP LOCKED) e ON true
+            WINDOW w AS (PARTITION BY h.ord ORDER BY e.id)),
+        marked AS MATERIALIZED (
+            SELECT c.*,
+                   first_value(c.state) OVER w AS first_state,
+                   first_value(c.lease_token) OVER w AS first_token,
+                   first_value(c.locked_until) OVER w AS first_until,
+                   first_value(c.matched) OVER w AS first_matched,
+                   -- The run: the prefix of events that are pending, due and not held back.
+                   bool_and(c.matched AND c.state = 'pending' AND c.next_attempt_at <= t
+                            AND (c.id <= g.settled
+                                 OR (c.id <= g.open_below AND c.lock_key <> ALL (g.held_keys)))) OVER w AS in_run
+              FROM cand c
+            WINDOW w AS (PARTITION BY c.ord ORDER BY c.id)),
+        claimed AS MATERIALIZED (
+            SELECT m.ord, m.id, m.ctid, m.created_at
+              FROM (SELECT m.*, count(*) FILTER (WHERE m.in_run) OVER (ORDER BY m.ord, m.id) AS taken
+                      FROM marked m) m
+             WHERE m.in_run AND m.taken <= n),
+        -- A run whose lease ran out: the events still leased under its token.
+        expired AS MATERIALIZED (
+            SELECT m.ord, m.id, m.ctid, m.created_at, m.id = min(m.id) OVER (PARTITION BY m.ord) AS is_first,
+                   t + outbox_retry_delay(m.attempts, cfg.backoff_base, cfg.backoff_cap) AS retry_at,
+                   m.attempts >= cfg.max_attempts AS out_of_attempts
+              FROM marked m
+             WHERE m.first_state = 'processing' AND m.first_until < t AND m.first_matched
+               AND m.matched AND m.state = 'processing' AND m.lease_token = m.first_token),
+        -- What each head becomes (NULL new_ready with keep_ready: leave it as it is).
+        head_next AS (
+            SELECT h.aggregate_type, h.aggregate_id, h.head_id, h.ready_at, h.ord,
+                   f.id AS first_id,
+                   CASE WHEN EXISTS (SELECT 1 FROM claimed c WHERE c.ord = h.ord) THEN t + lease
+                        WHEN x.id IS NOT NULL THEN CASE WHEN x.out_of_attempts THEN NULL ELSE x.retry_at END
+                        -- No unfinished event (cannot happen while the reports keep the heads;
+                        -- a claim may not drop a head, see outbox_refresh_heads): look again soon.
+                        WHEN f.line_length = 0 THEN t + interval '1 second'
+                        WHEN f.id IS NULL OR NOT f.matched THEN h.ready_at  -- being reported right now
+                        WHEN f.state = 'dead' THEN NULL
+                        WHEN f.state = 'pending' AND f.next_attempt_at > t THEN f.next_attempt_at
+                        WHEN f.state = 'processing' AND f.locked_until >= t THEN f.locked_until
+                        ELSE h.ready_at                                -- held back by the guard, or past n
+                   END AS new_ready
+              FROM unnest(heads) WITH ORDINALITY AS h(aggregate_type, aggregate_id, lock_key, head_id, ready_at, ord)
+              LEFT JOIN LATERAL (SELECT m.id, m.line_length, m.matched, m.state, m.next_attempt_at, m.locked_until
+                                   FROM marked m WHERE m.ord = h.ord ORDER BY m.id LIMIT 1) f ON true
+              LEFT JOIN expired x ON x.ord = h.ord AND x.is_first),
+        moved_heads AS (
+            UPDATE outbox_heads oh
+               SET head_id = coalesce(hn.first_id, hn.head_id),
+                   ready_at = hn.new_ready
+              FROM head_next hn
+             WHERE oh.aggregate_type = hn.aggregate_type AND oh.aggregate_id = hn.aggregate_id
+               AND (hn.head_id, hn.ready_at) IS DISTINCT FROM (coalesce(hn.first_id, hn.head_id), hn.new_ready))
+        SELECT (SELECT array_agg(c.id ORDER BY c.id) FROM claimed c),
+               (SELECT array_agg(c.ctid ORDER BY c.id) FROM claimed c),
+               (SELECT array_agg(x.id ORDER BY x.id) FROM expired x),
+               (SELECT array_agg(x.ctid ORDER BY x.id) FROM expired x),
+               (SELECT array_agg(x.is_first ORDER BY x.id) FROM expired x),
+               (SELECT array_agg(CASE WHEN x.out_of_attempts THEN NULL ELSE x.retry_at END ORDER BY x.id) FROM expired x),
+               (SELECT least(min(c.created_at), (SELECT min(x.created_at) FROM expired x)) FROM claimed c),
+               (SELECT greatest(max(c.created_at), (SELECT max(x.created_at) FROM expired x)) FROM claimed c)
+          INTO c_ids, c_tids, r_ids, r_tids, r_first, r_retry, lo, hi;
+
+        IF r_ids IS NOT NULL THEN
+            -- Reclaim expired runs: the first event failed an attempt (retried after a backoff,
+            -- or dead), the rest go back unattempted. Their old token matches nothing from now
+            -- on (fencing). The heads were moved above, to the retry time (NULL if dead).
+            UPDATE outbox o
+               SET state           = CASE WHEN NOT r.is_first THEN 'pending'
+                                          WHEN r.retry_at IS NULL THEN 'dead' ELSE 'pending' END::outbox_state,
+                   attempts        = CASE WHEN r.is_first THEN o.attempts ELSE greatest(o.attempts - 1, 0) END,
+                   next_attempt_at = CASE WHEN r.is_first THEN coalesce(r.retry_at, t) ELSE t END,
+                   dead_at         = CASE WHEN r.is_first AND r.retry_at IS NULL THEN t END,
+                   last_error      = CASE WHEN r.is_first
+                                          THEN format('lease expired at %s (held by %s)', o.locked_until, o.locked_by)
+                                          ELSE o.last_error END,
+                   locked_until    = NULL,
+                   lease_token     = NULL
+              FROM unnest(r_ids, r_first, r_retry) AS r(id, is_first, retry_at)
+             WHERE o.ctid = ANY (r_tids)                -- locked above
+               AND (o.id = ANY (r_ids)) IS TRUE         -- a ctid from another partition may name a row here
+               AND o.created_at BETWEEN lo AND hi
+               AND o.id = r.id;
+        END IF;
+    END IF;
+
+    IF took_in THEN
+        -- Monitors ask "is a worker claiming?": to the second, so that a busy worker does not
+        -- write this row on every claim.
+        UPDATE outbox_intake SET last_claim_at = t
+         WHERE last_claim_at IS NULL OR last_claim_at < t - interval '1 second';
+    END IF;
+    IF c_ids IS NULL THEN
         RETURN;
     END IF;
 
@@ -204,11 +520,11 @@ BEGIN
                claimed_at   = t,
                locked_until = t + lease,
                lease_token  = token
-         WHERE o.ctid = ANY (tids)                       -- locked above: still due
+         WHERE o.ctid = ANY (c_tids)                     -- locked above: still due
            -- A ctid from another partition may name a row here. IS TRUE: a filter, not an
            -- index condition (an index probe per id is what the ctids save).
-           AND (o.id = ANY (ids)) IS TRUE
-           AND o.created_at BETWEEN oldest AND newest
+           AND (o.id = ANY (c_ids)) IS TRUE
+           AND o.created_at BETWEEN lo AND hi
      RETURNING o.id,
                coalesce(o.subject, cfg.subject_prefix || '.' || o.aggregate_type || '.' || o.event_type),
                -- The columns' domains (0002), as their base types.
@@ -221,4 +537,4 @@ END;
 $$;
 
 COMMENT ON FUNCTION outbox_claim(integer, interval, text) IS
-    'Lease up to batch_size due events (one per aggregate, oldest first) under a new lease_token; reclaims the expired leases it meets (a failed attempt each).';
+    'Lease up to batch_size due events under a new lease_token: runs of up to max_run consecutive events per aggregate, oldest heads first, rows in id order; reclaims expired runs (one failed attempt for the run''s first event).';

@@ -10,6 +10,13 @@
 -- token matches nothing: a worker that hung past its lease cannot overwrite the newer claim,
 -- and the return value says so (a count lower than asked, or NULL from outbox_fail). A late
 -- report on an expired lease that nobody reclaimed yet still counts: the work was done.
+-- Runs: a caller that published only part of a run completes the published prefix, fails the
+-- first event that failed, and releases the rest (in any order):
+--   SELECT outbox_complete(ARRAY[11,12], '<token>');          -- published
+--   SELECT outbox_fail(13, '<token>', 'no ack within 5 s');    -- failed: retried after a backoff
+--   SELECT outbox_release(ARRAY[14,15], '<token>');           -- never sent: no attempt counted
+-- Each of them then moves the aggregate's head (outbox_refresh_heads, 0005): its next claim
+-- starts at the first unfinished event, here 13, once its backoff is over.
 -- These run once per batch or event: like outbox_claim they use generic plans.
 -- depends: 0005_outbox_claim
 DO $$ BEGIN PERFORM set_config('search_path', format('%I, pg_temp', current_schema()), false); END $$;
@@ -26,9 +33,11 @@ SET enable_material = off
 SET jit = off
 AS $$
 DECLARE
-    done integer;
-    lo   bigint;
-    hi   bigint;
+    done  integer;
+    lo    bigint;
+    hi    bigint;
+    types text[];
+    aggs  text[];
 BEGIN
     IF ids IS NULL OR lease_token IS NULL THEN
         RAISE EXCEPTION 'outbox_complete: ids and lease_token must not be NULL'
@@ -39,22 +48,30 @@ BEGIN
         -- (Nearly) consecutive ids, as a claim from a backlog hands out: one range scan of
         -- outbox_in_flow_idx per partition, where "id = ANY" probes every partition for every
         -- id. "IS TRUE" keeps the list out of the index condition.
-        UPDATE outbox o
-           SET state = 'published', published_at = clock_timestamp(), locked_until = NULL
-         WHERE o.in_flow
-           AND o.id BETWEEN lo AND hi
-           AND (o.id = ANY (ids)) IS TRUE
-           AND o.state = 'processing'
-           AND o.lease_token = outbox_complete.lease_token;
+        WITH done AS (
+            UPDATE outbox o
+               SET state = 'published', published_at = clock_timestamp(), locked_until = NULL
+             WHERE o.in_flow
+               AND o.id BETWEEN lo AND hi
+               AND (o.id = ANY (ids)) IS TRUE
+               AND o.state = 'processing'
+               AND o.lease_token = outbox_complete.lease_token
+         RETURNING o.aggregate_type, o.aggregate_id)
+        SELECT count(*), array_agg(d.aggregate_type), array_agg(d.aggregate_id) INTO done, types, aggs FROM done d;
     ELSE
-        UPDATE outbox o
-           SET state = 'published', published_at = clock_timestamp(), locked_until = NULL
-         WHERE o.in_flow                -- found by id in outbox_in_flow_idx
-           AND o.id = ANY (ids)
-           AND o.state = 'processing'
-           AND o.lease_token = outbox_complete.lease_token;
+        WITH done AS (
+            UPDATE outbox o
+               SET state = 'published', published_at = clock_timestamp(), locked_until = NULL
+             WHERE o.in_flow                -- found by id in outbox_in_flow_idx
+               AND o.id = ANY (ids)
+               AND o.state = 'processing'
+               AND o.lease_token = outbox_complete.lease_token
+         RETURNING o.aggregate_type, o.aggregate_id)
+        SELECT count(*), array_agg(d.aggregate_type), array_agg(d.aggregate_id) INTO done, types, aggs FROM done d;
     END IF;
-    GET DIAGNOSTICS done = ROW_COUNT;
+    IF done > 0 THEN
+        PERFORM outbox_refresh_heads(types, aggs);
+    END IF;
     RETURN done;
 END;
 $$;
@@ -78,6 +95,8 @@ DECLARE
     cfg       outbox_settings;
     t         timestamptz := clock_timestamp();
     new_state outbox_state;
+    agg_type  text;
+    agg_id    text;
 BEGIN
     IF id IS NULL OR lease_token IS NULL THEN
         RAISE EXCEPTION 'outbox_fail: id and lease_token must not be NULL'
@@ -97,8 +116,11 @@ BEGIN
        AND o.state = 'processing'
        AND o.lease_token = outbox_fail.lease_token
        AND o.id = outbox_fail.id
-    RETURNING o.state INTO new_state;
+    RETURNING o.state, o.aggregate_type, o.aggregate_id INTO new_state, agg_type, agg_id;
     -- NULL: the token no longer holds this event's lease; nothing changed.
+    IF new_state IS NOT NULL THEN
+        PERFORM outbox_refresh_heads(ARRAY[agg_type], ARRAY[agg_id]);
+    END IF;
     RETURN new_state::text;
 END;
 $$;
@@ -119,23 +141,30 @@ SET jit = off
 AS $$
 DECLARE
     released integer;
+    types    text[];
+    aggs     text[];
 BEGIN
     IF ids IS NULL OR lease_token IS NULL THEN
         RAISE EXCEPTION 'outbox_release: ids and lease_token must not be NULL'
             USING ERRCODE = 'null_value_not_allowed';
     END IF;
-    UPDATE outbox o
-       SET state           = 'pending',
-           -- Handed back unattempted (graceful shutdown): this lease does not count.
-           attempts        = greatest(o.attempts - 1, 0),
-           next_attempt_at = clock_timestamp(),
-           locked_until    = NULL,
-           lease_token     = NULL
-     WHERE o.in_flow                -- found by id in outbox_in_flow_idx
-       AND o.state = 'processing'
-       AND o.lease_token = outbox_release.lease_token
-       AND o.id = ANY (ids);
-    GET DIAGNOSTICS released = ROW_COUNT;
+    WITH done AS (
+        UPDATE outbox o
+           SET state           = 'pending',
+               -- Handed back unattempted (graceful shutdown, the rest of a run): this lease does not count.
+               attempts        = greatest(o.attempts - 1, 0),
+               next_attempt_at = clock_timestamp(),
+               locked_until    = NULL,
+               lease_token     = NULL
+         WHERE o.in_flow                -- found by id in outbox_in_flow_idx
+           AND o.state = 'processing'
+           AND o.lease_token = outbox_release.lease_token
+           AND o.id = ANY (ids)
+     RETURNING o.aggregate_type, o.aggregate_id)
+    SELECT count(*), array_agg(d.aggregate_type), array_agg(d.aggregate_id) INTO released, types, aggs FROM done d;
+    IF released > 0 THEN
+        PERFORM outbox_refresh_heads(types, aggs);
+    END IF;
     RETURN released;
 END;
 $$;

@@ -6,7 +6,7 @@
 --
 -- A dead event holds back the later events of its aggregate (order beats liveness for one
 -- aggregate) until it is requeued or discarded; other aggregates are not affected.
--- depends: 0002_outbox_table
+-- depends: 0002_outbox_table 0005_outbox_claim
 DO $$ BEGIN PERFORM set_config('search_path', format('%I, pg_temp', current_schema()), false); END $$;
 
 CREATE VIEW outbox_dead_letters AS
@@ -23,15 +23,23 @@ SET search_path FROM CURRENT
 AS $$
 DECLARE
     requeued integer;
+    types    text[];
+    aggs     text[];
 BEGIN
     IF ids IS NULL THEN
         RAISE EXCEPTION 'outbox_requeue: ids must not be NULL' USING ERRCODE = 'null_value_not_allowed';
     END IF;
     -- last_error is kept: it says why the event died the last time.
-    UPDATE outbox o
-       SET state = 'pending', attempts = 0, next_attempt_at = clock_timestamp(), dead_at = NULL
-     WHERE o.state = 'dead' AND o.id = ANY (ids);
-    GET DIAGNOSTICS requeued = ROW_COUNT;
+    WITH done AS (
+        UPDATE outbox o
+           SET state = 'pending', attempts = 0, next_attempt_at = clock_timestamp(), dead_at = NULL
+         WHERE o.state = 'dead' AND o.id = ANY (ids)
+     RETURNING o.aggregate_type, o.aggregate_id)
+    SELECT count(*), array_agg(d.aggregate_type), array_agg(d.aggregate_id) INTO requeued, types, aggs FROM done d;
+    IF requeued > 0 THEN
+        -- The aggregate's head was held (ready_at NULL): it comes due now.
+        PERFORM outbox_refresh_heads(types, aggs);
+    END IF;
     RETURN requeued;
 END;
 $$;
@@ -45,6 +53,8 @@ SET search_path FROM CURRENT
 AS $$
 DECLARE
     discarded integer;
+    types     text[];
+    aggs      text[];
 BEGIN
     IF ids IS NULL THEN
         RAISE EXCEPTION 'outbox_discard: ids must not be NULL' USING ERRCODE = 'null_value_not_allowed';
@@ -55,10 +65,16 @@ BEGIN
     END IF;
     -- Dead events, and pending ones an operator wants out of the way; never a leased one,
     -- whose worker may be publishing it right now.
-    UPDATE outbox o
-       SET state = 'discarded', discarded_at = clock_timestamp(), discard_reason = left(reason, 8000)
-     WHERE o.state IN ('dead', 'pending') AND o.id = ANY (ids);
-    GET DIAGNOSTICS discarded = ROW_COUNT;
+    WITH done AS (
+        UPDATE outbox o
+           SET state = 'discarded', discarded_at = clock_timestamp(), discard_reason = left(reason, 8000)
+         WHERE o.state IN ('dead', 'pending') AND o.id = ANY (ids)
+     RETURNING o.aggregate_type, o.aggregate_id)
+    SELECT count(*), array_agg(d.aggregate_type), array_agg(d.aggregate_id) INTO discarded, types, aggs FROM done d;
+    IF discarded > 0 THEN
+        -- Discarding a head releases the next event of its aggregate.
+        PERFORM outbox_refresh_heads(types, aggs);
+    END IF;
     RETURN discarded;
 END;
 $$;

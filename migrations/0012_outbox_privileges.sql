@@ -127,7 +127,9 @@ REVOKE EXECUTE ON FUNCTION
     outbox_claim(integer, interval, text), outbox_complete(bigint[], uuid),
     outbox_fail(bigint, uuid, text, boolean), outbox_release(bigint[], uuid),
     outbox_requeue(bigint[]), outbox_discard(bigint[], text),
-    outbox_maintain(boolean), outbox_next_wakeup(), outbox_health_row(), outbox_commit_horizon()
+    outbox_maintain(boolean), outbox_next_wakeup(), outbox_health_row(), outbox_commit_horizon(),
+    outbox_commit_guard(), outbox_take_in(bigint, bigint, integer), outbox_refresh_heads(text[], text[]),
+    outbox_aggregate_key(text, text)
 FROM PUBLIC;
 
 -- 4. The schema itself: PUBLIC usually has USAGE (public schema); grant it where it has not.
@@ -154,6 +156,8 @@ GRANT USAGE ON SEQUENCE outbox_id_seq TO outbox_producer;       -- the id column
 -- before the column exists: the whole settings row (no secrets in it) and the sequence.
 GRANT SELECT ON outbox_settings TO outbox_producer;
 GRANT SELECT ON SEQUENCE outbox_id_seq TO outbox_producer;
+-- The same trigger names each aggregate it writes by its key (0005, 0013).
+GRANT EXECUTE ON FUNCTION outbox_aggregate_key(text, text) TO outbox_producer;
 
 -- 6. Workers: the functions the worker calls, the two settings it reads at start, and the
 --    one-row outbox_health for its metrics (counts and ages, no event data).
@@ -171,6 +175,8 @@ GRANT SELECT ON outbox_health TO outbox_worker;
 --    died) - but not payload and headers, the application's data.
 GRANT SELECT ON outbox_stats, outbox_dead_letters, outbox_partitions, outbox_health, outbox_settings
     TO outbox_operator;
+-- The queue of aggregates and the intake cursor (0005): what sql/health.sql and the CLI look at.
+GRANT SELECT ON outbox_heads, outbox_intake TO outbox_operator;
 GRANT EXECUTE ON FUNCTION
     outbox_requeue(bigint[]), outbox_discard(bigint[], text), outbox_maintain(boolean), outbox_health_row()
 TO outbox_operator;

@@ -1,12 +1,17 @@
 """Commit order: an event is never handed out while an open transaction may still commit an
-earlier event (migrations/0013_outbox_commit_order.sql)."""
+earlier event of its aggregate, and an open transaction holds back only the aggregates it wrote
+(migrations/0013_outbox_commit_order.sql)."""
 
 from __future__ import annotations
 
 import asyncio
+import random
+import threading
 import time
 
 import psycopg
+
+import contextlib
 
 from outboxpg import enqueue, enqueue_many, Event
 from outboxpg.events import OutboxEvent
@@ -24,12 +29,23 @@ def test_lower_id_committing_last_is_still_delivered_first(dsn, conn):
         second = enqueue(conn, "order", "7", "paid", {})     # id 2, committed (autocommit)
         other = enqueue(conn, "order", "8", "created", {})   # another aggregate, committed
         assert first < second < other
-        # Nothing above the open transaction's horizon is handed out, of any aggregate.
+        # The open transaction holds back the aggregate it wrote, and only that one.
+        assert claim_ids(conn) == [other]
+        slow.commit()
+    # The late commit moved the head of order/7 back to `first`: one run, in id order.
+    assert claim_ids(conn) == [first, second]
+
+
+def test_one_at_a_time_when_runs_are_off(dsn, conn):
+    conn.execute("UPDATE outbox_settings SET max_run = 1")
+    with psycopg.connect(dsn) as slow:
+        first = enqueue(slow, "order", "7", "created", {})
+        second = enqueue(conn, "order", "7", "paid", {})
         assert claim_ids(conn) == []
         slow.commit()
-    assert claim_ids(conn) == [first, other]                 # second waits behind first
-    conn.execute("SELECT outbox_complete(ARRAY[%s, %s]::bigint[], lease_token) FROM outbox WHERE id = %s",
-                 (first, other, first))
+    assert claim_ids(conn) == [first]
+    conn.execute("SELECT outbox_complete(ARRAY[%s]::bigint[], lease_token) FROM outbox WHERE id = %s",
+                 (first, first))
     assert claim_ids(conn) == [second]
 
 
@@ -51,10 +67,94 @@ def test_horizon_is_read_from_the_statement_start_of_each_insert(dsn, conn):
         enqueue(slow, "order", "slow", "b", {})                                    # id 7
         horizon = conn.execute("SELECT outbox_commit_horizon()").fetchone()[0]
         assert horizon == 0  # the slow transaction's first statement started at last_value 0
+        assert claim_ids(conn) == [2, 3, 4, 5, 6]   # the other aggregates flow meanwhile
         slow.commit()
     # No producer open: the horizon is the last id assigned.
     assert conn.execute("SELECT outbox_commit_horizon()").fetchone()[0] == 7
-    assert len(claim_ids(conn)) == 6  # one per aggregate: slow/a and the five others
+    assert claim_ids(conn) == [1, 7]  # slow/a and slow/b, one run
+
+
+def test_older_events_of_a_held_aggregate_still_flow(dsn, conn):
+    """An open transaction holds back its aggregates only above its own horizon: what was
+    committed before it started inserting cannot be preceded by it."""
+    old = enqueue(conn, "order", "7", "created", {})
+    with psycopg.connect(dsn) as slow:
+        enqueue(slow, "order", "7", "paid", {})
+        assert claim_ids(conn) == [old]
+        slow.rollback()
+
+
+def test_a_transaction_writing_many_aggregates_holds_back_everything_newer(dsn, conn):
+    conn.execute("UPDATE outbox_settings SET commit_order_max_aggregates = 2")
+    before = enqueue(conn, "order", "z", "created", {})
+    with psycopg.connect(dsn) as bulk:
+        enqueue_many(bulk, [Event("order", f"b{i}", "x", {}) for i in range(3)])   # a third: too many to name
+        producers = conn.execute("SELECT aggregates, all_newer, held_above FROM outbox_open_producers()").fetchall()
+        assert producers == [(2, True, before)]
+        after = enqueue(conn, "order", "y", "created", {})
+        assert claim_ids(conn) == [before]          # `after` could be preceded by the bulk's events
+        bulk.commit()
+    assert sorted(claim_ids(conn)) == sorted([after] + list(range(before + 1, before + 4)))
+
+
+def test_a_rolled_back_savepoint_lets_go_of_its_aggregates(dsn, conn):
+    with psycopg.connect(dsn) as slow:
+        enqueue(slow, "order", "keep", "a", {})
+        with slow.transaction():                    # a savepoint inside the open transaction
+            sp = slow.transaction()
+            with contextlib.suppress(RuntimeError):
+                with sp:
+                    enqueue(slow, "order", "7", "x", {})
+                    raise RuntimeError("roll the savepoint back")
+        later = enqueue(conn, "order", "7", "paid", {})
+        assert claim_ids(conn) == [later]
+        slow.rollback()
+
+
+def test_concurrent_producers_of_one_aggregate_are_delivered_in_commit_safe_order(dsn, conn):
+    """Producers write three aggregates from eight threads, some holding their transactions
+    open for a while; a claimer completes whatever it gets. Every aggregate's events must be
+    handed out in id order, each exactly once."""
+    stop = time.monotonic() + 4.0
+    errors: list[BaseException] = []
+
+    def produce(seed: int) -> None:
+        rnd = random.Random(seed)
+        try:
+            with psycopg.connect(dsn) as p:
+                while time.monotonic() < stop:
+                    for _ in range(rnd.randint(1, 3)):
+                        enqueue(p, "order", rnd.choice("abc"), "e", {})
+                    if rnd.random() < 0.2:
+                        time.sleep(rnd.uniform(0.01, 0.2))     # a long transaction, holding its aggregate
+                    if rnd.random() < 0.1:
+                        p.rollback()
+                    else:
+                        p.commit()
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=produce, args=(i,)) for i in range(8)]
+    for th in threads:
+        th.start()
+    handed: dict[str, list[int]] = {}
+    while any(th.is_alive() for th in threads) or conn.execute(
+            "SELECT count(*) FROM outbox WHERE state = 'pending'").fetchone()[0]:
+        assert time.monotonic() < stop + 10, "events left undelivered"
+        rows = conn.execute("SELECT id, aggregate_id, lease_token FROM outbox_claim(50)").fetchall()
+        for id_, agg, _ in rows:
+            handed.setdefault(agg, []).append(id_)
+        if rows:
+            conn.execute("SELECT outbox_complete(%s::bigint[], %s)", ([r[0] for r in rows], rows[0][2]))
+        else:
+            time.sleep(0.005)
+    for th in threads:
+        th.join()
+    assert not errors
+    committed: dict[str, list[int]] = {}
+    for id_, agg in conn.execute("SELECT id, aggregate_id FROM outbox ORDER BY id").fetchall():
+        committed.setdefault(agg, []).append(id_)
+    assert handed == committed
 
 
 def test_producer_starting_after_the_horizon_is_read_cannot_precede_what_is_handed_out(dsn, conn):
