@@ -123,6 +123,8 @@ class NatsPublisher:
         self._token = 0
 
     async def start(self) -> None:
+        if self.nc is not None and not self.nc.is_closed:
+            return   # started already (outboxpg-worker starts it before Worker.run() would)
         delay = 0.2
         loop = asyncio.get_running_loop()
         give_up = None if self.connect_deadline is None else loop.time() + self.connect_deadline

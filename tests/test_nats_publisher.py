@@ -146,7 +146,8 @@ class _FakeNats:
     max_payload = 1024 * 1024
     prefix = "_INBOX.fake."
 
-    def __init__(self, pub: NatsPublisher, seed: int, refuse: set[int] = set(), silent: set[int] = set()) -> None:
+    def __init__(self, pub: NatsPublisher, seed: int, refuse: frozenset[int] = frozenset(),
+                 silent: frozenset[int] = frozenset()) -> None:
         import random
 
         self.pub = pub
@@ -218,7 +219,7 @@ async def test_a_run_sends_event_k_plus_1_only_after_k_is_acked_and_stops_at_its
         by_agg.setdefault(e.aggregate_id, []).append(e.id)
     a, b, c, d = by_agg["a"], by_agg["b"], by_agg["c"], by_agg["d"]
     # a: its 3rd event is refused as too large; b: its 2nd event is never answered (times out).
-    pub, fake = _fake_publisher(seed, ack_timeout=0.3, refuse={a[2]}, silent={b[1]})
+    pub, fake = _fake_publisher(seed, ack_timeout=0.3, refuse=frozenset({a[2]}), silent=frozenset({b[1]}))
     for ids in by_agg.values():
         for n, i in enumerate(ids):
             fake.previous[i] = ids[n - 1] if n else None
