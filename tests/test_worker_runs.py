@@ -275,13 +275,22 @@ async def test_nats_connection_dropped_in_the_middle_of_runs(dsn, conn, nats_ser
     total = 3200
     proxy = Proxy(server.port)
     url = await proxy.start() if how == "proxy-cut" else server.url
-    running = start(dsn, NatsPublisher(url, ack_timeout=1.0), batch_size=100, publish_timeout=1.0, lease=3)
+    publisher = NatsPublisher(url, ack_timeout=1.0)
+    running = start(dsn, publisher, batch_size=100, publish_timeout=1.0, lease=3)
     try:
         for k in range(3):
             await until_published(conn, 300 + k * 700, 30)
+            # Cut at a moment when some run is in its middle: an event unacked, the one before
+            # it stored (checked and cut with no await in between).
+            deadline = time.monotonic() + 10
+            while not any(run.next > 0 for run in publisher._waiting.values()):
+                assert time.monotonic() < deadline, "no run in flight to cut"
+                await asyncio.sleep(0)
             if how == "proxy-cut":
                 proxy.cut()
             else:
+                assert server.proc is not None
+                server.proc.kill()      # no goodbye: whatever the server had not answered is lost
                 server.stop()
                 await asyncio.sleep(0.5)
                 server.start()
