@@ -57,6 +57,15 @@ CREATE TABLE outbox_settings (
     -- leaves it for the next run: a queued ACCESS EXCLUSIVE lock stalls every claim behind it.
     maintenance_lock_timeout interval NOT NULL DEFAULT '1 second',
 
+    -- The commit-order guard (0013): an event is handed out only once no open transaction can
+    -- still commit an earlier event of its aggregate. Off: in id order among what is visible.
+    commit_order_guard boolean  NOT NULL DEFAULT true,
+    -- How many aggregates one producing transaction holds back by name (a lock each, in the
+    -- shared lock table: max_locks_per_transaction * max_connections slots in all); beyond it, it
+    -- holds back every newer event until it ends. Business transactions write a handful.
+    commit_order_max_aggregates integer NOT NULL DEFAULT 16
+                       CONSTRAINT commit_order_max_aggregates_not_negative CHECK (commit_order_max_aggregates >= 0),
+
     -- An event without its own subject is published to <subject_prefix>.<aggregate_type>.<event_type>.
     subject_prefix     text     NOT NULL DEFAULT 'outbox'
                        CONSTRAINT subject_prefix_is_valid_nats_subject CHECK (

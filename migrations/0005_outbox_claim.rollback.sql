@@ -1,4 +1,7 @@
 DROP FUNCTION outbox_claim(integer, interval, text);
+DROP TRIGGER outbox_forget_truncated ON outbox;
+DROP TRIGGER outbox_forget_deleted ON outbox;
+DROP FUNCTION outbox_forget_deleted();
 DROP FUNCTION outbox_refresh_heads(text[], text[]);
 DROP FUNCTION outbox_take_in(bigint, bigint, integer);
 DROP FUNCTION outbox_commit_horizon();

@@ -71,7 +71,8 @@ CREATE TABLE outbox_heads (
 COMMENT ON TABLE outbox_heads IS
     'outboxpg: the head of each aggregate''s line of unfinished events (ready_at: when it can be claimed; NULL: held by a dead letter). Kept by the outbox_* functions.';
 
-CREATE INDEX outbox_heads_ready_idx ON outbox_heads (ready_at) WHERE ready_at IS NOT NULL;
+-- Due heads in claim order: the longest waiting first, the oldest event first among equals.
+CREATE INDEX outbox_heads_ready_idx ON outbox_heads (ready_at, head_id) WHERE ready_at IS NOT NULL;
 
 CREATE TABLE outbox_intake (
     singleton     boolean PRIMARY KEY DEFAULT true CHECK (singleton),
@@ -298,6 +299,36 @@ $$;
 COMMENT ON FUNCTION outbox_refresh_heads(text[], text[]) IS
     'Called by the report and repair functions: recompute (or drop) the heads of the given aggregates from their first unfinished event.';
 
+-- Rows deleted by hand (DELETE FROM outbox ...; the functions never delete) and TRUNCATE take
+-- their aggregates' heads along, so that no head is left pointing at nothing.
+CREATE FUNCTION outbox_forget_deleted() RETURNS trigger
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    types text[];
+    ids   text[];
+BEGIN
+    IF TG_OP = 'TRUNCATE' THEN
+        DELETE FROM outbox_heads;
+        RETURN NULL;
+    END IF;
+    SELECT array_agg(g.aggregate_type), array_agg(g.aggregate_id) INTO types, ids
+      FROM gone g WHERE g.unfinished;
+    IF types IS NOT NULL THEN
+        PERFORM outbox_refresh_heads(types, ids);
+    END IF;
+    RETURN NULL;
+END;
+$$;
+
+CREATE TRIGGER outbox_forget_deleted
+    AFTER DELETE ON outbox REFERENCING OLD TABLE AS gone
+    FOR EACH STATEMENT EXECUTE FUNCTION outbox_forget_deleted();
+CREATE TRIGGER outbox_forget_truncated
+    AFTER TRUNCATE ON outbox
+    FOR EACH STATEMENT EXECUTE FUNCTION outbox_forget_deleted();
+
 CREATE FUNCTION outbox_claim(batch_size integer, lease interval DEFAULT NULL, worker text DEFAULT NULL)
 RETURNS TABLE (
     id             bigint,
@@ -342,8 +373,12 @@ DECLARE
     took_in boolean;
     heads   outbox_heads[];
     -- What to do with the events read (parallel arrays).
-    c_ids   bigint[];
-    c_tids  tid[];
+    c_ids   bigint[] := '{}';
+    c_tids  tid[] := '{}';
+    pass_ids  bigint[];
+    pass_tids tid[];
+    pass_lo   timestamptz;
+    pass_hi   timestamptz;
     r_ids   bigint[];
     r_tids  tid[];
     r_first boolean[];
@@ -378,128 +413,141 @@ BEGIN
         SELECT i.intake_id INTO upto FROM outbox_intake i;
     END IF;
 
-    -- The heads whose time has come, oldest first, leaving out those that the guard holds back
-    -- (head_id is a lower bound of the first event's id; the runs below check each event).
-    SELECT array_agg(ROW(h.aggregate_type, h.aggregate_id, h.lock_key, h.head_id, h.ready_at)::outbox_heads
-                     ORDER BY h.ready_at, h.aggregate_type, h.aggregate_id)
-      INTO heads
-      FROM (SELECT h.aggregate_type, h.aggregate_id, h.lock_key, h.head_id, h.ready_at
-              FROM outbox_heads h
-             WHERE h.ready_at <= t
-               AND (h.head_id <= g.settled
-                    OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys)))
-             ORDER BY h.ready_at
-             LIMIT n
-               FOR NO KEY UPDATE SKIP LOCKED) h;
+    -- Passes: a pass that reclaimed expired runs looks again for the rest of the batch, so a
+    -- worker's crash does not cost the next claim its batch (a short claim tells a worker that
+    -- nothing more is claimable right now).
+    FOR pass IN 1..8 LOOP
+        r_ids := NULL;
+        -- The heads whose time has come, oldest first, leaving out those that the guard holds back
+        -- (head_id is a lower bound of the first event's id; the runs below check each event).
+        SELECT array_agg(ROW(h.aggregate_type, h.aggregate_id, h.lock_key, h.head_id, h.ready_at)::outbox_heads
+                         ORDER BY h.ready_at, h.head_id)
+          INTO heads
+          FROM (SELECT h.aggregate_type, h.aggregate_id, h.lock_key, h.head_id, h.ready_at
+                  FROM outbox_heads h
+                 WHERE h.ready_at <= t
+                   AND (h.head_id <= g.settled
+                        OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys)))
+                 ORDER BY h.ready_at, h.head_id
+                 LIMIT n - cardinality(c_ids)
+                   FOR NO KEY UPDATE SKIP LOCKED) h;
 
-    IF heads IS NOT NULL THEN
-        -- Each head's line: its first max_run unfinished events, read twice: as they are
-        -- (`line`) and locked, SKIP LOCKED (`e`). An event someone else is changing right now
-        -- is missing from the second read, and the run ends before it (`matched`).
-        WITH cand AS MATERIALIZED (
-            SELECT h.ord, h.lock_key, cardinality(line.ids) AS line_length,
-                   e.id, e.ctid, e.created_at, e.state, e.attempts, e.next_attempt_at, e.locked_until,
-                   e.lease_token,
-                   e.id = line.ids[row_number() OVER w] AS matched
-              FROM unnest(heads) WITH ORDINALITY AS h(aggregate_type, aggregate_id, lock_key, head_id, ready_at, ord)
-             CROSS JOIN LATERAL (
-                   SELECT array(SELECT o.id FROM outbox o
-                                 WHERE o.aggregate_type = h.aggregate_type AND o.aggregate_id = h.aggregate_id
-                                   AND o.unfinished AND o.id >= least(h.head_id, upto + 1)
-                                 ORDER BY o.id LIMIT cfg.max_run) AS ids) line
-              LEFT JOIN LATERAL (
-                   SELECT o.id, o.ctid, o.created_at, o.state, o.attempts, o.next_attempt_at, o.locked_until,
-                          o.lease_token
-                     FROM outbox o
-                    WHERE o.aggregate_type = h.aggregate_type AND o.aggregate_id = h.aggregate_id
-                      AND o.unfinished AND o.id >= least(h.head_id, upto + 1)
-                    ORDER BY o.id
-                    LIMIT cfg.max_run
-                      FOR UPDATE SKIP LOCKED) e ON true
-            WINDOW w AS (PARTITION BY h.ord ORDER BY e.id)),
-        marked AS MATERIALIZED (
-            SELECT c.*,
-                   first_value(c.state) OVER w AS first_state,
-                   first_value(c.lease_token) OVER w AS first_token,
-                   first_value(c.locked_until) OVER w AS first_until,
-                   first_value(c.matched) OVER w AS first_matched,
-                   -- The run: the prefix of events that are pending, due and not held back.
-                   bool_and(c.matched AND c.state = 'pending' AND c.next_attempt_at <= t
-                            AND (c.id <= g.settled
-                                 OR (c.id <= g.open_below AND c.lock_key <> ALL (g.held_keys)))) OVER w AS in_run
-              FROM cand c
-            WINDOW w AS (PARTITION BY c.ord ORDER BY c.id)),
-        claimed AS MATERIALIZED (
-            SELECT m.ord, m.id, m.ctid, m.created_at
-              FROM (SELECT m.*, count(*) FILTER (WHERE m.in_run) OVER (ORDER BY m.ord, m.id) AS taken
-                      FROM marked m) m
-             WHERE m.in_run AND m.taken <= n),
-        -- A run whose lease ran out: the events still leased under its token.
-        expired AS MATERIALIZED (
-            SELECT m.ord, m.id, m.ctid, m.created_at, m.id = min(m.id) OVER (PARTITION BY m.ord) AS is_first,
-                   t + outbox_retry_delay(m.attempts, cfg.backoff_base, cfg.backoff_cap) AS retry_at,
-                   m.attempts >= cfg.max_attempts AS out_of_attempts
-              FROM marked m
-             WHERE m.first_state = 'processing' AND m.first_until < t AND m.first_matched
-               AND m.matched AND m.state = 'processing' AND m.lease_token = m.first_token),
-        -- What each head becomes (NULL new_ready with keep_ready: leave it as it is).
-        head_next AS (
-            SELECT h.aggregate_type, h.aggregate_id, h.head_id, h.ready_at, h.ord,
-                   f.id AS first_id,
-                   CASE WHEN EXISTS (SELECT 1 FROM claimed c WHERE c.ord = h.ord) THEN t + lease
-                        WHEN x.id IS NOT NULL THEN CASE WHEN x.out_of_attempts THEN NULL ELSE x.retry_at END
-                        -- No unfinished event (cannot happen while the reports keep the heads;
-                        -- a claim may not drop a head, see outbox_refresh_heads): look again soon.
-                        WHEN f.line_length = 0 THEN t + interval '1 second'
-                        WHEN f.id IS NULL OR NOT f.matched THEN h.ready_at  -- being reported right now
-                        WHEN f.state = 'dead' THEN NULL
-                        WHEN f.state = 'pending' AND f.next_attempt_at > t THEN f.next_attempt_at
-                        WHEN f.state = 'processing' AND f.locked_until >= t THEN f.locked_until
-                        ELSE h.ready_at                                -- held back by the guard, or past n
-                   END AS new_ready
-              FROM unnest(heads) WITH ORDINALITY AS h(aggregate_type, aggregate_id, lock_key, head_id, ready_at, ord)
-              LEFT JOIN LATERAL (SELECT m.id, m.line_length, m.matched, m.state, m.next_attempt_at, m.locked_until
-                                   FROM marked m WHERE m.ord = h.ord ORDER BY m.id LIMIT 1) f ON true
-              LEFT JOIN expired x ON x.ord = h.ord AND x.is_first),
-        moved_heads AS (
-            UPDATE outbox_heads oh
-               SET head_id = coalesce(hn.first_id, hn.head_id),
-                   ready_at = hn.new_ready
-              FROM head_next hn
-             WHERE oh.aggregate_type = hn.aggregate_type AND oh.aggregate_id = hn.aggregate_id
-               AND (hn.head_id, hn.ready_at) IS DISTINCT FROM (coalesce(hn.first_id, hn.head_id), hn.new_ready))
-        SELECT (SELECT array_agg(c.id ORDER BY c.id) FROM claimed c),
-               (SELECT array_agg(c.ctid ORDER BY c.id) FROM claimed c),
-               (SELECT array_agg(x.id ORDER BY x.id) FROM expired x),
-               (SELECT array_agg(x.ctid ORDER BY x.id) FROM expired x),
-               (SELECT array_agg(x.is_first ORDER BY x.id) FROM expired x),
-               (SELECT array_agg(CASE WHEN x.out_of_attempts THEN NULL ELSE x.retry_at END ORDER BY x.id) FROM expired x),
-               (SELECT least(min(c.created_at), (SELECT min(x.created_at) FROM expired x)) FROM claimed c),
-               (SELECT greatest(max(c.created_at), (SELECT max(x.created_at) FROM expired x)) FROM claimed c)
-          INTO c_ids, c_tids, r_ids, r_tids, r_first, r_retry, lo, hi;
+        EXIT WHEN heads IS NULL;
+        IF heads IS NOT NULL THEN
+            -- Each head's line: its first max_run unfinished events, read twice: as they are
+            -- (`line`) and locked, SKIP LOCKED (`e`). An event someone else is changing right now
+            -- is missing from the second read, and the run ends before it (`matched`).
+            WITH cand AS MATERIALIZED (
+                SELECT h.ord, h.lock_key, cardinality(line.ids) AS line_length,
+                       e.id, e.ctid, e.created_at, e.state, e.attempts, e.next_attempt_at, e.locked_until,
+                       e.lease_token,
+                       e.id = line.ids[row_number() OVER w] AS matched
+                  FROM unnest(heads) WITH ORDINALITY AS h(aggregate_type, aggregate_id, lock_key, head_id, ready_at, ord)
+                 CROSS JOIN LATERAL (
+                       SELECT array(SELECT o.id FROM outbox o
+                                     WHERE o.aggregate_type = h.aggregate_type AND o.aggregate_id = h.aggregate_id
+                                       AND o.unfinished AND o.id >= least(h.head_id, upto + 1)
+                                     ORDER BY o.id LIMIT cfg.max_run) AS ids
+                        OFFSET 0) line   -- once per head, not once per row of the join below
+                  LEFT JOIN LATERAL (
+                       SELECT o.id, o.ctid, o.created_at, o.state, o.attempts, o.next_attempt_at, o.locked_until,
+                              o.lease_token
+                         FROM outbox o
+                        WHERE o.aggregate_type = h.aggregate_type AND o.aggregate_id = h.aggregate_id
+                          AND o.unfinished AND o.id >= least(h.head_id, upto + 1)
+                        ORDER BY o.id
+                        LIMIT cfg.max_run
+                          FOR UPDATE SKIP LOCKED) e ON true
+                WINDOW w AS (PARTITION BY h.ord ORDER BY e.id)),
+            marked AS MATERIALIZED (
+                SELECT c.*,
+                       first_value(c.state) OVER w AS first_state,
+                       first_value(c.lease_token) OVER w AS first_token,
+                       first_value(c.locked_until) OVER w AS first_until,
+                       first_value(c.matched) OVER w AS first_matched,
+                       -- The run: the prefix of events that are pending, due and not held back.
+                       bool_and(c.matched AND c.state = 'pending' AND c.next_attempt_at <= t
+                                AND (c.id <= g.settled
+                                     OR (c.id <= g.open_below AND c.lock_key <> ALL (g.held_keys)))) OVER w AS in_run
+                  FROM cand c
+                WINDOW w AS (PARTITION BY c.ord ORDER BY c.id)),
+            claimed AS MATERIALIZED (
+                SELECT m.ord, m.id, m.ctid, m.created_at
+                  FROM (SELECT m.*, count(*) FILTER (WHERE m.in_run) OVER (ORDER BY m.ord, m.id) AS taken
+                          FROM marked m) m
+                 WHERE m.in_run AND m.taken <= n - cardinality(c_ids)),
+            -- A run whose lease ran out: the events still leased under its token.
+            expired AS MATERIALIZED (
+                SELECT m.ord, m.id, m.ctid, m.created_at, m.id = min(m.id) OVER (PARTITION BY m.ord) AS is_first,
+                       t + outbox_retry_delay(m.attempts, cfg.backoff_base, cfg.backoff_cap) AS retry_at,
+                       m.attempts >= cfg.max_attempts AS out_of_attempts
+                  FROM marked m
+                 WHERE m.first_state = 'processing' AND m.first_until < t AND m.first_matched
+                   AND m.matched AND m.state = 'processing' AND m.lease_token = m.first_token),
+            -- What each head becomes (NULL new_ready with keep_ready: leave it as it is).
+            head_next AS (
+                SELECT h.aggregate_type, h.aggregate_id, h.head_id, h.ready_at, h.ord,
+                       f.id AS first_id,
+                       CASE WHEN EXISTS (SELECT 1 FROM claimed c WHERE c.ord = h.ord) THEN t + lease
+                            WHEN x.id IS NOT NULL THEN CASE WHEN x.out_of_attempts THEN NULL ELSE x.retry_at END
+                            -- No unfinished event (cannot happen while the reports keep the heads;
+                            -- a claim may not drop a head, see outbox_refresh_heads): look again soon.
+                            WHEN f.line_length = 0 THEN t + interval '1 second'
+                            WHEN f.id IS NULL OR NOT f.matched THEN h.ready_at  -- being reported right now
+                            WHEN f.state = 'dead' THEN NULL
+                            WHEN f.state = 'pending' AND f.next_attempt_at > t THEN f.next_attempt_at
+                            WHEN f.state = 'processing' AND f.locked_until >= t THEN f.locked_until
+                            ELSE h.ready_at                                -- held back by the guard, or past n
+                       END AS new_ready
+                  FROM unnest(heads) WITH ORDINALITY AS h(aggregate_type, aggregate_id, lock_key, head_id, ready_at, ord)
+                  LEFT JOIN LATERAL (SELECT m.id, m.line_length, m.matched, m.state, m.next_attempt_at, m.locked_until
+                                       FROM marked m WHERE m.ord = h.ord ORDER BY m.id LIMIT 1) f ON true
+                  LEFT JOIN expired x ON x.ord = h.ord AND x.is_first),
+            moved_heads AS (
+                UPDATE outbox_heads oh
+                   SET head_id = coalesce(hn.first_id, hn.head_id),
+                       ready_at = hn.new_ready
+                  FROM head_next hn
+                 WHERE oh.aggregate_type = hn.aggregate_type AND oh.aggregate_id = hn.aggregate_id
+                   AND (hn.head_id, hn.ready_at) IS DISTINCT FROM (coalesce(hn.first_id, hn.head_id), hn.new_ready))
+            SELECT (SELECT array_agg(c.id ORDER BY c.id) FROM claimed c),
+                   (SELECT array_agg(c.ctid ORDER BY c.id) FROM claimed c),
+                   (SELECT array_agg(x.id ORDER BY x.id) FROM expired x),
+                   (SELECT array_agg(x.ctid ORDER BY x.id) FROM expired x),
+                   (SELECT array_agg(x.is_first ORDER BY x.id) FROM expired x),
+                   (SELECT array_agg(CASE WHEN x.out_of_attempts THEN NULL ELSE x.retry_at END ORDER BY x.id) FROM expired x),
+                   (SELECT least(min(c.created_at), (SELECT min(x.created_at) FROM expired x)) FROM claimed c),
+                   (SELECT greatest(max(c.created_at), (SELECT max(x.created_at) FROM expired x)) FROM claimed c)
+              INTO pass_ids, pass_tids, r_ids, r_tids, r_first, r_retry, pass_lo, pass_hi;
+            c_ids  := c_ids || pass_ids;          -- || and least/greatest ignore NULLs
+            c_tids := c_tids || pass_tids;
+            lo := least(lo, pass_lo);
+            hi := greatest(hi, pass_hi);
 
-        IF r_ids IS NOT NULL THEN
-            -- Reclaim expired runs: the first event failed an attempt (retried after a backoff,
-            -- or dead), the rest go back unattempted. Their old token matches nothing from now
-            -- on (fencing). The heads were moved above, to the retry time (NULL if dead).
-            UPDATE outbox o
-               SET state           = CASE WHEN NOT r.is_first THEN 'pending'
-                                          WHEN r.retry_at IS NULL THEN 'dead' ELSE 'pending' END::outbox_state,
-                   attempts        = CASE WHEN r.is_first THEN o.attempts ELSE greatest(o.attempts - 1, 0) END,
-                   next_attempt_at = CASE WHEN r.is_first THEN coalesce(r.retry_at, t) ELSE t END,
-                   dead_at         = CASE WHEN r.is_first AND r.retry_at IS NULL THEN t END,
-                   last_error      = CASE WHEN r.is_first
-                                          THEN format('lease expired at %s (held by %s)', o.locked_until, o.locked_by)
-                                          ELSE o.last_error END,
-                   locked_until    = NULL,
-                   lease_token     = NULL
-              FROM unnest(r_ids, r_first, r_retry) AS r(id, is_first, retry_at)
-             WHERE o.ctid = ANY (r_tids)                -- locked above
-               AND (o.id = ANY (r_ids)) IS TRUE         -- a ctid from another partition may name a row here
-               AND o.created_at BETWEEN lo AND hi
-               AND o.id = r.id;
+            IF r_ids IS NOT NULL THEN
+                -- Reclaim expired runs: the first event failed an attempt (retried after a backoff,
+                -- or dead), the rest go back unattempted. Their old token matches nothing from now
+                -- on (fencing). The heads were moved above, to the retry time (NULL if dead).
+                UPDATE outbox o
+                   SET state           = CASE WHEN NOT r.is_first THEN 'pending'
+                                              WHEN r.retry_at IS NULL THEN 'dead' ELSE 'pending' END::outbox_state,
+                       attempts        = CASE WHEN r.is_first THEN o.attempts ELSE greatest(o.attempts - 1, 0) END,
+                       next_attempt_at = CASE WHEN r.is_first THEN coalesce(r.retry_at, t) ELSE t END,
+                       dead_at         = CASE WHEN r.is_first AND r.retry_at IS NULL THEN t END,
+                       last_error      = CASE WHEN r.is_first
+                                              THEN format('lease expired at %s (held by %s)', o.locked_until, o.locked_by)
+                                              ELSE o.last_error END,
+                       locked_until    = NULL,
+                       lease_token     = NULL
+                  FROM unnest(r_ids, r_first, r_retry) AS r(id, is_first, retry_at)
+                 WHERE o.ctid = ANY (r_tids)                -- locked above
+                   AND (o.id = ANY (r_ids)) IS TRUE         -- a ctid from another partition may name a row here
+                   AND o.created_at BETWEEN pass_lo AND pass_hi
+                   AND o.id = r.id;
+            END IF;
         END IF;
-    END IF;
+        EXIT WHEN r_ids IS NULL OR cardinality(c_ids) >= n;
+    END LOOP;
 
     IF took_in THEN
         -- Monitors ask "is a worker claiming?": to the second, so that a busy worker does not
@@ -507,7 +555,7 @@ BEGIN
         UPDATE outbox_intake SET last_claim_at = t
          WHERE last_claim_at IS NULL OR last_claim_at < t - interval '1 second';
     END IF;
-    IF c_ids IS NULL THEN
+    IF cardinality(c_ids) = 0 THEN
         RETURN;
     END IF;
 

@@ -27,7 +27,8 @@
 --                    through those functions, nor requeue or discard them.
 --   outbox_operator  SELECT on the views outbox_stats, outbox_dead_letters, outbox_partitions,
 --                    outbox_health and on outbox_settings; EXECUTE outbox_requeue,
---                    outbox_discard, outbox_maintain; SELECT on every column of outbox except
+--                    outbox_discard, outbox_maintain, outbox_aggregate_key (sql/health.sql matches
+--                    the producers' locks with events); SELECT on every column of outbox except
 --                    payload and headers (the inspection queries in sql/ read the events'
 --                    metadata); SELECT on yoyo's _yoyo_migration, where it exists (the command
 --                    line checks the applied steps). It cannot read payloads, change events
@@ -180,6 +181,9 @@ GRANT SELECT ON outbox_heads, outbox_intake TO outbox_operator;
 GRANT EXECUTE ON FUNCTION
     outbox_requeue(bigint[]), outbox_discard(bigint[], text), outbox_maintain(boolean), outbox_health_row()
 TO outbox_operator;
+-- An aggregate's advisory lock key (a hash of its name): sql/health.sql matches the keys that open
+-- producing transactions hold in pg_locks with the events they hold back.
+GRANT EXECUTE ON FUNCTION outbox_aggregate_key(text, text) TO outbox_operator;
 GRANT SELECT (id, created_at, aggregate_type, aggregate_id, event_type, subject, msg_id, state, attempts,
               next_attempt_at, locked_by, claimed_at, locked_until, lease_token, last_error,
               published_at, dead_at, discarded_at, discard_reason,

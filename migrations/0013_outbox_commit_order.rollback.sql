@@ -4,5 +4,3 @@ DROP FUNCTION outbox_assign_id();
 ALTER TABLE outbox ALTER COLUMN id SET DEFAULT nextval('outbox_id_seq');
 DROP TRIGGER outbox_hold_horizon ON outbox;
 DROP FUNCTION outbox_hold_horizon();
-ALTER TABLE outbox_settings DROP COLUMN commit_order_max_aggregates;
-ALTER TABLE outbox_settings DROP COLUMN commit_order_guard;

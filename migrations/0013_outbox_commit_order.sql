@@ -40,12 +40,7 @@
 -- depends: 0005_outbox_claim 0010_outbox_next_wakeup
 DO $$ BEGIN PERFORM set_config('search_path', format('%I, pg_temp', current_schema()), false); END $$;
 
-ALTER TABLE outbox_settings ADD COLUMN commit_order_guard boolean NOT NULL DEFAULT true;
--- How many aggregates one producing transaction holds back by name (a lock each, in the shared
--- lock table: max_locks_per_transaction * max_connections slots in all); beyond it, it holds
--- back every newer event until it ends. Business transactions write a handful; bulk imports more.
-ALTER TABLE outbox_settings ADD COLUMN commit_order_max_aggregates integer NOT NULL DEFAULT 16
-    CONSTRAINT commit_order_max_aggregates_not_negative CHECK (commit_order_max_aggregates >= 0);
+-- Its settings, commit_order_guard and commit_order_max_aggregates, are in outbox_settings (0001).
 
 CREATE FUNCTION outbox_hold_horizon() RETURNS trigger
 LANGUAGE plpgsql

@@ -119,8 +119,12 @@ def server_now(conn: psycopg.Connection[Any]) -> Any:
 
 
 def make_due(conn: psycopg.Connection[Any], ids: list[int]) -> None:
-    """Skip a retry's backoff (test shortcut): the events become due at once."""
-    conn.execute("UPDATE outbox SET next_attempt_at = clock_timestamp() WHERE id = ANY(%s)", (ids,))
+    """Skip a retry's backoff (test shortcut): the events become due at once, and so do the
+    heads of their aggregates (recomputed from the events, as the report functions do)."""
+    conn.execute("WITH due AS (UPDATE outbox SET next_attempt_at = clock_timestamp() WHERE id = ANY(%s) "
+                 "RETURNING aggregate_type, aggregate_id) "
+                 "SELECT outbox_refresh_heads(array_agg(aggregate_type), array_agg(aggregate_id)) FROM due",
+                 (ids,))
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, interval: float = 0.005,

@@ -444,6 +444,7 @@ def test_dead_letters_view(conn: Conn) -> None:
 # --------------------------------------------------------------------------------------------
 
 def test_one_event_per_aggregate_in_flight_oldest_first(conn: Conn) -> None:
+    set_settings(conn, max_run=1)       # runs: tests/test_sql_runs.py
     ids = insert_series(conn, ["a", "b", "a", "b", "a"])
     a1, b1, a2, b2, a3 = ids
     rows = claim(conn, 10)
@@ -465,6 +466,7 @@ def test_one_event_per_aggregate_in_flight_oldest_first(conn: Conn) -> None:
 
 
 def test_dead_event_blocks_only_its_aggregate_until_requeued(conn: Conn) -> None:
+    set_settings(conn, max_run=1)
     a1, b1, a2, b2 = insert_series(conn, ["a", "b", "a", "b"])
     rows = {r["id"]: r for r in claim(conn, 10)}
     assert set(rows) == {a1, b1}
@@ -484,6 +486,7 @@ def test_dead_event_blocks_only_its_aggregate_until_requeued(conn: Conn) -> None
 
 
 def test_discarding_a_dead_event_unblocks_its_aggregate(conn: Conn) -> None:
+    set_settings(conn, max_run=1)
     a1, a2 = insert_series(conn, ["a", "a"])
     (r,) = claim(conn, 10)
     assert fail(conn, a1, r["lease_token"], "poison", permanent=True) == "dead"
