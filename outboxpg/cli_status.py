@@ -29,7 +29,8 @@ def _positive_seconds(text: str) -> float:
 def register(sub: Any) -> None:
     p = sub.add_parser("status", help="is it healthy? the outbox_health row and events per state",
                        description="The outbox_health row (backlog, oldest pending age, dead letters, expired "
-                                   "leases, last claim) and the number of events in each state.")
+                                   "leases, last claim, open producing transactions and the events they hold "
+                                   "back) and the number of events in each state.")
     add_dsn(p)
     p.add_argument("--json", action="store_true", help="print one JSON object (intervals in seconds)")
     p.add_argument("--watch", nargs="?", type=_positive_seconds, const=2.0, default=None, metavar="SECONDS",
@@ -54,17 +55,58 @@ def _snapshot(conn: psycopg.Connection[Any], with_states: bool) -> dict[str, Any
     with conn.cursor(row_factory=dict_row) as cur:
         health = cur.execute("SELECT now() AS checked_at, * FROM outbox_health").fetchone()
         assert health is not None
+        producers: list[dict[str, Any]] = []
+        if health["open_producers"]:
+            # Who holds what back (0013), the oldest first; any of them may have ended meanwhile.
+            producers = cur.execute(
+                "SELECT pid, xact_age, state, held_above, aggregates, all_newer FROM outbox_open_producers() "
+                "ORDER BY xact_age DESC NULLS LAST, held_above").fetchall()
         states: dict[str, int] | None = None
         if with_states:
             counts = {r["state"]: r["n"] for r in
                       cur.execute("SELECT state::text AS state, count(*) AS n FROM outbox GROUP BY 1").fetchall()}
             states = {s: int(counts.get(s, 0)) for s in STATES}
     checked_at = health.pop("checked_at")
-    return {"database": where_am_i(conn), "checked_at": checked_at, "health": health, "states": states,
-            "attention": _attention(health)}
+    return {"database": where_am_i(conn), "checked_at": checked_at, "health": health, "producers": producers,
+            "states": states, "attention": _attention(health, producers)}
 
 
-def _attention(h: dict[str, Any]) -> list[str]:
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _producer_text(pid: int | None, xact_age: Any, state: str | None) -> str:
+    """'pid 1234, open 20.0 s, idle in transaction' (age and state are NULL when the installing
+    role may not see other roles' sessions)."""
+    parts = [f"pid {pid}", f"open {age(xact_age)}" if xact_age is not None else "open for an unknown time"]
+    if state:
+        parts.append(state)
+    return ", ".join(parts)
+
+
+def _held_note(h: dict[str, Any], producers: list[dict[str, Any]]) -> str:
+    """One line: which open producing transactions hold back how many events."""
+    held = _plural(h["held_by_open_transactions"], "event")
+    if len(producers) == 1:
+        p = producers[0]
+        who = f"1 open producing transaction ({_producer_text(p['pid'], p['xact_age'], p['state'])})"
+        if p["all_newer"]:
+            return (f"held back: {who} holds back every event newer than id {p['held_above']} ({held}), "
+                    "until it commits or rolls back")
+        return (f"held back: {who} holds back {held} of the {_plural(p['aggregates'], 'aggregate')} it wrote, "
+                "until it commits or rolls back")
+    # Several, or they ended between the two reads: the health row's figures.
+    n = max(len(producers), h["open_producers"])
+    note = (f"held back: {n} open producing transactions hold back {held}, until they end; the oldest: "
+            f"{_producer_text(h['oldest_producer_pid'], h['oldest_producer_age'], None)}")
+    everything = [p for p in producers if p["all_newer"]]
+    if everything:
+        first = min(everything, key=lambda p: p["held_above"])
+        note += f"; pid {first['pid']} holds back every event newer than id {first['held_above']}"
+    return note
+
+
+def _attention(h: dict[str, Any], producers: list[dict[str, Any]]) -> list[str]:
     notes = []
     if h["dead"]:
         notes.append(f"{h['dead']} dead letter{'s' if h['dead'] != 1 else ''} hold back later events of "
@@ -72,6 +114,10 @@ def _attention(h: dict[str, Any]) -> list[str]:
     if h["expired_leases"]:
         notes.append(f"{h['expired_leases']} lease{'s' if h['expired_leases'] != 1 else ''} expired (the worker "
                      "died or hung): the next claim retries them")
+    if h["held_by_open_transactions"]:
+        notes.append(_held_note(h, producers))
+    # last_claim_at is when a worker last called outbox_claim, whatever it found: recent means a
+    # worker runs, even while everything it could claim is held back.
     if h["backlog"] and not h["worker_claimed_last_minute"]:
         notes.append(f"backlog of {h['backlog']} but no claim in the last minute: is a worker running?")
     return notes
@@ -81,9 +127,12 @@ def _render(snap: dict[str, Any]) -> list[str]:
     h = snap["health"]
     checked = snap["checked_at"]
     last = h["last_claim_at"]
-    last_text = "never (none found)" if last is None else \
+    last_text = "never" if last is None else \
         f"{last.isoformat(sep=' ', timespec='seconds')} ({age(checked - last)} ago)"
     oldest = h["oldest_pending_age"]
+    producers_text = str(h["open_producers"])
+    if h["open_producers"]:
+        producers_text += "  (oldest: " + _producer_text(h["oldest_producer_pid"], h["oldest_producer_age"], None) + ")"
     lines = [f"outboxpg status: {where_text(snap['database'])}, {checked.isoformat(sep=' ', timespec='seconds')}", "",
              "health (outbox_health)"]
     lines += pairs([
@@ -94,6 +143,8 @@ def _render(snap: dict[str, Any]) -> list[str]:
         ("expired leases", h["expired_leases"]),
         ("last claim", last_text),
         ("worker claimed last minute", h["worker_claimed_last_minute"]),
+        ("open producing transactions", producers_text),
+        ("held back by them", _plural(h["held_by_open_transactions"], "event")),
     ])
     if snap["states"] is not None:
         lines += ["", "events by state"]
@@ -109,7 +160,8 @@ def _render(snap: dict[str, Any]) -> list[str]:
 
 def _as_json(snap: dict[str, Any]) -> dict[str, Any]:
     return {"database": snap["database"], "checked_at": snap["checked_at"], "health": jsonable(snap["health"]),
-            "states": snap["states"], "attention": snap["attention"]}
+            "producers": [jsonable(p) for p in snap["producers"]], "states": snap["states"],
+            "attention": snap["attention"]}
 
 
 def cmd_status(args: argparse.Namespace) -> int:

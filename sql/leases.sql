@@ -6,9 +6,11 @@
 --   1. per owner (locked_by: the worker's --name, by default host:pid; or the claiming session's
 --      application_name): leased events, claims (lease tokens) behind them, how many are past
 --      locked_until, the oldest claim and the first and last expiry;
---   2. the expired leases one by one (at most 20): their worker died or hung. The next
---      outbox_claim() by any worker counts each as a failed attempt and retries it (or
---      dead-letters it once out of attempts); nothing needs to be done by hand.
+--   2. the expired leases one by one (at most 20): their worker died or hung. A claim hands out
+--      a run (consecutive events of one aggregate) under one lease; the next outbox_claim() by
+--      any worker reclaims an expired run: its first event counts a failed attempt and is
+--      retried after a backoff (or dead-lettered once out of attempts), the events after it go
+--      back to pending without an attempt counted. Nothing needs to be done by hand.
 -- A lease that keeps running far longer than the others points at a worker stuck publishing.
 
 \echo '== leases per owner'
@@ -25,7 +27,7 @@ SELECT locked_by,
  GROUP BY locked_by
  ORDER BY locked_by;
 
-\echo '== expired leases (at most 20; the next claim retries them)'
+\echo '== expired leases (at most 20; the next claim reclaims their runs)'
 SELECT id,
        aggregate_type,
        aggregate_id,

@@ -6,8 +6,10 @@ importing psycopg."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pty
+import re
 import select
 import signal
 import subprocess
@@ -113,6 +115,24 @@ def build_dataset(conn: psycopg.Connection[Any]) -> dict[str, Any]:
     return ids
 
 
+@contextlib.contextmanager
+def producing_transaction(dsn: str, *aggregate_ids: str) -> Iterator[psycopg.Connection[Any]]:
+    """A session of its own with an open transaction that has inserted one event of each
+    aggregate (order/<id>): the commit-order guard holds those aggregates back until it ends. It
+    rolls back when the block ends."""
+    with psycopg.connect(dsn) as producer:
+        for aggregate_id in aggregate_ids:
+            insert(producer, "order", aggregate_id, "paid")
+        yield producer
+        producer.rollback()
+
+
+def last_claim_at(conn: psycopg.Connection[Any]) -> Any:
+    row = conn.execute("SELECT last_claim_at FROM outbox_intake").fetchone()
+    assert row is not None
+    return row[0]
+
+
 @pytest.fixture
 def data(conn: psycopg.Connection[Any]) -> dict[str, Any]:
     return build_dataset(conn)
@@ -149,7 +169,7 @@ def dead_ids(conn: psycopg.Connection[Any]) -> set[int]:
 
 # -- status -----------------------------------------------------------------------------------
 
-def test_status_table_and_json(dsn: str, data: dict[str, Any]) -> None:
+def test_status_table_and_json(dsn: str, conn: psycopg.Connection[Any], data: dict[str, Any]) -> None:
     text, js, health_only = run_all(("status", "--dsn", dsn), ("status", "--dsn", dsn, "--json"),
                                     ("status", "--dsn", dsn, "--json", "--health-only"))
     assert text.code == 0 and text.err == "", text
@@ -167,7 +187,11 @@ def test_status_table_and_json(dsn: str, data: dict[str, Any]) -> None:
     assert {k: h[k] for k in ("backlog", "pending", "processing", "waiting_retry", "dead", "expired_leases")} == \
         {"backlog": 3, "pending": 2, "processing": 1, "waiting_retry": 0, "dead": 4, "expired_leases": 0}
     assert h["worker_claimed_last_minute"] is True
-    assert h["last_claim_at"] == data["leased_claimed_at"].isoformat()
+    # When a worker last called outbox_claim, kept to the second by the claim (outbox_intake).
+    assert h["last_claim_at"] == last_claim_at(conn).isoformat()
+    assert 0 <= (data["leased_claimed_at"] - last_claim_at(conn)).total_seconds() < 1
+    assert (h["open_producers"], h["oldest_producer_pid"], h["held_by_open_transactions"]) == (0, None, 0)
+    assert obj["producers"] == []
     assert 0 <= h["oldest_pending_age_seconds"] < 60
     assert obj["states"] == {"pending": 2, "processing": 1, "published": 2, "dead": 4, "discarded": 0}
     assert obj["database"]["dbname"] == psycopg.conninfo.conninfo_to_dict(dsn)["dbname"]
@@ -175,6 +199,82 @@ def test_status_table_and_json(dsn: str, data: dict[str, Any]) -> None:
 
     assert health_only.json()["states"] is None
     assert health_only.json()["health"]["backlog"] == 3
+
+
+def test_status_names_the_open_transaction_that_holds_events_back(dsn: str, conn: psycopg.Connection[Any],
+                                                                   operator_dsn: str) -> None:
+    with producing_transaction(dsn, "o-held") as producer:
+        pid = producer.info.backend_pid
+        held = [insert(conn, "order", "o-held", "shipped") for _ in range(3)]
+        free = [insert(conn, "order", f"o-free-{i}", "created") for i in range(2)]
+        # A worker claims the other aggregates' events; the guard keeps o-held's back.
+        assert sorted(r["id"] for r in claim(conn, 10)) == free
+        text, js, as_operator = run_all(("status", "--dsn", dsn), ("status", "--dsn", dsn, "--json"),
+                                        ("status", "--dsn", operator_dsn, "--json", "--health-only"))
+    assert text.code == 0 and text.err == "", text
+    attention = text.out.split("\nattention\n", 1)[1]
+    assert f"  ! held back: 1 open producing transaction (pid {pid}, open " in attention, text.out
+    assert ", idle in transaction) holds back 3 events of the 1 aggregate it wrote, until it commits or rolls back" \
+        in attention, text.out
+    assert "is a worker running?" not in text.out
+    lines = [line.split() for line in text.out.splitlines()]
+    assert ["worker", "claimed", "last", "minute", "yes"] in lines, text.out
+    assert ["held", "back", "by", "them", "3", "events"] in lines, text.out
+    assert any(line[:5] == ["open", "producing", "transactions", "1", "(oldest:"] and line[5:7] == ["pid", f"{pid},"]
+               for line in lines), text.out
+
+    for obj in (js.json(), as_operator.json()):
+        h = obj["health"]
+        assert (h["backlog"], h["pending"], h["processing"]) == (5, 3, 2)
+        assert (h["open_producers"], h["oldest_producer_pid"], h["held_by_open_transactions"]) == (1, pid, 3)
+        assert 0 < h["oldest_producer_age_seconds"] < 60
+        assert h["worker_claimed_last_minute"] is True and h["last_claim_at"] is not None
+        (p,) = obj["producers"]
+        assert (p["pid"], p["state"], p["aggregates"], p["all_newer"]) == (pid, "idle in transaction", 1, False)
+        assert p["held_above"] < held[0] and 0 < p["xact_age_seconds"] < 60
+        (note,) = obj["attention"]
+        assert re.fullmatch(rf"held back: 1 open producing transaction \(pid {pid}, open \d+\.\d s, idle in "
+                            r"transaction\) holds back 3 events of the 1 aggregate it wrote, until it commits or "
+                            r"rolls back", note), note
+
+    # Rolled back: nothing held any more, and a worker claimed a moment ago.
+    after = run("status", "--dsn", dsn, "--json").json()
+    assert (after["health"]["open_producers"], after["health"]["held_by_open_transactions"]) == (0, 0)
+    assert after["producers"] == [] and after["attention"] == []
+
+
+def test_status_when_an_open_transaction_holds_back_every_newer_event(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """The report of issue 12: one producing transaction open (beyond commit_order_max_aggregates, so
+    it holds back every newer event), a backlog of more than 1,000 events, a worker claiming."""
+    conn.execute("UPDATE outbox_settings SET commit_order_max_aggregates = 1")
+    with producing_transaction(dsn, "o-1", "o-2") as producer:
+        pid = producer.info.backend_pid
+        (horizon,) = producer.execute("SELECT held_above FROM outbox_open_producers() WHERE pid = pg_backend_pid()"
+                                      ).fetchone()
+        conn.execute("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
+                     "SELECT 'order', 'o-' || (g % 50), 'created', '{}' FROM generate_series(1, 1200) g")
+        assert claim(conn, 100) == []            # everything committed is newer than its horizon
+        text, js = run_all(("status", "--dsn", dsn, "--health-only"), ("status", "--dsn", dsn, "--json"))
+    assert text.code == 0, text
+    assert f"holds back every event newer than id {horizon} (1200 events), until it commits or rolls back" in text.out
+    assert f"(pid {pid}, open " in text.out
+    assert "is a worker running?" not in text.out and "never" not in text.out, text.out
+    h = js.json()["health"]
+    assert (h["backlog"], h["held_by_open_transactions"], h["worker_claimed_last_minute"]) == (1200, 1200, True)
+    assert js.json()["producers"][0]["all_newer"] is True
+
+
+def test_status_says_when_no_worker_claims(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    insert(conn, "order", "o-1")
+    assert len(claim(conn, 10)) == 1
+    insert(conn, "order", "o-2")
+    conn.execute("UPDATE outbox_intake SET last_claim_at = now() - interval '61 seconds'")
+    obj = run("status", "--dsn", dsn, "--json").json()
+    assert obj["health"]["worker_claimed_last_minute"] is False
+    assert obj["attention"] == ["backlog of 2 but no claim in the last minute: is a worker running?"]
+    conn.execute("UPDATE outbox_intake SET last_claim_at = NULL")
+    text = run("status", "--dsn", dsn)
+    assert ["last", "claim", "never"] in [line.split() for line in text.out.splitlines()], text.out
 
 
 def test_status_watch_refreshes_until_ctrl_c(dsn: str) -> None:

@@ -55,16 +55,25 @@ EXECUTE = {
     "outbox_health_row()": {"outbox_worker", "outbox_operator"},   # behind the outbox_health view
     "outbox_retry_delay(integer,interval,interval)": set(),   # only called inside claim / fail
     "outbox_commit_horizon()": set(),                         # only called inside claim
+    "outbox_commit_guard()": set(),                           # inside claim and outbox_health_row
+    "outbox_take_in(bigint,bigint,integer)": set(),           # inside claim
+    "outbox_refresh_heads(text[],text[])": set(),             # inside the report and repair functions
+    # the insert trigger names each aggregate by it; sql/health.sql matches producers' locks with it
+    "outbox_aggregate_key(text,text)": {"outbox_producer", "outbox_operator"},
+    "outbox_open_producers()": {"outbox_worker", "outbox_operator"},   # status, sql/health.sql
 }
 # Trigger functions: they fire as the inserting producer without any EXECUTE grant, and cannot be
 # called directly (so PUBLIC's EXECUTE on one that a later step created means nothing).
 TRIGGER_FUNCTIONS = {"outbox_wake_workers()",      # 0003: NOTIFY idle workers
-                     "outbox_hold_horizon()"}      # 0013: the commit-order guard
+                     "outbox_hold_horizon()",      # 0013: the commit-order guard
+                     "outbox_assign_id()",         # 0013: an aggregate's lock before its event's id
+                     "outbox_forget_deleted()"}    # 0005: rows deleted by hand take their heads along
 # The functions that run as their owner (they read or write the tables for their caller).
 SECURITY_DEFINER = {"outbox_claim(integer,interval,text)", "outbox_complete(bigint[],uuid)",
                     "outbox_fail(bigint,uuid,text,boolean)", "outbox_release(bigint[],uuid)",
                     "outbox_next_wakeup()", "outbox_maintain(boolean)", "outbox_requeue(bigint[])",
-                    "outbox_discard(bigint[],text)", "outbox_health_row()"}
+                    "outbox_discard(bigint[],text)", "outbox_health_row()",
+                    "outbox_open_producers()"}   # reads other roles' sessions in pg_stat_activity
 # Who may read each view.
 VIEWS = {"outbox_stats": {"outbox_operator"}, "outbox_dead_letters": {"outbox_operator"},
          "outbox_partitions": {"outbox_operator"}, "outbox_health": {"outbox_worker", "outbox_operator"}}
@@ -419,6 +428,33 @@ def test_metrics_database_gauges_as_a_worker_login(logins: dict[str, Login], con
         assert w.execute("SELECT backlog, dead, oldest_pending_age IS NOT NULL FROM outbox_health").fetchone() == (
             1, 0, True)
     assert metrics.registry.get_sample_value("outboxpg_backlog_events") == 1.0
+
+
+def test_worker_and_operator_see_what_a_producers_open_transaction_holds_back(logins: dict[str, Login],
+                                                                              conn: psycopg.Connection[Any]) -> None:
+    """A producer login's transaction stays open: a worker login and an operator login read which
+    backend holds what back (through outbox_health and outbox_open_producers, which run as the
+    owner: pg_stat_activity shows other roles' transactions only to privileged roles)."""
+    with psycopg.connect(logins["producer"].dsn) as p:       # a transaction, left open
+        insert(p, "held")
+        pid = p.info.backend_pid
+        held = [insert(conn, "held", "paid"), insert(conn, "held", "shipped")]
+        free = insert(conn, "free")
+        time.sleep(0.1)
+        with logins["worker"].connect() as w, logins["operator"].connect() as o:
+            assert [r["id"] for r in claim(w, 10)] == [free]
+            for c in (w, o):
+                assert c.execute("SELECT open_producers, oldest_producer_pid, oldest_producer_age > interval '0', "
+                                 "held_by_open_transactions, worker_claimed_last_minute FROM outbox_health"
+                                 ).fetchone() == (1, pid, True, 2, True)
+                assert c.execute("SELECT pid, state, aggregates, all_newer, held_above < %s FROM outbox_open_producers()",
+                                 (held[0],)).fetchall() == [(pid, "idle in transaction", 1, False, True)]
+            # sql/health.sql matches the producers' locks with the events by the aggregate's key
+            assert o.execute("SELECT outbox_aggregate_key('order', 'held') = hashtext('order/held')").fetchone() == (True,)
+            denied(w, "SELECT outbox_aggregate_key('order', 'held')", "SELECT * FROM outbox_commit_guard()")
+            denied(o, "SELECT * FROM outbox_commit_guard()")
+        p.rollback()
+    assert [r["id"] for r in claim(conn, 10)] == held   # one run, in order
 
 
 # --------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import pytest
 from psycopg.rows import dict_row
 
 from helpers import claim, complete, fail, insert, psql_args, psql_env
-from test_cli import build_dataset, operator_dsn  # noqa: F401 (a fixture)
+from test_cli import build_dataset, last_claim_at, operator_dsn, producing_transaction  # noqa: F401 (a fixture)
 
 SQL_DIR = Path(__file__).resolve().parent.parent / "sql"
 FILES = ("health", "leases", "failures", "dead_letters", "partitions", "repair")
@@ -193,10 +194,14 @@ def health(conn: psycopg.Connection[Any]) -> dict[str, Any]:
     return rows[0]
 
 
+NO_PRODUCERS = {"open_producers": 0, "oldest_producer_pid": None, "oldest_producer_age": None,
+                "held_by_open_transactions": 0}
+
+
 def test_health_of_an_empty_outbox(conn: psycopg.Connection[Any]) -> None:
     assert health(conn) == {"backlog": 0, "pending": 0, "processing": 0, "waiting_retry": 0, "dead": 0,
                             "expired_leases": 0, "oldest_pending_age": None, "last_claim_at": None,
-                            "worker_claimed_last_minute": False}
+                            "worker_claimed_last_minute": False, **NO_PRODUCERS}
 
 
 def test_health_of_known_data(conn: psycopg.Connection[Any]) -> None:
@@ -206,25 +211,35 @@ def test_health_of_known_data(conn: psycopg.Connection[Any]) -> None:
         oldest = conn.execute("SELECT now() - min(created_at) FROM outbox WHERE state IN ('pending', 'processing')"
                               ).fetchone()
     assert h == {"backlog": 3, "pending": 2, "processing": 1, "waiting_retry": 0, "dead": 4, "expired_leases": 0,
-                 "oldest_pending_age": oldest[0] if oldest else None, "last_claim_at": data["leased_claimed_at"],
-                 "worker_claimed_last_minute": True}
+                 "oldest_pending_age": oldest[0] if oldest else None, "last_claim_at": last_claim_at(conn),
+                 "worker_claimed_last_minute": True, **NO_PRODUCERS}
+    # kept to the second by the claims: at most a second before the last one
+    assert 0 <= (data["leased_claimed_at"] - h["last_claim_at"]).total_seconds() < 1
     # the same figures as the full-scan view
-    stats = conn.execute("SELECT pending, processing, dead, last_claim_at FROM outbox_stats").fetchone()
-    assert stats == (h["pending"], h["processing"], h["dead"], h["last_claim_at"])
+    stats = conn.execute("SELECT pending, processing, dead FROM outbox_stats").fetchone()
+    assert stats == (h["pending"], h["processing"], h["dead"])
 
 
-def test_health_finds_the_last_claim_among_published_events(conn: psycopg.Connection[Any]) -> None:
-    insert(conn, "order", "1")
-    (row,) = claim(conn, 1)
-    complete(conn, [row["id"]], row["lease_token"])
-    claimed_at = conn.execute("SELECT claimed_at FROM outbox WHERE id = %s", (row["id"],)).fetchone()
+def test_health_last_claim_whatever_the_backlog(conn: psycopg.Connection[Any]) -> None:
+    """A worker draining a backlog of one aggregate: the events it claimed are published, and
+    more than 1,000 newer ones wait, never claimed yet. The last claim is the one just made."""
+    conn.execute("""INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+                    SELECT 'order', 'hot', 'created', '{}' FROM generate_series(1, 1300) g""")
+    before = conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
+    rows = claim(conn, 100)
+    assert len(rows) == 100
+    assert complete(conn, [r["id"] for r in rows], rows[0]["lease_token"]) == 100
     h = health(conn)
-    assert h["backlog"] == 0 and h["last_claim_at"] == claimed_at[0]  # type: ignore[index]
-    assert h["worker_claimed_last_minute"] is True
+    assert h["backlog"] == 1200 and h["last_claim_at"] is not None
+    assert h["last_claim_at"] >= before - timedelta(seconds=1) and h["worker_claimed_last_minute"] is True
 
-    conn.execute("UPDATE outbox SET claimed_at = claimed_at - interval '61 seconds'")
+    # An empty claim is a claim too: a worker is running, whatever it found.
+    assert len(claim(conn, 100)) == 100           # the aggregate's next run, in flight
+    conn.execute("UPDATE outbox_intake SET last_claim_at = now() - interval '61 seconds'")
+    assert health(conn)["worker_claimed_last_minute"] is False
+    assert claim(conn, 100) == []                 # one run per aggregate in flight: nothing to hand out
     h = health(conn)
-    assert h["worker_claimed_last_minute"] is False and h["last_claim_at"] is not None
+    assert h["worker_claimed_last_minute"] is True and h["last_claim_at"] >= before
 
 
 def test_health_counts_waiting_retries_and_expired_leases(conn: psycopg.Connection[Any]) -> None:
@@ -268,8 +283,90 @@ def test_health_does_not_read_published_events(conn: psycopg.Connection[Any], st
         seq_after, fetched_after = _partition_reads(conn)
     assert h["backlog"] == 5
     assert seq_after - seq_before == 0
-    assert fetched_after - fetched_before <= 5 + 1000  # the unfinished events and the 1000 newest ids, not all 5000
+    assert fetched_after - fetched_before <= 5  # the unfinished events, not the 5000 published ones
     with conn.transaction():
         seq_before, _ = _partition_reads(conn)
         conn.execute("SELECT * FROM outbox_stats").fetchone()
         assert _partition_reads(conn)[0] > seq_before  # (the full-scan view, for contrast)
+
+
+def test_health_reports_what_open_transactions_hold_back(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    with producing_transaction(dsn, "o-held") as producer:
+        held = [insert(conn, "order", "o-held", "shipped") for _ in range(3)]
+        free = [insert(conn, "order", f"o-free-{i}") for i in range(2)]
+        assert sorted(r["id"] for r in claim(conn, 10)) == free
+        time.sleep(0.2)
+        h = health(conn)
+        assert (h["backlog"], h["pending"], h["processing"]) == (5, 3, 2)
+        assert (h["open_producers"], h["oldest_producer_pid"], h["held_by_open_transactions"]) == (
+            1, producer.info.backend_pid, 3)
+        assert timedelta(seconds=0.2) <= h["oldest_producer_age"] < timedelta(seconds=60)
+        assert h["worker_claimed_last_minute"] is True
+
+        # A second, younger producing transaction of another aggregate: the oldest is still named.
+        with producing_transaction(dsn, "o-other"):
+            other = insert(conn, "order", "o-other", "shipped")
+            h = health(conn)
+            assert (h["open_producers"], h["oldest_producer_pid"], h["held_by_open_transactions"]) == (
+                2, producer.info.backend_pid, 4)
+        assert [r["id"] for r in claim(conn, 10)] == [other]
+
+        # With the guard switched off nothing is held back (the transaction is still open).
+        conn.execute("UPDATE outbox_settings SET commit_order_guard = false")
+        h = health(conn)
+        assert (h["open_producers"], h["held_by_open_transactions"]) == (1, 0)
+        conn.execute("UPDATE outbox_settings SET commit_order_guard = true")
+    h = health(conn)
+    assert {k: h[k] for k in NO_PRODUCERS} == NO_PRODUCERS
+    assert [r["id"] for r in claim(conn, 10)] == held
+
+
+def test_health_when_an_open_transaction_holds_back_every_newer_event(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    conn.execute("UPDATE outbox_settings SET commit_order_max_aggregates = 1")
+    old = insert(conn, "order", "a")
+    with producing_transaction(dsn, "o-1", "o-2"):       # two aggregates: more than it names
+        newer = [insert(conn, "order", name) for name in ("a", "b", "c")]
+        assert claim(conn, 10)[0]["id"] == old and len(newer) == 3
+        assert claim(conn, 10) == []
+        h = health(conn)
+        assert (h["open_producers"], h["held_by_open_transactions"], h["backlog"]) == (1, 3, 4)
+        assert h["worker_claimed_last_minute"] is True
+
+
+def test_health_sql_names_the_open_transaction_that_holds_events_back(dsn: str, conn: psycopg.Connection[Any],
+                                                                      operator_dsn: str) -> None:
+    dead = insert(conn, "order", "o-dead")
+    (row,) = claim(conn, 10)
+    assert fail(conn, dead, row["lease_token"], "broken", True) == "dead"
+    behind_dead = insert(conn, "order", "o-dead", "shipped")
+    with producing_transaction(dsn, "o-held") as producer:
+        pid = producer.info.backend_pid
+        (horizon,) = producer.execute("SELECT held_above FROM outbox_open_producers() WHERE pid = pg_backend_pid()"
+                                      ).fetchone()
+        held = [insert(conn, "order", "o-held", "shipped") for _ in range(2)]
+        leased = insert(conn, "order", "o-free")
+        assert [r["id"] for r in claim(conn, 10, worker="w-test")] == [leased]
+        due = insert(conn, "order", "o-due")           # committed after the last claim
+        results = run_files(dsn, ("health",)) + run_files(operator_dsn, ("health",))
+    for code, out, err in results:
+        assert code == 0 and "ERROR" not in err, err
+        assert re.search(r"^ open_producers\s+\| 1$", out, re.M), out
+        assert re.search(rf"^ oldest_producer_pid\s+\| {pid}$", out, re.M), out
+        assert re.search(r"^ held_by_open_transactions\s+\| 2$", out, re.M), out
+        assert re.search(r"^ worker_claimed_last_minute\s+\| true$", out, re.M), out
+        # the open producing transactions
+        assert re.search(rf"^\s*{pid} \|.*\| 00:00:0\d\s+\| idle in transaction \| the 1 aggregate\(s\) it wrote, "
+                         rf"events newer than id {horizon}$", out, re.M), out
+
+        def why(i: int) -> str:
+            m = re.search(rf"^\s*{i} \| order .*$", out, re.M)
+            assert m, (i, out)
+            return m.group(0)
+
+        assert re.search(rf"\| held back by open transaction pid {pid} \(open 00:00:0\d, idle in transaction\): "
+                         r"it may still commit an earlier event of this aggregate", why(held[0])), out
+        assert f"| held back behind event {held[0]} of its aggregate (pending)" in why(held[1])
+        assert f"| held back behind event {dead} of its aggregate (dead): requeue or discard it" in why(behind_dead)
+        assert "| leased by w-test until " in why(leased)
+        assert re.search(r"\| due: waiting for a worker to claim it \(last claim 00:00:0\d ago\)", why(due)), out
+        assert out.count("due: waiting for a worker") == 1, out
