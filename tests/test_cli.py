@@ -233,7 +233,7 @@ def test_status_names_the_open_transaction_that_holds_events_back(dsn: str, conn
         assert (p["pid"], p["state"], p["aggregates"], p["all_newer"]) == (pid, "idle in transaction", 1, False)
         assert p["held_above"] < held[0] and 0 < p["xact_age_seconds"] < 60
         (note,) = obj["attention"]
-        assert re.fullmatch(rf"held back: 1 open producing transaction \(pid {pid}, open \d+\.\d s, idle in "
+        assert re.fullmatch(rf"held back: 1 open producing transaction \(pid {pid}, open (\d+ ms|\d+\.\d s), idle in "
                             r"transaction\) holds back 3 events of the 1 aggregate it wrote, until it commits or "
                             r"rolls back", note), note
 
