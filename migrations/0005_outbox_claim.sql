@@ -165,6 +165,7 @@ SET search_path FROM CURRENT
 SET plan_cache_mode = force_generic_plan  -- see outbox_claim, also for the settings below
 SET enable_seqscan = off
 SET enable_bitmapscan = off
+SET enable_hashjoin = off
 SET enable_mergejoin = off
 SET enable_material = off
 SET jit = off
@@ -205,25 +206,17 @@ BEGIN
              GROUP BY e.aggregate_type, e.aggregate_id) a;
 
     IF types IS NOT NULL THEN
-        -- Lock the heads that exist, in key order (as reports do): a report about to drop one of
-        -- them because it saw no more events of its aggregate waits for this transaction, and
-        -- then sees these events (outbox_refresh_heads).
-        PERFORM 1
-           FROM unnest(types, ids) AS s(t, i)
-           JOIN outbox_heads h ON h.aggregate_type = s.t COLLATE "C" AND h.aggregate_id = s.i COLLATE "C"
-          ORDER BY h.aggregate_type, h.aggregate_id
-            FOR KEY SHARE OF h;
-        -- An event that committed late below its aggregate's head (it was held back by the
-        -- commit-order guard meanwhile): the line starts there now.
-        UPDATE outbox_heads h
-           SET head_id = s.f
-          FROM unnest(types, ids, firsts) AS s(t, i, f)
-         WHERE h.aggregate_type = s.t COLLATE "C" AND h.aggregate_id = s.i COLLATE "C"
-           AND h.head_id > s.f;
-        INSERT INTO outbox_heads (aggregate_type, aggregate_id, lock_key, head_id, ready_at)
+        -- New heads are inserted; a head that exists is locked (in key order, as reports lock
+        -- them), so that a report about to drop it because it saw no more events of its
+        -- aggregate waits for this transaction and then sees these events
+        -- (outbox_refresh_heads). An event that committed late below its aggregate's head (it
+        -- was held back by the commit-order guard meanwhile) moves the head back to it.
+        INSERT INTO outbox_heads AS h (aggregate_type, aggregate_id, lock_key, head_id, ready_at)
         SELECT s.t, s.i, outbox_aggregate_key(s.t, s.i), s.f, s.r
           FROM unnest(types, ids, firsts, readies) AS s(t, i, f, r)
-        ON CONFLICT DO NOTHING;
+        ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE
+           SET head_id = excluded.head_id
+         WHERE h.head_id > excluded.head_id;
     END IF;
 
     -- Past everything read (all of it when fewer than chunk came back), never past the horizon.
@@ -351,11 +344,12 @@ SET search_path FROM CURRENT
 SET plan_cache_mode = force_generic_plan
 -- Pinned plan shape. These run with generic plans (planned once per session), and a plan made
 -- while the table was small must not turn into scans of the whole backlog after a burst (seen:
--- seconds per claim until the next ANALYZE). The outbox table is only ever reached through an
--- index probe per head (LATERAL) or by tuple id; joins between the small in-memory sets of a
--- claim may hash.
+-- seconds per claim until the next ANALYZE). Index probes and nested loops are the right plan
+-- at every size here (a hash join would read all of outbox_heads), so the planner is not given
+-- the choice.
 SET enable_seqscan = off
 SET enable_bitmapscan = off
+SET enable_hashjoin = off
 SET enable_mergejoin = off
 SET enable_material = off
 SET jit = off
@@ -371,7 +365,8 @@ DECLARE
     g       record;
     upto    bigint;
     took_in boolean;
-    heads   outbox_heads[];
+    remaining  integer;
+    seen_heads bigint;
     -- What to do with the events read (parallel arrays).
     c_ids   bigint[] := '{}';
     c_tids  tid[] := '{}';
@@ -417,134 +412,129 @@ BEGIN
     -- worker's crash does not cost the next claim its batch (a short claim tells a worker that
     -- nothing more is claimable right now).
     FOR pass IN 1..8 LOOP
-        r_ids := NULL;
-        -- The heads whose time has come, oldest first, leaving out those that the guard holds back
-        -- (head_id is a lower bound of the first event's id; the runs below check each event).
-        SELECT array_agg(ROW(h.aggregate_type, h.aggregate_id, h.lock_key, h.head_id, h.ready_at)::outbox_heads
-                         ORDER BY h.ready_at, h.head_id)
-          INTO heads
-          FROM (SELECT h.aggregate_type, h.aggregate_id, h.lock_key, h.head_id, h.ready_at
-                  FROM outbox_heads h
-                 WHERE h.ready_at <= t
-                   AND (h.head_id <= g.settled
-                        OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys)))
-                 ORDER BY h.ready_at, h.head_id
-                 LIMIT n - cardinality(c_ids)
-                   FOR NO KEY UPDATE SKIP LOCKED) h;
+        remaining := n - cardinality(c_ids);
+        -- One statement a pass. `cand`: the heads whose time has come, oldest first, leaving out
+        -- those the guard holds back (head_id is a lower bound of the first event's id; each
+        -- event is checked below), each with its line: its first max_run unfinished events, read
+        -- twice, as they are (`line`) and locked, SKIP LOCKED (`e`). An event someone else is
+        -- changing right now is missing from the second read, and the run ends before it
+        -- (`matched`). The nested loop is lazy: it stops after `remaining` events, so heads and
+        -- events past them are neither read nor locked.
+        WITH cand AS MATERIALIZED (
+            SELECT h.aggregate_type, h.aggregate_id, h.head_id AS old_head_id, h.ready_at AS old_ready,
+                   h.lock_key, line.ids AS line_ids,
+                   e.id, e.ctid, e.created_at, e.state, e.attempts, e.next_attempt_at, e.locked_until, e.lease_token
+              FROM (SELECT h.aggregate_type, h.aggregate_id, h.lock_key, h.head_id, h.ready_at
+                      FROM outbox_heads h
+                     WHERE h.ready_at <= t
+                       AND (h.head_id <= g.settled
+                            OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys)))
+                     ORDER BY h.ready_at, h.head_id
+                     LIMIT remaining
+                       FOR NO KEY UPDATE SKIP LOCKED) h
+             CROSS JOIN LATERAL (
+                   SELECT array(SELECT o.id FROM outbox o
+                                 WHERE o.aggregate_type = h.aggregate_type AND o.aggregate_id = h.aggregate_id
+                                   AND o.unfinished AND o.id >= least(h.head_id, upto + 1)
+                                 ORDER BY o.id LIMIT least(cfg.max_run, remaining)) AS ids
+                    OFFSET 0) line   -- once per head, not once per row of the join below
+              LEFT JOIN LATERAL (
+                   SELECT o.id, o.ctid, o.created_at, o.state, o.attempts, o.next_attempt_at, o.locked_until,
+                          o.lease_token
+                     FROM outbox o
+                    WHERE o.aggregate_type = h.aggregate_type AND o.aggregate_id = h.aggregate_id
+                      AND o.unfinished AND o.id >= least(h.head_id, upto + 1)
+                    ORDER BY o.id
+                    LIMIT least(cfg.max_run, remaining)
+                      FOR UPDATE SKIP LOCKED) e ON true
+             LIMIT remaining),
+        numbered AS (
+            SELECT c.*, row_number() OVER w AS rn, c.id = c.line_ids[row_number() OVER w] AS matched
+              FROM cand c
+            WINDOW w AS (PARTITION BY c.old_head_id ORDER BY c.id)),
+        marked AS MATERIALIZED (
+            SELECT m.*,
+                   first_value(m.state) OVER w AS first_state,
+                   first_value(m.lease_token) OVER w AS first_token,
+                   first_value(m.locked_until) OVER w AS first_until,
+                   first_value(m.matched) OVER w AS first_matched,
+                   -- The run: the prefix of events that are pending, due and not held back.
+                   bool_and(m.matched AND m.state = 'pending' AND m.next_attempt_at <= t
+                            AND (m.id <= g.settled
+                                 OR (m.id <= g.open_below AND m.lock_key <> ALL (g.held_keys)))) OVER w AS in_run,
+                   -- A run whose lease ran out: its first event's retry (random jitter, drawn once).
+                   CASE WHEN m.rn = 1 AND m.matched AND m.state = 'processing' AND m.locked_until < t
+                        THEN t + outbox_retry_delay(m.attempts, cfg.backoff_base, cfg.backoff_cap) END AS retry_at
+              FROM numbered m
+            WINDOW w AS (PARTITION BY m.old_head_id ORDER BY m.id)),
+        -- The events still leased under an expired run's token go back.
+        expired AS MATERIALIZED (
+            SELECT m.id, m.ctid, m.created_at, m.rn = 1 AS is_first,
+                   CASE WHEN m.rn = 1 AND m.attempts < cfg.max_attempts THEN m.retry_at END AS retry_at
+              FROM marked m
+             WHERE m.first_state = 'processing' AND m.first_until < t AND m.first_matched
+               AND m.matched AND m.state = 'processing' AND m.lease_token = m.first_token),
+        -- What each head becomes: read off its first row.
+        head_next AS (
+            SELECT m.aggregate_type, m.aggregate_id, m.old_head_id, m.old_ready,
+                   coalesce(m.id, m.old_head_id) AS new_head_id,
+                   CASE WHEN m.in_run THEN t + lease
+                        WHEN m.retry_at IS NOT NULL
+                             THEN CASE WHEN m.attempts >= cfg.max_attempts THEN NULL ELSE m.retry_at END
+                        -- No unfinished event (cannot happen while the reports keep the heads;
+                        -- a claim may not drop a head, see outbox_refresh_heads): look again soon.
+                        WHEN cardinality(m.line_ids) = 0 THEN t + interval '1 second'
+                        WHEN m.id IS NULL OR NOT m.matched THEN m.old_ready  -- being reported right now
+                        WHEN m.state = 'dead' THEN NULL
+                        WHEN m.state = 'pending' AND m.next_attempt_at > t THEN m.next_attempt_at
+                        WHEN m.state = 'processing' AND m.locked_until >= t THEN m.locked_until
+                        ELSE m.old_ready                               -- held back by the guard
+                   END AS new_ready
+              FROM marked m
+             WHERE m.rn = 1),
+        moved_heads AS (
+            UPDATE outbox_heads oh
+               SET head_id = hn.new_head_id,
+                   ready_at = hn.new_ready
+              FROM head_next hn
+             WHERE oh.aggregate_type = hn.aggregate_type AND oh.aggregate_id = hn.aggregate_id
+               AND (hn.old_head_id, hn.old_ready) IS DISTINCT FROM (hn.new_head_id, hn.new_ready))
+        SELECT (SELECT array_agg(m.id ORDER BY m.id) FROM marked m WHERE m.in_run),
+               (SELECT array_agg(m.ctid ORDER BY m.id) FROM marked m WHERE m.in_run),
+               (SELECT array_agg(x.id ORDER BY x.id) FROM expired x),
+               (SELECT array_agg(x.ctid ORDER BY x.id) FROM expired x),
+               (SELECT array_agg(x.is_first ORDER BY x.id) FROM expired x),
+               (SELECT array_agg(x.retry_at ORDER BY x.id) FROM expired x),
+               (SELECT count(*) FROM head_next),
+               (SELECT min(m.created_at) FROM marked m WHERE m.in_run OR m.id IN (SELECT x.id FROM expired x)),
+               (SELECT max(m.created_at) FROM marked m WHERE m.in_run OR m.id IN (SELECT x.id FROM expired x))
+          INTO pass_ids, pass_tids, r_ids, r_tids, r_first, r_retry, seen_heads, pass_lo, pass_hi;
+        EXIT WHEN seen_heads = 0;
+        c_ids  := c_ids || pass_ids;          -- || and least/greatest ignore NULLs
+        c_tids := c_tids || pass_tids;
+        lo := least(lo, pass_lo);
+        hi := greatest(hi, pass_hi);
 
-        EXIT WHEN heads IS NULL;
-        IF heads IS NOT NULL THEN
-            -- Each head's line: its first max_run unfinished events, read twice: as they are
-            -- (`line`) and locked, SKIP LOCKED (`e`). An event someone else is changing right now
-            -- is missing from the second read, and the run ends before it (`matched`).
-            WITH cand AS MATERIALIZED (
-                SELECT h.ord, h.lock_key, cardinality(line.ids) AS line_length,
-                       e.id, e.ctid, e.created_at, e.state, e.attempts, e.next_attempt_at, e.locked_until,
-                       e.lease_token,
-                       e.id = line.ids[row_number() OVER w] AS matched
-                  FROM unnest(heads) WITH ORDINALITY AS h(aggregate_type, aggregate_id, lock_key, head_id, ready_at, ord)
-                 CROSS JOIN LATERAL (
-                       SELECT array(SELECT o.id FROM outbox o
-                                     WHERE o.aggregate_type = h.aggregate_type AND o.aggregate_id = h.aggregate_id
-                                       AND o.unfinished AND o.id >= least(h.head_id, upto + 1)
-                                     ORDER BY o.id LIMIT cfg.max_run) AS ids
-                        OFFSET 0) line   -- once per head, not once per row of the join below
-                  LEFT JOIN LATERAL (
-                       SELECT o.id, o.ctid, o.created_at, o.state, o.attempts, o.next_attempt_at, o.locked_until,
-                              o.lease_token
-                         FROM outbox o
-                        WHERE o.aggregate_type = h.aggregate_type AND o.aggregate_id = h.aggregate_id
-                          AND o.unfinished AND o.id >= least(h.head_id, upto + 1)
-                        ORDER BY o.id
-                        LIMIT cfg.max_run
-                          FOR UPDATE SKIP LOCKED) e ON true
-                WINDOW w AS (PARTITION BY h.ord ORDER BY e.id)),
-            marked AS MATERIALIZED (
-                SELECT c.*,
-                       first_value(c.state) OVER w AS first_state,
-                       first_value(c.lease_token) OVER w AS first_token,
-                       first_value(c.locked_until) OVER w AS first_until,
-                       first_value(c.matched) OVER w AS first_matched,
-                       -- The run: the prefix of events that are pending, due and not held back.
-                       bool_and(c.matched AND c.state = 'pending' AND c.next_attempt_at <= t
-                                AND (c.id <= g.settled
-                                     OR (c.id <= g.open_below AND c.lock_key <> ALL (g.held_keys)))) OVER w AS in_run
-                  FROM cand c
-                WINDOW w AS (PARTITION BY c.ord ORDER BY c.id)),
-            claimed AS MATERIALIZED (
-                SELECT m.ord, m.id, m.ctid, m.created_at
-                  FROM (SELECT m.*, count(*) FILTER (WHERE m.in_run) OVER (ORDER BY m.ord, m.id) AS taken
-                          FROM marked m) m
-                 WHERE m.in_run AND m.taken <= n - cardinality(c_ids)),
-            -- A run whose lease ran out: the events still leased under its token.
-            expired AS MATERIALIZED (
-                SELECT m.ord, m.id, m.ctid, m.created_at, m.id = min(m.id) OVER (PARTITION BY m.ord) AS is_first,
-                       t + outbox_retry_delay(m.attempts, cfg.backoff_base, cfg.backoff_cap) AS retry_at,
-                       m.attempts >= cfg.max_attempts AS out_of_attempts
-                  FROM marked m
-                 WHERE m.first_state = 'processing' AND m.first_until < t AND m.first_matched
-                   AND m.matched AND m.state = 'processing' AND m.lease_token = m.first_token),
-            -- What each head becomes (NULL new_ready with keep_ready: leave it as it is).
-            head_next AS (
-                SELECT h.aggregate_type, h.aggregate_id, h.head_id, h.ready_at, h.ord,
-                       f.id AS first_id,
-                       CASE WHEN EXISTS (SELECT 1 FROM claimed c WHERE c.ord = h.ord) THEN t + lease
-                            WHEN x.id IS NOT NULL THEN CASE WHEN x.out_of_attempts THEN NULL ELSE x.retry_at END
-                            -- No unfinished event (cannot happen while the reports keep the heads;
-                            -- a claim may not drop a head, see outbox_refresh_heads): look again soon.
-                            WHEN f.line_length = 0 THEN t + interval '1 second'
-                            WHEN f.id IS NULL OR NOT f.matched THEN h.ready_at  -- being reported right now
-                            WHEN f.state = 'dead' THEN NULL
-                            WHEN f.state = 'pending' AND f.next_attempt_at > t THEN f.next_attempt_at
-                            WHEN f.state = 'processing' AND f.locked_until >= t THEN f.locked_until
-                            ELSE h.ready_at                                -- held back by the guard, or past n
-                       END AS new_ready
-                  FROM unnest(heads) WITH ORDINALITY AS h(aggregate_type, aggregate_id, lock_key, head_id, ready_at, ord)
-                  LEFT JOIN LATERAL (SELECT m.id, m.line_length, m.matched, m.state, m.next_attempt_at, m.locked_until
-                                       FROM marked m WHERE m.ord = h.ord ORDER BY m.id LIMIT 1) f ON true
-                  LEFT JOIN expired x ON x.ord = h.ord AND x.is_first),
-            moved_heads AS (
-                UPDATE outbox_heads oh
-                   SET head_id = coalesce(hn.first_id, hn.head_id),
-                       ready_at = hn.new_ready
-                  FROM head_next hn
-                 WHERE oh.aggregate_type = hn.aggregate_type AND oh.aggregate_id = hn.aggregate_id
-                   AND (hn.head_id, hn.ready_at) IS DISTINCT FROM (coalesce(hn.first_id, hn.head_id), hn.new_ready))
-            SELECT (SELECT array_agg(c.id ORDER BY c.id) FROM claimed c),
-                   (SELECT array_agg(c.ctid ORDER BY c.id) FROM claimed c),
-                   (SELECT array_agg(x.id ORDER BY x.id) FROM expired x),
-                   (SELECT array_agg(x.ctid ORDER BY x.id) FROM expired x),
-                   (SELECT array_agg(x.is_first ORDER BY x.id) FROM expired x),
-                   (SELECT array_agg(CASE WHEN x.out_of_attempts THEN NULL ELSE x.retry_at END ORDER BY x.id) FROM expired x),
-                   (SELECT least(min(c.created_at), (SELECT min(x.created_at) FROM expired x)) FROM claimed c),
-                   (SELECT greatest(max(c.created_at), (SELECT max(x.created_at) FROM expired x)) FROM claimed c)
-              INTO pass_ids, pass_tids, r_ids, r_tids, r_first, r_retry, pass_lo, pass_hi;
-            c_ids  := c_ids || pass_ids;          -- || and least/greatest ignore NULLs
-            c_tids := c_tids || pass_tids;
-            lo := least(lo, pass_lo);
-            hi := greatest(hi, pass_hi);
-
-            IF r_ids IS NOT NULL THEN
-                -- Reclaim expired runs: the first event failed an attempt (retried after a backoff,
-                -- or dead), the rest go back unattempted. Their old token matches nothing from now
-                -- on (fencing). The heads were moved above, to the retry time (NULL if dead).
-                UPDATE outbox o
-                   SET state           = CASE WHEN NOT r.is_first THEN 'pending'
-                                              WHEN r.retry_at IS NULL THEN 'dead' ELSE 'pending' END::outbox_state,
-                       attempts        = CASE WHEN r.is_first THEN o.attempts ELSE greatest(o.attempts - 1, 0) END,
-                       next_attempt_at = CASE WHEN r.is_first THEN coalesce(r.retry_at, t) ELSE t END,
-                       dead_at         = CASE WHEN r.is_first AND r.retry_at IS NULL THEN t END,
-                       last_error      = CASE WHEN r.is_first
-                                              THEN format('lease expired at %s (held by %s)', o.locked_until, o.locked_by)
-                                              ELSE o.last_error END,
-                       locked_until    = NULL,
-                       lease_token     = NULL
-                  FROM unnest(r_ids, r_first, r_retry) AS r(id, is_first, retry_at)
-                 WHERE o.ctid = ANY (r_tids)                -- locked above
-                   AND (o.id = ANY (r_ids)) IS TRUE         -- a ctid from another partition may name a row here
-                   AND o.created_at BETWEEN pass_lo AND pass_hi
-                   AND o.id = r.id;
-            END IF;
+        IF r_ids IS NOT NULL THEN
+            -- Reclaim expired runs: the first event failed an attempt (retried after a backoff,
+            -- or dead: retry_at NULL), the rest go back unattempted. Their old token matches
+            -- nothing from now on (fencing). The heads were moved above, to the retry time.
+            UPDATE outbox o
+               SET state           = CASE WHEN NOT r.is_first THEN 'pending'
+                                          WHEN r.retry_at IS NULL THEN 'dead' ELSE 'pending' END::outbox_state,
+                   attempts        = CASE WHEN r.is_first THEN o.attempts ELSE greatest(o.attempts - 1, 0) END,
+                   next_attempt_at = CASE WHEN r.is_first THEN coalesce(r.retry_at, t) ELSE t END,
+                   dead_at         = CASE WHEN r.is_first AND r.retry_at IS NULL THEN t END,
+                   last_error      = CASE WHEN r.is_first
+                                          THEN format('lease expired at %s (held by %s)', o.locked_until, o.locked_by)
+                                          ELSE o.last_error END,
+                   locked_until    = NULL,
+                   lease_token     = NULL
+              FROM unnest(r_ids, r_first, r_retry) AS r(id, is_first, retry_at)
+             WHERE o.ctid = ANY (r_tids)                -- locked above
+               AND (o.id = ANY (r_ids)) IS TRUE         -- a ctid from another partition may name a row here
+               AND o.created_at BETWEEN pass_lo AND pass_hi
+               AND o.id = r.id;
         END IF;
         EXIT WHEN r_ids IS NULL OR cardinality(c_ids) >= n;
     END LOOP;
