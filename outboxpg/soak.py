@@ -34,6 +34,8 @@ from typing import Any
 
 import psycopg
 
+from outboxpg.events import NotSent, runs_of
+
 FAULT_KINDS = ("kill9", "sigterm", "pg_terminate", "pg_restart_fast", "pg_restart_immediate",
                "nats_outage", "sigstop")
 SUBJECT_PREFIX = "soak"
@@ -72,12 +74,18 @@ class FlakyPublisher:
     async def publish_batch(self, events: Any) -> list[BaseException | None]:
         outcomes: list[BaseException | None] = [None] * len(events)
         keep = []
-        for i, event in enumerate(events):
-            if self.rng.random() < self.fail_rate:
-                outcomes[i] = RuntimeError("soak: injected publish failure")
-                self._note(f"fail {event.id}")
-            else:
+        # A failure ends its run: the aggregate's later events of the batch are not sent (as a
+        # real publisher must do, or the stream would hold them before the failed one).
+        for run in runs_of(events):
+            for k, i in enumerate(run):
+                if self.rng.random() < self.fail_rate:
+                    outcomes[i] = RuntimeError("soak: injected publish failure")
+                    self._note(f"fail {events[i].id}")
+                    for rest in run[k + 1:]:
+                        outcomes[rest] = NotSent("soak: an earlier event of its run failed")
+                    break
                 keep.append(i)
+        keep.sort()
         if keep:
             results = await self.inner.publish_batch([events[i] for i in keep])
             for i, outcome in zip(keep, results):
