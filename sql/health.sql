@@ -15,7 +15,8 @@
 --   4. the 10 oldest undelivered events and why each one waits: leased (until when, by whom),
 --      lease expired, held back behind an earlier event of its aggregate (a dead letter: requeue
 --      or discard it), waiting for a retry, held back by an open producing transaction (which pid,
---      open how long), or due and waiting for a worker's claim (with the time of the last claim).
+--      open how long), or due and waiting for a worker's claim (with the time of the last claim);
+--      a due event whose aggregate's head (outbox_heads) is not ready says until when.
 -- Healthy: no dead letters, no expired leases, and with a backlog, worker_claimed_last_minute = t
 -- and an oldest_pending_age that does not keep growing. held_by_open_transactions > 0 for long
 -- means a producing transaction stays open: end it in the application, or pg_terminate_backend(pid).
@@ -109,6 +110,10 @@ SELECT o.id,
                THEN format('held back by open transaction pid %s (open %s, %s): it may still commit an earlier event of this aggregate',
                            holder.pid, coalesce(date_trunc('second', holder.xact_age)::text, 'for an unknown time'),
                            coalesce(holder.state, 'state unknown'))
+           WHEN blocker.id IS NULL AND hd.aggregate_id IS NOT NULL AND hd.ready_at IS NULL
+               THEN 'due, but its aggregate''s head in outbox_heads says held by a dead letter (ready_at NULL)'
+           WHEN blocker.id IS NULL AND hd.ready_at > now()
+               THEN format('due, but its aggregate''s head in outbox_heads is not ready before %s', hd.ready_at)
            WHEN (SELECT last_claim_at FROM intake) IS NULL
                THEN 'due: waiting for a worker to claim it (no worker has ever claimed)'
            ELSE format('due: waiting for a worker to claim it (last claim %s ago)',
@@ -123,6 +128,7 @@ SELECT o.id,
                       WHERE e.aggregate_type = o.aggregate_type AND e.aggregate_id = o.aggregate_id
                         AND e.id < o.id AND e.unfinished
                       ORDER BY e.id LIMIT 1) blocker ON o.state = 'pending'
+  LEFT JOIN outbox_heads hd ON hd.aggregate_type = o.aggregate_type AND hd.aggregate_id = o.aggregate_id
   LEFT JOIN LATERAL (SELECT p.pid, p.xact_age, p.state, p.held_above,
                             p.all_newer AND o.id > p.held_above AS everything
                        FROM producers p, guard g

@@ -370,3 +370,18 @@ def test_health_sql_names_the_open_transaction_that_holds_events_back(dsn: str, 
         assert "| leased by w-test until " in why(leased)
         assert re.search(r"\| due: waiting for a worker to claim it \(last claim 00:00:0\d ago\)", why(due)), out
         assert out.count("due: waiting for a worker") == 1, out
+
+
+def test_health_sql_says_when_a_due_events_head_is_not_ready(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """The queue's own state: a due event whose aggregate's head (outbox_heads) waits is not
+    'waiting for a worker'."""
+    first = insert(conn, "order", "o-1")
+    assert [r["id"] for r in claim(conn, 10)] == [first]   # taken in and claimed; put back by hand below
+    conn.execute("UPDATE outbox SET state = 'pending', lease_token = NULL, locked_until = NULL, attempts = 0 "
+                 "WHERE id = %s", (first,))
+    conn.execute("UPDATE outbox_heads SET ready_at = now() + interval '1 hour'")
+    ((code, out, err),) = run_files(dsn, ("health",))
+    assert code == 0, err
+    assert re.search(rf"^\s*{first} \| order .*\| due, but its aggregate's head in outbox_heads is not ready before ",
+                     out, re.M), out
+    assert "due: waiting for a worker" not in out
