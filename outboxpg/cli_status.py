@@ -97,8 +97,9 @@ def _held_note(h: dict[str, Any], producers: list[dict[str, Any]]) -> str:
                 "until it commits or rolls back")
     # Several, or they ended between the two reads: the health row's figures.
     n = max(len(producers), h["open_producers"])
-    note = (f"held back: {n} open producing transactions hold back {held}, until they end; the oldest: "
-            f"{_producer_text(h['oldest_producer_pid'], h['oldest_producer_age'], None)}")
+    oldest = (_producer_text(producers[0]["pid"], producers[0]["xact_age"], producers[0]["state"]) if producers
+              else _producer_text(h["oldest_producer_pid"], h["oldest_producer_age"], None))
+    note = f"held back: {n} open producing transactions hold back {held}, until they end; the oldest: {oldest}"
     everything = [p for p in producers if p["all_newer"]]
     if everything:
         first = min(everything, key=lambda p: p["held_above"])
