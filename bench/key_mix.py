@@ -706,7 +706,8 @@ class Bench:
             raise RuntimeError(f"no latency samples; pgbench said:\n{text}")
         r = {"sent": done, "received": len(lat), "achieved": done / t_run, "in_stream": in_stream,
              "states": self.states(s) if len(lat) < done else "",
-             "p50": pct(lat, 0.5) * 1000, "p99": pct(lat, 0.99) * 1000, "max": max(lat) * 1000}
+             "p50": pct(lat, 0.5) * 1000, "p99": pct(lat, 0.99) * 1000, "max": max(lat) * 1000,
+             "late": sum(1 for x in lat if x > 1.0)}
         if slow_hold:
             r["slow_after_commit"] = (slow["received"] - slow["committed"]) * 1000 if "received" in slow else None
             r["slow_after_insert"] = (slow["received"] - slow["inserted"]) if "received" in slow else None
@@ -907,7 +908,8 @@ def phase_longtx(b: Bench, q: bool) -> None:
         if lab == "new":
             target = f"  [target p99 <= 50 ms: {'met' if r['p99'] <= 50 else 'MISSED'}]"
         log(f"  {lab}: p50 {r['p50']:8.2f} ms  p99 {r['p99']:8.2f} ms  max {r['max']:8.2f} ms  "
-            f"({r['received']} of {r['sent']} received, {r['achieved']:.0f}/s); {slow}{target}{missing(r)}")
+            f"({r['received']} of {r['sent']} received, {r['achieved']:.0f}/s, {r['late']} later than 1 s); "
+            f"{slow}{target}{missing(r)}")
 
 
 def phase_latency(b: Bench, q: bool) -> None:
@@ -922,7 +924,8 @@ def phase_latency(b: Bench, q: bool) -> None:
             continue
         target = f"  [target p99 <= 10 ms: {'met' if r['p99'] <= 10 else 'MISSED'}]" if s.label == "new" else ""
         log(f"  {s.label}: p50 {r['p50']:7.2f} ms  p99 {r['p99']:7.2f} ms  max {r['max']:8.2f} ms  "
-            f"({r['received']} of {r['sent']} received, {r['achieved']:.0f}/s){target}{missing(r)}")
+            f"({r['received']} of {r['sent']} received, {r['achieved']:.0f}/s, {r['late']} later than 1 s)"
+            f"{target}{missing(r)}")
 
 
 def phase_insert(b: Bench, q: bool) -> None:
