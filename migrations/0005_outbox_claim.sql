@@ -175,7 +175,6 @@ DECLARE
     types   text[];
     ids     text[];
     firsts  bigint[];
-    readies timestamptz[];
     seen    bigint;
     top     bigint;
 BEGIN
@@ -191,13 +190,10 @@ BEGIN
     SELECT array_agg(a.aggregate_type ORDER BY a.aggregate_type, a.aggregate_id),
            array_agg(a.aggregate_id ORDER BY a.aggregate_type, a.aggregate_id),
            array_agg(a.first_id ORDER BY a.aggregate_type, a.aggregate_id),
-           array_agg(a.ready ORDER BY a.aggregate_type, a.aggregate_id),
            sum(a.n), max(a.top)
-      INTO types, ids, firsts, readies, seen, top
-      FROM (SELECT e.aggregate_type, e.aggregate_id, min(e.id) AS first_id, count(*) AS n, max(e.id) AS top,
-                   (array_agg(CASE WHEN e.state = 'processing' THEN e.locked_until ELSE e.next_attempt_at END
-                              ORDER BY e.id))[1] AS ready
-              FROM (SELECT o.id, o.aggregate_type, o.aggregate_id, o.state, o.next_attempt_at, o.locked_until
+      INTO types, ids, firsts, seen, top
+      FROM (SELECT e.aggregate_type, e.aggregate_id, min(e.id) AS first_id, count(*) AS n, max(e.id) AS top
+              FROM (SELECT o.id, o.aggregate_type, o.aggregate_id
                       FROM outbox o
                      WHERE o.in_flow
                        AND o.id > upto AND o.id <= last_id
@@ -211,9 +207,14 @@ BEGIN
         -- aggregate waits for this transaction and then sees these events
         -- (outbox_refresh_heads). An event that committed late below its aggregate's head (it
         -- was held back by the commit-order guard meanwhile) moves the head back to it.
+        -- A new head is due now, whatever this statement's snapshot said of its event: while
+        -- the cursor is held back, events read here may have been claimed, or even published
+        -- and their head dropped, since (a run reads its aggregate's line beyond the cursor).
+        -- The claim that takes the head finds the truth (a lease running: it waits for its end;
+        -- no event left: the head is dropped).
         INSERT INTO outbox_heads AS h (aggregate_type, aggregate_id, lock_key, head_id, ready_at)
-        SELECT s.t, s.i, outbox_aggregate_key(s.t, s.i), s.f, s.r
-          FROM unnest(types, ids, firsts, readies) AS s(t, i, f, r)
+        SELECT s.t, s.i, outbox_aggregate_key(s.t, s.i), s.f, now()   -- not after the claim's own time
+          FROM unnest(types, ids, firsts) AS s(t, i, f)
         ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE
            SET head_id = excluded.head_id
          WHERE h.head_id > excluded.head_id;
@@ -366,6 +367,10 @@ DECLARE
     upto    bigint;
     took_in boolean;
     remaining  integer;
+    empty_types text[] := '{}';
+    empty_ids   text[] := '{}';
+    pass_empty_types text[];
+    pass_empty_ids   text[];
     seen_heads bigint;
     -- What to do with the events read (parallel arrays).
     c_ids   bigint[] := '{}';
@@ -477,13 +482,14 @@ BEGIN
         -- What each head becomes: read off its first row.
         head_next AS (
             SELECT m.aggregate_type, m.aggregate_id, m.old_head_id, m.old_ready,
+                   cardinality(m.line_ids) AS line_length,
                    coalesce(m.id, m.old_head_id) AS new_head_id,
                    CASE WHEN m.in_run THEN t + lease
                         WHEN m.retry_at IS NOT NULL
                              THEN CASE WHEN m.attempts >= cfg.max_attempts THEN NULL ELSE m.retry_at END
-                        -- No unfinished event (cannot happen while the reports keep the heads;
-                        -- a claim may not drop a head, see outbox_refresh_heads): look again soon.
-                        WHEN cardinality(m.line_ids) = 0 THEN t + interval '1 second'
+                        -- No unfinished event seen (a head the intake made from an old view):
+                        -- dropped below by outbox_refresh_heads, which looks again first.
+                        WHEN cardinality(m.line_ids) = 0 THEN m.old_ready
                         WHEN m.id IS NULL OR NOT m.matched THEN m.old_ready  -- being reported right now
                         WHEN m.state = 'dead' THEN NULL
                         WHEN m.state = 'pending' AND m.next_attempt_at > t THEN m.next_attempt_at
@@ -506,9 +512,14 @@ BEGIN
                (SELECT array_agg(x.is_first ORDER BY x.id) FROM expired x),
                (SELECT array_agg(x.retry_at ORDER BY x.id) FROM expired x),
                (SELECT count(*) FROM head_next),
+               (SELECT array_agg(hn.aggregate_type) FROM head_next hn WHERE hn.line_length = 0),
+               (SELECT array_agg(hn.aggregate_id) FROM head_next hn WHERE hn.line_length = 0),
                (SELECT min(m.created_at) FROM marked m WHERE m.in_run OR m.id IN (SELECT x.id FROM expired x)),
                (SELECT max(m.created_at) FROM marked m WHERE m.in_run OR m.id IN (SELECT x.id FROM expired x))
-          INTO pass_ids, pass_tids, r_ids, r_tids, r_first, r_retry, seen_heads, pass_lo, pass_hi;
+          INTO pass_ids, pass_tids, r_ids, r_tids, r_first, r_retry, seen_heads, pass_empty_types,
+               pass_empty_ids, pass_lo, pass_hi;
+        empty_types := empty_types || pass_empty_types;
+        empty_ids := empty_ids || pass_empty_ids;
         EXIT WHEN seen_heads = 0;
         c_ids  := c_ids || pass_ids;          -- || and least/greatest ignore NULLs
         c_tids := c_tids || pass_tids;
@@ -539,6 +550,11 @@ BEGIN
         EXIT WHEN r_ids IS NULL OR cardinality(c_ids) >= n;
     END LOOP;
 
+    IF cardinality(empty_types) > 0 THEN
+        -- Heads with no unfinished event in sight: dropped, or set right, under the protocol
+        -- that keeps a new event from losing its head (the claim holds them already).
+        PERFORM outbox_refresh_heads(empty_types, empty_ids);
+    END IF;
     IF took_in THEN
         -- Monitors ask "is a worker claiming?": to the second, so that a busy worker does not
         -- write this row on every claim.

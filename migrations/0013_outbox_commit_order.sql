@@ -80,9 +80,10 @@ LANGUAGE plpgsql
 SET search_path FROM CURRENT
 AS $$
 DECLARE
-    most text;
-    held text;
-    key  text;
+    most   text;
+    held   text;
+    key    text;
+    n_held integer;
 BEGIN
     -- A row that has its id already is being moved, not produced (outbox_maintain).
     IF NEW.id IS NOT NULL THEN
@@ -94,8 +95,9 @@ BEGIN
         IF held <> 'all' THEN
             key := outbox_aggregate_key(NEW.aggregate_type, NEW.aggregate_id)::text;
             IF strpos(held, ',' || key || ',') = 0 THEN
-                -- Keys held so far: the commas, less one.
-                IF length(held) - length(replace(held, ',', '')) - 1 < coalesce(most, '16')::integer THEN
+                -- Keys held so far: the commas, less one ('' holds none).
+                n_held := length(held) - length(replace(held, ',', ''));
+                IF greatest(n_held - 1, 0) < coalesce(most, '16')::integer THEN
                     PERFORM pg_advisory_xact_lock_shared(1868724337, key::integer);
                     PERFORM set_config('outboxpg.held_aggregates',
                                        CASE WHEN held = '' THEN ',' ELSE held END || key || ',', true);
