@@ -483,7 +483,11 @@ BEGIN
         head_next AS (
             SELECT m.aggregate_type, m.aggregate_id, m.old_head_id, m.old_ready,
                    cardinality(m.line_ids) AS line_length,
-                   coalesce(m.id, m.old_head_id) AS new_head_id,
+                   -- Moved up only to a run's first event: that one passed the guard, so no
+                   -- earlier event of its aggregate can still appear. Any other event read here
+                   -- may have a late-committing predecessor this snapshot cannot see, which the
+                   -- intake is about to move the head back to.
+                   CASE WHEN m.in_run THEN m.id ELSE m.old_head_id END AS new_head_id,
                    CASE WHEN m.in_run THEN t + lease
                         WHEN m.retry_at IS NOT NULL
                              THEN CASE WHEN m.attempts >= cfg.max_attempts THEN NULL ELSE m.retry_at END
