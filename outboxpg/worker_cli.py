@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "transaction mode) [OUTBOXPG_POLL_ONLY]")
     p.add_argument("--ensure-stream", default=_env("ENSURE_STREAM", None), metavar="NAME",
                    help="create or update JetStream stream NAME to capture <subject_prefix>.> with a "
-                        "duplicate window covering lease + backoff cap [OUTBOXPG_ENSURE_STREAM]")
+                        "duplicate window covering lease + backoff cap, and allow_atomic (atomic batch "
+                        "publish) on nats-server 2.12+ [OUTBOXPG_ENSURE_STREAM]")
     p.add_argument("--publisher", default=_env("PUBLISHER", None), metavar="MODULE:CALLABLE",
                    help="publish with your own callable (fn(event), sync or async) or object with "
                         "publish_batch(); default: NATS JetStream [OUTBOXPG_PUBLISHER]")
@@ -94,13 +95,15 @@ async def _stream_setup(args: argparse.Namespace, publisher: Any, cfg: WorkerCon
                         backoff_cap: timedelta) -> None:
     """Check (and with --ensure-stream, create) the stream the worker will publish into. A
     failure is logged, not fatal: publishes then fail and are retried, as without a stream."""
-    from outboxpg.nats_publisher import check_stream, ensure_stream
+    from outboxpg.nats_publisher import check_stream, ensure_stream, supports_atomic_batch
 
     window = timedelta(seconds=cfg.lease) + backoff_cap + timedelta(seconds=60)
     if args.ensure_stream:
         try:
+            # allow_atomic where the server has atomic batch publish: long runs then go as batches.
             log.info("event=ensure_stream result=%r", await ensure_stream(publisher.js, args.ensure_stream,
-                                                                           [f"{prefix}.>"], window))
+                                                                           [f"{prefix}.>"], window,
+                                                                           atomic=supports_atomic_batch(publisher.nc)))
         except Exception as exc:  # noqa: BLE001 - JetStream off, no permission, a conflicting stream...
             log.error("event=ensure_stream_failed stream=%s error=%r", args.ensure_stream, _describe(exc))
     try:

@@ -178,15 +178,18 @@ class _FakeNats:
             i, reply = self.outstanding.pop(self.rng.randrange(len(self.outstanding)))
             if self.sent_at_first_ack is None:
                 self.sent_at_first_ack = len(self.sent)
-            if i in self.silent:
-                continue
-            if i in self.refuse:
-                data = orjson.dumps({"error": {"code": 400, "err_code": 10054,
-                                               "description": "message size exceeds maximum allowed"}})
-            else:
-                self.stored.add(i)
-                data = orjson.dumps({"stream": "S", "seq": len(self.stored)})
-            await self.pub._on_ack(_FakeMsg(reply, data))  # type: ignore[arg-type]
+            await self.respond(i, reply)
+
+    async def respond(self, i: int, reply: str) -> None:
+        if i in self.silent:
+            return
+        if i in self.refuse:
+            data = orjson.dumps({"error": {"code": 400, "err_code": 10054,
+                                           "description": "message size exceeds maximum allowed"}})
+        else:
+            self.stored.add(i)
+            data = orjson.dumps({"stream": "S", "seq": len(self.stored)})
+        await self.pub._on_ack(_FakeMsg(reply, data))  # type: ignore[arg-type]
 
 
 def _fake_publisher(seed: int, ack_timeout: float = 2.0, **kw: Any) -> tuple[NatsPublisher, _FakeNats]:
@@ -277,3 +280,162 @@ async def test_headers_count_toward_max_payload(nats_server: Any) -> None:
     finally:
         await pub.close()
         await stream.nc.close()
+
+
+# -- runs as atomic batches (fake server) ---------------------------------------------------
+
+class _FakeAtomicNats(_FakeNats):
+    """_FakeNats that also understands atomic batches as nats-server 2.12+ does: messages with
+    Nats-Batch-Id are held until the one with Nats-Batch-Commit, then stored all together (or,
+    if the batch holds an id in ``refuse``, none of them) and only the commit answered. It checks
+    that a batch's first message goes out only once its predecessor is stored, and that a batch
+    is one aggregate's consecutive events, in order, sequence 1..n."""
+
+    def __init__(self, pub: NatsPublisher, seed: int, **kw: Any) -> None:
+        super().__init__(pub, seed, **kw)
+        self.open: dict[str, list[int]] = {}
+        self.batches: list[list[int]] = []     # committed or refused, as sent
+        self.held: dict[str, list[int]] = {}   # reply -> the batch its commit closes
+
+    async def publish(self, subject: str, payload: bytes, reply: str = "", headers: dict[str, str] | None = None) -> None:
+        assert headers is not None
+        batch_id = headers.get("Nats-Batch-Id")
+        if batch_id is None:
+            await super().publish(subject, payload, reply, headers)
+            return
+        i = int(headers["Outbox-Id"])
+        ids = self.open.setdefault(batch_id, [])
+        if int(headers["Nats-Batch-Sequence"]) != len(ids) + 1:
+            self.violations.append(f"{i}: batch sequence {headers['Nats-Batch-Sequence']} after {len(ids)}")
+        before = self.previous[i]
+        if not ids and before is not None and before not in self.stored:
+            self.violations.append(f"batch starting at {i} sent before {before} was acked as stored")
+        if ids and before != ids[-1]:
+            self.violations.append(f"{i} follows {ids[-1]} in a batch, not its predecessor {before}")
+        ids.append(i)
+        self.sent.append(i)
+        if headers.get("Nats-Batch-Commit") == "1":
+            assert reply, "the commit carries the reply subject"
+            self.batches.append(self.open.pop(batch_id))
+            self.held[reply] = ids
+            self.outstanding.append((ids[0], reply))
+        elif reply:
+            self.violations.append(f"{i}: a reply subject on a message before the commit")
+
+    async def respond(self, i: int, reply: str) -> None:
+        ids = self.held.pop(reply, None)
+        if ids is None:
+            await super().respond(i, reply)   # a plain publish
+            return
+        if self.silent & set(ids):
+            return
+        if self.refuse & set(ids):
+            data = orjson.dumps({"error": {"code": 400, "err_code": 10054,
+                                           "description": "message size exceeds maximum allowed"}})
+        else:
+            self.stored.update(ids)
+            data = orjson.dumps({"stream": "S", "seq": len(self.stored), "batch": "b", "count": len(ids)})
+        await self.pub._on_ack(_FakeMsg(reply, data))  # type: ignore[arg-type]
+
+
+def _fake_atomic_publisher(seed: int, events: list[OutboxEvent], ack_timeout: float = 2.0, min_run: int = 4,
+                           **kw: Any) -> tuple[NatsPublisher, _FakeAtomicNats]:
+    pub = NatsPublisher(ack_timeout=ack_timeout, atomic_min_run=min_run)
+    fake = _FakeAtomicNats(pub, seed, **kw)
+    pub.nc = fake  # type: ignore[assignment]
+    pub.js = object()  # type: ignore[assignment]
+    pub._reply_prefix, pub._reply_prefix_len = fake.prefix, len(fake.prefix)
+    pub.atomic_server = True
+    pub._streams["fake.x"] = ("S", float("inf"))   # as if looked up: a stream with allow_atomic
+    by_agg: dict[str, list[int]] = {}
+    for e in events:
+        by_agg.setdefault(e.aggregate_id, []).append(e.id)
+    for ids in by_agg.values():
+        for n, i in enumerate(ids):
+            fake.previous[i] = ids[n - 1] if n else None
+    return pub, fake
+
+
+@pytest.mark.parametrize("seed", range(10))
+async def test_long_runs_go_as_atomic_batches_chunk_after_chunk_and_a_refused_chunk_fails_its_first(seed: int) -> None:
+    # a: 2,300 events (chunks of 1000, 1000, 300); b: 6 (a batch), its 4th refused; c: 3 (too
+    # short: sequential acks); d: 2,100 whose 2nd chunk is refused; e: 8 on their 2nd attempt.
+    events = _interleaved({"a": 2300, "b": 6, "c": 3, "d": 2100})
+    events += [event(len(events) + 1 + n, "fake.x", aggregate_id="e", attempt=2) for n in range(8)]
+    by_agg: dict[str, list[int]] = {}
+    for e in events:
+        by_agg.setdefault(e.aggregate_id, []).append(e.id)
+    a, b, c, d, e_ = (by_agg[k] for k in "abcde")
+    pub, fake = _fake_atomic_publisher(seed, events, ack_timeout=10, refuse=frozenset({b[3], d[1500]}))
+    pub.atomic_max_runs = 4   # a, b, d and e are long
+    answering = asyncio.ensure_future(fake.answer())
+    try:
+        out = dict(zip((ev.id for ev in events), await pub.publish_batch(events)))
+    finally:
+        answering.cancel()
+    assert fake.violations == []
+    assert [len(x) for x in fake.batches if x[0] in a] == [1000, 1000, 300]
+    assert [out[i] for i in a] == [None] * 2300
+    assert fake.stored >= set(a)
+    # b's only chunk was refused: nothing of it stored; its first event fails (ordinarily, not
+    # dead: which message was too large is not known), the rest were not sent.
+    assert not fake.stored & set(b)
+    assert type(out[b[0]]) is RuntimeError and "atomic batch of 6 events refused" in str(out[b[0]])
+    assert all(type(out[i]).__name__ == "NotSent" for i in b[1:])
+    # d: its first chunk stored, the second refused as a whole; the third never sent.
+    assert fake.stored & set(d) == set(d[:1000])
+    assert type(out[d[1000]]) is RuntimeError and all(type(out[i]).__name__ == "NotSent" for i in d[1001:])
+    assert not set(d[2000:]) & set(fake.sent)
+    # c (short) and e (a retry) went one by one, with sequential acks.
+    assert not any(x[0] in c or x[0] in e_ for x in fake.batches)
+    assert [out[i] for i in c + e_] == [None] * 11
+    assert not pub._waiting and pub._atomic_open == 0
+
+
+async def test_an_unanswered_commit_times_out_its_chunk() -> None:
+    events = _interleaved({"r0": 5, "r1": 5})
+    by_agg: dict[str, list[int]] = {}
+    for e in events:
+        by_agg.setdefault(e.aggregate_id, []).append(e.id)
+    pub, fake = _fake_atomic_publisher(0, events, ack_timeout=0.3, silent=frozenset({by_agg["r0"][2]}))
+    answering = asyncio.ensure_future(fake.answer())
+    try:
+        out = dict(zip((ev.id for ev in events), await pub.publish_batch(events)))
+    finally:
+        answering.cancel()
+    assert fake.violations == []
+    assert sorted(x[0] for x in fake.batches) == [by_agg["r0"][0], by_agg["r1"][0]]
+    r0 = by_agg["r0"]
+    assert isinstance(out[r0[0]], TimeoutError) and all(type(out[i]).__name__ == "NotSent" for i in r0[1:])
+    assert [out[i] for i in by_agg["r1"]] == [None] * 5
+    assert not pub._waiting and pub._atomic_open == 0 and pub._long_runs == 0
+
+
+async def test_batches_only_while_few_long_runs_are_in_flight() -> None:
+    """Many long runs at once pipeline better with sequential acks: a batch whose long runs,
+    with those in flight already, exceed atomic_max_runs is sent without atomic batches."""
+    many = _interleaved({f"m{n}": 5 for n in range(3)})
+    few = [event(1000 + n, "fake.x", aggregate_id="f") for n in range(5)]
+    pub, fake = _fake_atomic_publisher(0, many + few)
+    assert pub.atomic_max_runs == 2
+    answering = asyncio.ensure_future(fake.answer())
+    try:
+        assert await pub.publish_batch(many) == [None] * 15
+        assert fake.batches == [], "3 long runs: sequential acks"
+        assert await pub.publish_batch(few) == [None] * 5
+        assert fake.batches == [[e.id for e in few]]
+        # Two batches at once: 3 + 1 long runs in flight: all sequential again.
+        fake.batches.clear()
+        more = [event(2000 + n, "fake.x", aggregate_id=f"x{n % 3}") for n in range(15)]
+        more1 = [event(3000 + n, "fake.x", aggregate_id="y") for n in range(5)]
+        fake.previous.update({e.id: None for e in more + more1})
+        for batch in (more, more1):
+            for n, e in enumerate(batch):
+                same = [x.id for x in batch[:n] if x.aggregate_id == e.aggregate_id]
+                fake.previous[e.id] = same[-1] if same else None
+        assert await asyncio.gather(pub.publish_batch(more), pub.publish_batch(more1)) == [[None] * 15, [None] * 5]
+        assert fake.batches == []
+    finally:
+        answering.cancel()
+    assert fake.violations == []
+    assert pub._long_runs == 0 and pub._atomic_open == 0

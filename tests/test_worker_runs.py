@@ -335,7 +335,8 @@ async def _all_in(ids: list[int], seen: dict[int, float]) -> bool:
 
 async def test_worker_logs_its_run_publishing_scheme_at_start(dsn, nats_server, caplog):
     caplog.set_level("INFO", logger="outboxpg.worker")
-    for publisher, scheme in ((NatsPublisher(nats_server.url), "sequential-acks"),
+    for publisher, scheme in ((NatsPublisher(nats_server.url), "atomic-batch(min_run=32)+sequential-acks"),
+                              (NatsPublisher(nats_server.url, atomic_min_run=None), "sequential-acks"),
                               (FunctionPublisher(lambda e: None), "sequential-calls")):
         running = start(dsn, publisher)
         await wait_until(lambda: _logged(caplog, "event=start"), 10, "the start line")
