@@ -168,6 +168,8 @@ SET enable_bitmapscan = off
 SET enable_hashjoin = off
 SET enable_mergejoin = off
 SET enable_material = off
+-- Group the new events by aggregate in a hash table, not by sorting all of them.
+SET enable_sort = off
 SET jit = off
 AS $$
 DECLARE
@@ -401,7 +403,7 @@ BEGIN
 
     -- Commit order: read before the snapshots of the statements below.
     SELECT * INTO g FROM outbox_commit_guard();
-    upto := outbox_take_in(g.settled, g.last_id, least(greatest(2 * n, 1000), 10000));
+    upto := outbox_take_in(g.settled, g.last_id, least(greatest(2 * n, 500), 10000));
     IF NOT cfg.commit_order_guard THEN
         -- Switched off (0013): whatever is visible, in id order per aggregate.
         g.settled := g.last_id;

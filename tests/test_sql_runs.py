@@ -117,7 +117,7 @@ def test_claim_cost_follows_what_it_hands_out_not_the_backlog(dsn: str, conn: Co
     set_settings(conn, max_run=10)
     conn.execute("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
                  "SELECT 'order', 'o' || (i % 10), 'e', '{}' FROM generate_series(1, 20000) i")
-    for _ in range(25):                                   # the intake catches up (1,000 events per claim)
+    for _ in range(45):                                   # the intake catches up (500 events per claim)
         rows = claim(conn, 1)
         release(conn, ids_of(rows), rows[0]["lease_token"])
     assert conn.execute("SELECT intake_id FROM outbox_intake").fetchone()[0] == 20000
