@@ -319,7 +319,7 @@ async def test_claims_again_when_the_first_in_flight_batch_is_reported_not_the_l
     hot = [enqueue(conn, "order", "hot", "step", {"n": n}) for n in range(5)]
     # One event per claim: the slow one, then the hot aggregate's events one batch each, every
     # next one claimable only once the previous batch is reported.
-    running = start(dsn, FunctionPublisher(publish), batch_size=1, concurrency=4, publish_timeout=8)
+    running = start(dsn, FunctionPublisher(publish), batch_size=1, concurrency=4, publish_timeout=8, lease=20)
     await asyncio.wait_for(slow_started.wait(), 5)
     t0 = time.monotonic()
     await wait_until(lambda: _all_in(hot, done_at), 4.0, "the hot aggregate delivered while the slow batch hangs")
