@@ -640,7 +640,10 @@ class Bench:
         try:
             if p.poll() is not None:
                 raise RuntimeError(f"worker exited with {p.returncode}; its log:\n{self.worker_tail(p)}")
-            return asyncio.run(self._latency(s, rate, seconds, aggregates, slow_hold))
+            with CpuMeter(s.dbname, nats_port=self.nats_port, interval=0.5) as meter:
+                r = asyncio.run(self._latency(s, rate, seconds, aggregates, slow_hold))
+            r["foreign"] = meter.foreign
+            return r
         finally:
             self.stop_worker(p)
 
@@ -908,7 +911,8 @@ def phase_longtx(b: Bench, q: bool) -> None:
         if lab == "new":
             target = f"  [target p99 <= 50 ms: {'met' if r['p99'] <= 50 else 'MISSED'}]"
         log(f"  {lab}: p50 {r['p50']:8.2f} ms  p99 {r['p99']:8.2f} ms  max {r['max']:8.2f} ms  "
-            f"({r['received']} of {r['sent']} received, {r['achieved']:.0f}/s, {r['late']} later than 1 s); "
+            f"({r['received']} of {r['sent']} received, {r['achieved']:.0f}/s, {r['late']} later than 1 s, "
+            f"foreign CPU {r['foreign']:.0f}%); "
             f"{slow}{target}{missing(r)}")
 
 
@@ -924,7 +928,8 @@ def phase_latency(b: Bench, q: bool) -> None:
             continue
         target = f"  [target p99 <= 10 ms: {'met' if r['p99'] <= 10 else 'MISSED'}]" if s.label == "new" else ""
         log(f"  {s.label}: p50 {r['p50']:7.2f} ms  p99 {r['p99']:7.2f} ms  max {r['max']:8.2f} ms  "
-            f"({r['received']} of {r['sent']} received, {r['achieved']:.0f}/s, {r['late']} later than 1 s)"
+            f"({r['received']} of {r['sent']} received, {r['achieved']:.0f}/s, {r['late']} later than 1 s, "
+            f"foreign CPU {r['foreign']:.0f}%)"
             f"{target}{missing(r)}")
 
 
