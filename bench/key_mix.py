@@ -1058,7 +1058,7 @@ def main() -> int:
             nc = await nats.connect(b.nats_url)
             v = nc.connected_server_version
             await nc.close()
-            return str(v)
+            return str(getattr(v, "_server_version", v))
         b.nats_version = asyncio.run(nats_version())
         quiet = args.quiet_wait if args.quiet_wait is not None else (0.0 if args.quick else 30.0)
         if quiet > 0:
