@@ -87,6 +87,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 import outboxpg  # noqa: E402  (the working tree's producer helpers: enqueue_many for phase 5)
 from outboxpg.schema import yoyo_uri  # noqa: E402
+from outboxpg.nats_publisher import supports_atomic_batch  # noqa: E402
 from proc_cpu import CpuMeter, QuietWaiter  # noqa: E402
 
 PGBENCH_INSERT = HERE / "pgbench_insert_one.sql"
@@ -347,7 +348,12 @@ class Bench:
                 await js.delete_stream(s.stream)
             except Exception:  # noqa: BLE001 - not there yet
                 pass
-            await js.add_stream(StreamConfig(name=s.stream, subjects=[f"{s.prefix}.>"], duplicate_window=600))
+            # allow_atomic where the server has atomic batch publish (2.12+), as the worker's
+            # --ensure-stream creates it: the new worker then publishes long runs as atomic
+            # batches; the old one publishes as before (the option changes nothing else).
+            atomic = True if supports_atomic_batch(nc) else None
+            await js.add_stream(StreamConfig(name=s.stream, subjects=[f"{s.prefix}.>"], duplicate_window=600,
+                                             allow_atomic=atomic))
             self.streams.add(s.stream)
         finally:
             await nc.close()
