@@ -4,25 +4,37 @@
 --
 -- Two things become claimable with time rather than with a NOTIFY: a retry whose backoff
 -- ends, and an expired lease (its worker died or hung). Both are the ready_at of an
--- aggregate's head (0005): this returns the earliest one still to come, one index probe, so a
--- worker can sleep exactly until then instead of polling. (Heads that are due but held back
--- by an open producing transaction are not in it: the producer's commit wakes the workers,
--- see 0003 and 0013.)
+-- aggregate's head (0005): this returns the earliest one, one index probe, so a worker can
+-- sleep exactly until then instead of polling. A head that came due within the last second
+-- counts too (it is returned, in the past: claim now): it may have come due between the
+-- worker's last claim and this call. Heads the commit-order guard holds back are left out:
+-- the producer's commit wakes the workers (0003, 0013), and claiming them now finds nothing.
 -- depends: 0005_outbox_claim
 DO $$ BEGIN PERFORM set_config('search_path', format('%I, pg_temp', current_schema()), false); END $$;
 
 -- plpgsql rather than SQL: a SQL function with a SET clause is planned anew on every call.
 CREATE FUNCTION outbox_next_wakeup() RETURNS timestamptz
 LANGUAGE plpgsql
-STABLE
+VOLATILE
 SET search_path FROM CURRENT
 SET enable_seqscan = off
 SET max_parallel_workers_per_gather = 0
 AS $$
+DECLARE
+    g record;
 BEGIN
-    RETURN (SELECT min(h.ready_at) FROM outbox_heads h WHERE h.ready_at > now());
+    SELECT * INTO g FROM outbox_commit_guard();
+    IF NOT (SELECT s.commit_order_guard FROM outbox_settings s) THEN
+        g.settled := g.last_id;
+    END IF;
+    RETURN (SELECT min(h.ready_at)
+              FROM outbox_heads h
+             WHERE h.ready_at > now() - interval '1 second'
+               AND (h.ready_at > now()
+                    OR h.head_id <= g.settled
+                    OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys))));
 END;
 $$;
 
 COMMENT ON FUNCTION outbox_next_wakeup() IS
-    'Earliest future moment a retry becomes due or a lease expires (NULL if none): how long an idle worker may sleep.';
+    'Earliest moment a retry becomes due or a lease expires (NULL if none; in the past if one just came due): how long an idle worker may sleep.';

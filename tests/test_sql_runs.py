@@ -284,3 +284,25 @@ def test_run_model(conn: Conn) -> None:
     RunModel.conn = conn
     RunModel.TestCase.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)
     RunModel.TestCase().runTest()
+
+
+def test_next_wakeup_says_now_for_a_head_that_just_came_due(dsn: str, conn: Conn) -> None:
+    """A retry that comes due between a worker's last claim and its outbox_next_wakeup() call
+    must not let the worker sleep until the fallback poll; a head held back by an open producer
+    must not wake it at once."""
+    (a,) = insert_series(conn, ["a"])
+    (row,) = claim(conn, 10)
+    assert fail(conn, a, row["lease_token"], "x") == "pending"
+    retry = conn.execute("SELECT ready_at FROM outbox_heads").fetchone()[0]
+    assert conn.execute("SELECT outbox_next_wakeup()").fetchone()[0] == retry    # in the future
+    make_due(conn, [a])
+    due = conn.execute("SELECT outbox_next_wakeup() <= clock_timestamp()").fetchone()[0]
+    assert due is True                                                       # came due: claim now
+    with psycopg.connect(dsn) as producer:                                   # holds aggregate b
+        producer.execute("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
+                         "VALUES ('order', 'b', 'e', '{}')")
+        insert_series(conn, ["b"])
+        assert ids_of(claim(conn, 10)) == [a]                                # b's head is held
+        assert conn.execute("SELECT outbox_next_wakeup()").fetchone()[0] > conn.execute(
+            "SELECT clock_timestamp()").fetchone()[0]                        # a's lease, not b
+        producer.rollback()
