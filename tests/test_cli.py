@@ -52,9 +52,16 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def _default_sigint() -> None:
+    # A suite started as a background job inherits SIGINT ignored, and Python then leaves it
+    # ignored: the Ctrl-C tests would wait forever. Give the CLI the terminal's usual SIGINT.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(*args: str, env: dict[str, str] | None = None, **kw: Any) -> subprocess.Popen[str]:
     return subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            stdin=kw.pop("stdin", subprocess.DEVNULL), text=True, env=_env(env), **kw)
+                            stdin=kw.pop("stdin", subprocess.DEVNULL), text=True, env=_env(env),
+                            preexec_fn=_default_sigint, **kw)
 
 
 def finish(p: subprocess.Popen[str], timeout: float = 60) -> Result:
