@@ -23,7 +23,7 @@ from nats.js.api import DeliverPolicy
 
 from outboxpg import enqueue, schema
 from outboxpg.embedded import EmbeddedNats, EmbeddedPostgres
-from outboxpg.nats_publisher import NatsPublisher, ensure_stream
+from outboxpg.nats_publisher import NatsPublisher, ensure_stream, supports_atomic_batch
 from outboxpg.worker import Worker, WorkerConfig
 
 STEPS = ("created", "paid", "shipped")
@@ -53,8 +53,10 @@ async def _flow(dsn: str, nats_url: str, events: int, aggregates: int, rate: flo
 
     publisher = NatsPublisher(nats_url)
     await publisher.start()
-    assert publisher.js is not None
-    say("  stream      " + await ensure_stream(publisher.js, "ORDERS", ["outbox.>"], timedelta(minutes=6)))
+    assert publisher.js is not None and publisher.nc is not None
+    # As --ensure-stream does: allow_atomic where the server has atomic batch publish.
+    say("  stream      " + await ensure_stream(publisher.js, "ORDERS", ["outbox.>"], timedelta(minutes=6),
+                                                atomic=supports_atomic_batch(publisher.nc)))
     worker = Worker(WorkerConfig(dsn=dsn, batch_size=200, concurrency=2, summary_interval=3600), publisher)
     worker_task = asyncio.create_task(worker.run())
 
