@@ -1,9 +1,12 @@
-"""Test helpers for JetStream: a stream per test, and reading back what it holds."""
+"""Test helpers for JetStream: a stream per test, reading back what it holds, a proxy in front of the server."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 import nats
 from nats.aio.client import Client
@@ -19,13 +22,16 @@ class StreamHandle:
     prefix: str
 
 
-async def make_stream(url: str, duplicate_window: float = 600.0) -> StreamHandle:
-    """A fresh stream capturing '<prefix>.>' for a unique prefix (set it as subject_prefix)."""
+async def make_stream(url: str, duplicate_window: float = 600.0, *, atomic: bool = False,
+                      **config: Any) -> StreamHandle:
+    """A fresh stream capturing '<prefix>.>' for a unique prefix (set it as subject_prefix);
+    ``atomic``: with allow_atomic (atomic batch publish); ``config``: more StreamConfig fields."""
     tag = uuid.uuid4().hex[:10]
     nc = await nats.connect(url)
     js = nc.jetstream()
     name, prefix = f"T{tag}", f"t{tag}"
-    await js.add_stream(StreamConfig(name=name, subjects=[f"{prefix}.>"], duplicate_window=duplicate_window))
+    await js.add_stream(StreamConfig(name=name, subjects=[f"{prefix}.>"], duplicate_window=duplicate_window,
+                                     allow_atomic=True if atomic else None, **config))
     return StreamHandle(nc, js, name, prefix)
 
 
@@ -49,3 +55,53 @@ async def read_stream(handle: StreamHandle) -> list[StoredMsg]:
         out.append(StoredMsg(seq=m.seq, subject=m.subject, msg_id=h["Nats-Msg-Id"], outbox_id=int(h["Outbox-Id"]),
                              aggregate=f'{h["Outbox-Aggregate-Type"]}/{h["Outbox-Aggregate-Id"]}', data=m.data))
     return out
+
+
+class NatsProxy:
+    """A TCP proxy to a nats-server. ``cut()`` drops every connection through it at once,
+    losing whatever it read and had not yet forwarded (as a network failure would); with
+    ``version``, it rewrites the version in the server's INFO, so that the client believes it
+    talks to that server."""
+
+    def __init__(self, target_port: int, version: str | None = None) -> None:
+        self.target_port, self.version = target_port, version
+        self.writers: list[asyncio.StreamWriter] = []
+        self.server: asyncio.Server | None = None
+        self.cuts = 0
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._client, "127.0.0.1", 0)
+        return f"nats://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:
+            writer.close()
+            return
+        self.writers += [writer, up_writer]
+        if self.version is not None:
+            info = await up_reader.readline()
+            real = info.split(b'"version":"', 1)[1].split(b'"', 1)[0]
+            writer.write(info.replace(b'"version":"' + real, b'"version":"' + self.version.encode()))
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(Exception):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            dst.transport.abort()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    def cut(self) -> None:
+        self.cuts += 1
+        for w in self.writers:
+            w.transport.abort()
+        self.writers.clear()
+
+    async def close(self) -> None:
+        self.cut()
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()

@@ -6,7 +6,6 @@ allow_atomic and old servers get sequential acks; the stream holds every aggrega
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import uuid
 from typing import Any
 
@@ -14,21 +13,11 @@ import nats
 import pytest
 from nats.js.api import StreamConfig
 
-from jetstream import StreamHandle
+from jetstream import NatsProxy, StreamHandle, make_stream
 from outboxpg.events import NotSent, OutboxEvent, PermanentError
 from outboxpg.nats_publisher import NatsPublisher, ensure_stream
 from test_nats_publisher import event
 from test_worker_runs import assert_in_order_once, start, states, stream_ids, until_published, write
-
-
-async def make_stream(url: str, *, atomic: bool, **config: Any) -> StreamHandle:
-    tag = uuid.uuid4().hex[:10]
-    nc = await nats.connect(url)
-    js = nc.jetstream()
-    name, prefix = f"A{tag}", f"a{tag}"
-    await js.add_stream(StreamConfig(name=name, subjects=[f"{prefix}.>"], duplicate_window=600,
-                                     allow_atomic=True if atomic else None, **config))
-    return StreamHandle(nc, js, name, prefix)
 
 
 async def stored(stream: StreamHandle) -> list[dict[str, str]]:
@@ -154,46 +143,9 @@ async def test_a_stream_switched_off_allow_atomic_is_noticed(nats_server: Any) -
         await stream.nc.close()
 
 
-class VersionProxy:
-    """A TCP proxy to nats-server that rewrites the version in the server's INFO: the client
-    believes it talks to an older server."""
-
-    def __init__(self, target_port: int, version: str) -> None:
-        self.target_port, self.version = target_port, version
-        self.server: asyncio.Server | None = None
-        self.writers: list[asyncio.StreamWriter] = []
-
-    async def start(self) -> str:
-        self.server = await asyncio.start_server(self._client, "127.0.0.1", 0)
-        return f"nats://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
-
-    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
-        self.writers += [writer, up_writer]
-        info = await up_reader.readline()
-        real = info.split(b'"version":"', 1)[1].split(b'"', 1)[0]
-        writer.write(info.replace(b'"version":"' + real, b'"version":"' + self.version.encode()))
-
-        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-            with contextlib.suppress(Exception):
-                while data := await src.read(65536):
-                    dst.write(data)
-                    await dst.drain()
-            dst.transport.abort()
-
-        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
-
-    async def close(self) -> None:
-        for w in self.writers:
-            w.transport.abort()
-        if self.server is not None:
-            self.server.close()
-            await self.server.wait_closed()
-
-
 async def test_an_old_server_gets_sequential_acks_and_says_so(nats_server: Any) -> None:
     stream = await make_stream(nats_server.url, atomic=True)
-    proxy = VersionProxy(nats_server.port, "2.9.10")
+    proxy = NatsProxy(nats_server.port, version="2.9.10")
     pub = NatsPublisher(await proxy.start(), ack_timeout=10)
     await pub.start()
     try:

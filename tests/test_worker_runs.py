@@ -7,7 +7,6 @@ then reads the JetStream stream back and checks, per aggregate, strictly increas
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
@@ -17,7 +16,7 @@ import nats
 import psycopg
 import pytest
 
-from jetstream import StreamHandle, make_stream, read_stream
+from jetstream import NatsProxy, StreamHandle, make_stream, read_stream
 from outboxpg import enqueue
 from outboxpg.events import OutboxEvent
 from outboxpg.nats_publisher import NatsPublisher
@@ -216,50 +215,6 @@ async def test_too_large_kth_event_is_dead_at_once_and_holds_back_its_aggregate_
     assert running.worker.stats.dead == 2
 
 
-class Proxy:
-    """A TCP proxy to a NATS server that can cut every connection through it at once, dropping
-    whatever it read and had not yet forwarded (as a network failure would)."""
-
-    def __init__(self, target_port: int) -> None:
-        self.target_port = target_port
-        self.writers: list[asyncio.StreamWriter] = []
-        self.server: asyncio.Server | None = None
-        self.cuts = 0
-
-    async def start(self) -> str:
-        self.server = await asyncio.start_server(self._client, "127.0.0.1", 0)
-        return f"nats://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
-
-    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
-        except OSError:
-            writer.close()
-            return
-        self.writers += [writer, up_writer]
-
-        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-            with contextlib.suppress(Exception):
-                while data := await src.read(65536):
-                    dst.write(data)
-                    await dst.drain()
-            dst.transport.abort()
-
-        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
-
-    def cut(self) -> None:
-        self.cuts += 1
-        for w in self.writers:
-            w.transport.abort()
-        self.writers.clear()
-
-    async def close(self) -> None:
-        self.cut()
-        if self.server is not None:
-            self.server.close()
-            await self.server.wait_closed()
-
-
 @pytest.mark.parametrize("how", ["proxy-cut", "server-restart"])
 async def test_nats_connection_dropped_in_the_middle_of_runs(dsn, conn, nats_server, own_nats_server, fast_retries,
                                                              how):
@@ -273,7 +228,7 @@ async def test_nats_connection_dropped_in_the_middle_of_runs(dsn, conn, nats_ser
     conn.execute("UPDATE outbox_settings SET subject_prefix = %s", (stream.prefix,))
     ids = write(conn, [f"h{i}" for i in range(8)], 400)    # 3,200 events, 8 hot aggregates
     total = 3200
-    proxy = Proxy(server.port)
+    proxy = NatsProxy(server.port)
     url = await proxy.start() if how == "proxy-cut" else server.url
     publisher = NatsPublisher(url, ack_timeout=1.0)
     running = start(dsn, publisher, batch_size=100, publish_timeout=1.0, lease=3)
