@@ -118,6 +118,10 @@ class Worker:
         self._lease = timedelta(seconds=config.lease)
         self._db_delay = 0.0
         self._inflight: set[asyncio.Task[None]] = set()
+        # Batches reported so far, and as the last claim started: a report that lands while a
+        # claim runs may free runs that claim did not see.
+        self._reported = 0
+        self._reported_at_claim = 0
         self._releasing: asyncio.Future[None] | None = None
         self.pool: AsyncConnectionPool | None = None
         self.listener = Listener(config.dsn, self._wake)
@@ -191,6 +195,8 @@ class Worker:
                     break
                 if claimed and self.idle_lock.held:
                     self._release_lock_soon()   # busy: producers need not notify
+                if self._reported != self._reported_at_claim:
+                    continue    # a batch was reported while the last claim ran: look again
                 if self._inflight:
                     # The last claim came back short: everything claimable now is claimed. Never
                     # sleep with batches in flight: each report makes the next run of its
@@ -291,6 +297,7 @@ class Worker:
         while not self._stopping:
             while len(self._inflight) >= self.cfg.concurrency:
                 await asyncio.wait(self._inflight, return_when=asyncio.FIRST_COMPLETED)
+            self._reported_at_claim = self._reported
             rows = await self._claim()
             total += len(rows)
             if rows:
@@ -334,6 +341,8 @@ class Worker:
             await self._report(events, outcomes, token)
         except Exception as exc:  # noqa: BLE001 - never lose the worker over one batch
             log.error("event=report_crashed error=%r", exc)
+        finally:
+            self._reported += 1
 
     async def _report(self, events: Sequence[OutboxEvent], outcomes: Sequence[BaseException | None],
                       token: Any) -> None:
