@@ -121,12 +121,13 @@ COMMENT ON TABLE outbox IS
 -- The price is disk: a partition takes up to three times the space of a packed one.
 CREATE TABLE outbox_default PARTITION OF outbox DEFAULT WITH (fillfactor = 33);
 
--- Claim candidates in id order: due events, and leases to check for expiry. Also how
+-- New events in id order, as claims take them in behind their cursor (0005). Also how
 -- complete, fail and release find a batch by id: the index is as small as the backlog.
 CREATE INDEX outbox_in_flow_idx ON outbox (id) WHERE in_flow;
 
--- Head-of-line check: "is there an earlier unfinished event of this aggregate?" is one probe
--- here. Finished events leave this index, so it stays as small as the backlog.
+-- An aggregate's line: its unfinished events in id order, where a claim reads a run and a
+-- report finds the next head (0005). Finished events leave this index, so it stays as small as
+-- the backlog.
 CREATE INDEX outbox_unfinished_by_aggregate_idx ON outbox (aggregate_type, aggregate_id, id)
     WHERE unfinished;
 
