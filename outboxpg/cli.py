@@ -24,7 +24,7 @@ import psycopg
 
 from outboxpg import cli_dead, cli_status, schema
 from outboxpg.cli_common import (EXIT_CONNECT, EXIT_FAILED, EXIT_SCHEMA, NOT_INSTALLED, CliError, add_dsn,
-                                 describe_connection_error, first_line, redact, resolve_dsn,
+                                 describe_connection_error, first_line, package_version, redact, resolve_dsn,
                                  restore_double_dash, secrets_of)
 
 __all__ = ["CliError", "build_parser", "main"]
@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="outboxpg", description="A SQL-first transactional outbox for PostgreSQL.",
                                      epilog="Exit codes: 0 ok, 1 failed or refused, 2 cannot connect or bad usage, "
                                             "3 outbox schema missing or not up to date.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("migrate", help="install or upgrade the outbox schema (yoyo-migrations); re-running is a no-op")

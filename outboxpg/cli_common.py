@@ -38,6 +38,18 @@ _REQUIRED_OBJECTS = (
 )
 
 
+def package_version() -> str:
+    """The installed outboxpg version (--version of both tools)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("outboxpg")
+    except PackageNotFoundError:   # run from a source tree that is not installed
+        from outboxpg import __version__
+
+        return __version__
+
+
 class CliError(Exception):
     """A failure to report as one line, with exit code ``code``."""
 

@@ -26,8 +26,9 @@ _BATCH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 class _DatabaseGauges(Collector):
     """Backlog and oldest pending age, read from the database on scrape (cached)."""
 
-    def __init__(self, dsn: str, sample_every: float) -> None:
+    def __init__(self, dsn: str, sample_every: float, application_name: str) -> None:
         self.dsn = dsn
+        self.application_name = application_name
         self.sample_every = sample_every
         self._lock = threading.Lock()
         self._at = 0.0
@@ -38,7 +39,8 @@ class _DatabaseGauges(Collector):
             if self._values is not None and time.monotonic() - self._at < self.sample_every:
                 return self._values
             try:
-                with psycopg.connect(self.dsn, autocommit=True, connect_timeout=5) as conn:
+                with psycopg.connect(self.dsn, autocommit=True, connect_timeout=5,
+                                     fallback_application_name=self.application_name) as conn:
                     # outbox_health: cheap, and readable by the outbox_worker role (the table is not).
                     row = conn.execute(
                         "SELECT backlog, dead, coalesce(extract(epoch FROM oldest_pending_age), 0)"
@@ -65,7 +67,8 @@ class _DatabaseGauges(Collector):
 class WorkerMetrics:
     """The worker's metrics, in a registry of their own."""
 
-    def __init__(self, dsn: str, sample_every: float = 5.0) -> None:
+    def __init__(self, dsn: str, sample_every: float = 5.0,
+                 application_name: str = "outboxpg-worker (metrics)") -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.delivered = Counter("outboxpg_events_delivered_total", "Events published and marked published.",
@@ -89,7 +92,7 @@ class WorkerMetrics:
                                 "Unix time of the last claim that returned events.", registry=r)
         self.maintenance_failures = Counter("outboxpg_maintenance_failures_total",
                                             "outbox_maintain() runs that failed.", registry=r)
-        r.register(_DatabaseGauges(dsn, sample_every))
+        r.register(_DatabaseGauges(dsn, sample_every, application_name))
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> Any:
         """Serve /metrics on addr:port from a background thread."""

@@ -35,8 +35,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from outboxpg.events import NotSent, OutboxEvent, PermanentError, runs_of
 
-__all__ = ["Publisher", "FunctionPublisher", "NotSent", "PermanentError", "as_publisher", "load_publisher", "print_event",
-           "runs_of"]
+__all__ = ["Publisher", "FunctionPublisher", "NotSent", "PermanentError", "PublisherNotFound", "as_publisher",
+           "load_publisher", "print_event", "runs_of"]
 
 Outcome = BaseException | None
 
@@ -129,17 +129,48 @@ def as_publisher(obj: Any) -> Any:
     raise TypeError(f"not a publisher: {obj!r} (need publish_batch() or a callable taking one event)")
 
 
+class PublisherNotFound(ValueError):
+    """``load_publisher``: the module named in the spec does not exist on ``sys.path``."""
+
+
 def load_publisher(spec: str) -> Any:
-    """Load ``module:attribute``; a class or factory taking no arguments is called once."""
+    """Load ``module:attribute``; a class or factory taking no arguments is called once.
+
+    Every way this can fail is a ValueError with a one-line message naming ``spec`` (a module
+    that is not found, an attribute that is not there, a module that fails while importing).
+    The module is looked up on ``sys.path`` as it is: a command line puts the current directory
+    on it first (as ``python -m`` does)."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"--publisher must look like module:callable, got {spec!r}")
-    obj: Any = importlib.import_module(module_name)
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise PublisherNotFound(f"cannot load --publisher {spec}: no module named {exc.name!r}") from None
+        raise ValueError(f"cannot load --publisher {spec}: importing {module_name} failed: "
+                         f"{_one_line(exc)}") from None
+    except Exception as exc:  # noqa: BLE001 - whatever the user's module raises while importing
+        raise ValueError(f"cannot load --publisher {spec}: importing {module_name} failed: {_one_line(exc)}") from None
+    path = module_name
     for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"cannot load --publisher {spec}: {'module' if path == module_name else 'object'} "
+                             f"{path!r} has no attribute {part!r}")
         obj = getattr(obj, part)
-    if inspect.isclass(obj):
-        obj = obj()
-    return as_publisher(obj)
+        path = f"{path}.{part}"
+    try:
+        if inspect.isclass(obj):
+            obj = obj()
+        return as_publisher(obj)
+    except Exception as exc:  # noqa: BLE001 - a constructor of the user's, or not a publisher at all
+        raise ValueError(f"cannot load --publisher {spec}: {_one_line(exc)}") from None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 def print_event(event: OutboxEvent) -> None:

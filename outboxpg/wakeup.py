@@ -35,8 +35,10 @@ class Listener:
     notification sent while we were away is lost, the events are not.
     """
 
-    def __init__(self, dsn: str, wake: asyncio.Event, channel: str = "outbox") -> None:
+    def __init__(self, dsn: str, wake: asyncio.Event, channel: str = "outbox",
+                 application_name: str = "outboxpg-worker (listen)") -> None:
         self.dsn = dsn
+        self.application_name = application_name
         self.wake = wake
         self.channel = channel
         self.up = False
@@ -47,7 +49,8 @@ class Listener:
         first = True
         while True:
             try:
-                conn = await psycopg.AsyncConnection.connect(self.dsn, autocommit=True, **CONNECT_OPTIONS)
+                conn = await psycopg.AsyncConnection.connect(
+                    self.dsn, autocommit=True, fallback_application_name=self.application_name, **CONNECT_OPTIONS)
             except psycopg.Error as exc:
                 log.warning("event=listen_connect_failed error=%r retry_in=%.1fs", first_line(exc), delay)
                 await asyncio.sleep(delay)
@@ -79,8 +82,9 @@ class Listener:
 class IdleLock:
     """The wakeup lock, held on a connection of its own while the worker sleeps."""
 
-    def __init__(self, dsn: str) -> None:
+    def __init__(self, dsn: str, application_name: str = "outboxpg-worker (wakeup lock)") -> None:
         self.dsn = dsn
+        self.application_name = application_name
         self.conn: psycopg.AsyncConnection[Any] | None = None
         self.held = False
         self.lost = asyncio.Event()
@@ -88,7 +92,8 @@ class IdleLock:
 
     async def _connection(self) -> psycopg.AsyncConnection[Any]:
         if self.conn is None or self.conn.closed:
-            self.conn = await psycopg.AsyncConnection.connect(self.dsn, autocommit=True, **CONNECT_OPTIONS)
+            self.conn = await psycopg.AsyncConnection.connect(
+                self.dsn, autocommit=True, fallback_application_name=self.application_name, **CONNECT_OPTIONS)
         return self.conn
 
     async def acquire(self, wake: asyncio.Event) -> bool:

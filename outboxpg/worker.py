@@ -41,7 +41,7 @@ from outboxpg.metrics import WorkerMetrics
 from outboxpg.publishers import as_publisher
 from outboxpg.wakeup import CONNECT_OPTIONS, IdleLock, Listener
 
-__all__ = ["Worker", "WorkerConfig", "WorkerStats", "split_runs"]
+__all__ = ["Worker", "WorkerConfig", "WorkerStats", "application_name", "split_runs"]
 
 log = logging.getLogger("outboxpg.worker")
 
@@ -124,8 +124,11 @@ class Worker:
         self._reported_at_claim = 0
         self._releasing: asyncio.Future[None] | None = None
         self.pool: AsyncConnectionPool | None = None
-        self.listener = Listener(config.dsn, self._wake)
-        self.idle_lock = IdleLock(config.dsn)
+        # What a DBA sees in pg_stat_activity.application_name for each connection (unless the
+        # DSN or $PGAPPNAME names one: libpq's fallback_application_name gives way to those).
+        self.application_name = application_name(config.name)
+        self.listener = Listener(config.dsn, self._wake, application_name=f"{self.application_name} (listen)")
+        self.idle_lock = IdleLock(config.dsn, application_name=f"{self.application_name} (wakeup lock)")
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -141,7 +144,8 @@ class Worker:
         cfg = self.cfg
         self.pool = AsyncConnectionPool(
             cfg.dsn, min_size=1, max_size=cfg.concurrency + 2, open=False, timeout=10,
-            kwargs={"autocommit": True, **CONNECT_OPTIONS}, configure=self._configure,
+            kwargs={"autocommit": True, "fallback_application_name": self.application_name, **CONNECT_OPTIONS},
+            configure=self._configure,
             name="outboxpg-worker")
         await self.pool.open(wait=False)
         background: list[asyncio.Task[None]] = []
@@ -483,6 +487,11 @@ class Worker:
                  "lag_max_ms=%.1f listener_up=%s", "final_summary" if final else "summary", self.cfg.name, st.delivered,
                  st.failed, st.dead, st.released, st.lost_leases, avg * 1000, st.lag_max * 1000, self.listener.up)
         st.lag_sum, st.lag_count, st.lag_max = 0.0, 0, 0.0
+
+
+def application_name(worker_name: str) -> str:
+    """'outboxpg-worker <name>' (PostgreSQL keeps the first 63 bytes of an application_name)."""
+    return f"outboxpg-worker {worker_name}"
 
 
 def split_runs(events: Sequence[OutboxEvent], outcomes: Sequence[BaseException | None]

@@ -29,9 +29,9 @@ from urllib.parse import unquote, urlsplit
 import psycopg
 
 from outboxpg.cli_common import (EXIT_CONNECT, EXIT_FAILED, EXIT_SCHEMA, CliError, describe_connection_error,
-                                 parse_dsn, redact, restore_double_dash, secrets_of)
+                                 package_version, parse_dsn, redact, restore_double_dash, secrets_of)
 from outboxpg.errors import first_line
-from outboxpg.worker import Worker, WorkerConfig
+from outboxpg.worker import Worker, WorkerConfig, application_name
 
 log = logging.getLogger("outboxpg.worker")
 
@@ -40,6 +40,29 @@ _TRUE = {"1", "true", "yes", "on"}
 
 def _env(name: str, default: Any) -> Any:
     return os.environ.get(f"OUTBOXPG_{name}", default)
+
+
+def _env_number(name: str, default: Any, kind: type) -> Any:
+    """OUTBOXPG_<name> as an int or float, else ``default``. A value that does not parse is a
+    CliError (one line, exit 2), also under --help: the help would show it as the default."""
+    text = os.environ.get(f"OUTBOXPG_{name}")
+    if text is None:
+        return default
+    try:
+        return kind(text)
+    except ValueError:
+        what = "a whole number" if kind is int else "a number"
+        raise CliError(f"OUTBOXPG_{name}: not {what}: {text!r}", 2) from None
+
+
+_LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
+
+
+def _env_log_level() -> str:
+    text = os.environ.get("OUTBOXPG_LOG_LEVEL", "INFO")
+    if text not in _LOG_LEVELS:
+        raise CliError(f"OUTBOXPG_LOG_LEVEL: must be one of {', '.join(_LOG_LEVELS)}: {text!r}", 2)
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,16 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="PostgreSQL connection string or URI [OUTBOXPG_DSN; empty: libpq's PG* variables]")
     p.add_argument("--nats-url", default=_env("NATS_URL", "nats://127.0.0.1:4222"),
                    help="NATS server URL [OUTBOXPG_NATS_URL]")
-    p.add_argument("--batch-size", type=int, default=int(_env("BATCH_SIZE", d.batch_size)),
+    p.add_argument("--batch-size", type=int, default=_env_number("BATCH_SIZE", d.batch_size, int),
                    help="events per claim [OUTBOXPG_BATCH_SIZE]")
-    p.add_argument("--concurrency", type=int, default=int(_env("CONCURRENCY", d.concurrency)),
+    p.add_argument("--concurrency", type=int, default=_env_number("CONCURRENCY", d.concurrency, int),
                    help="batches in flight at once [OUTBOXPG_CONCURRENCY]")
-    p.add_argument("--lease", type=float, default=float(_env("LEASE", d.lease)),
+    p.add_argument("--lease", type=float, default=_env_number("LEASE", d.lease, float),
                    help="seconds a claimed batch is leased; at least twice --publish-timeout [OUTBOXPG_LEASE]")
-    p.add_argument("--publish-timeout", type=float, default=float(_env("PUBLISH_TIMEOUT", d.publish_timeout)),
+    p.add_argument("--publish-timeout", type=float, default=_env_number("PUBLISH_TIMEOUT", d.publish_timeout, float),
                    help="seconds a batch has for its publishes (JetStream acks): a run's event still unacked "
                         "then fails, the rest of its run is released [OUTBOXPG_PUBLISH_TIMEOUT]")
-    p.add_argument("--poll-interval", type=float, default=float(_env("POLL_INTERVAL", d.poll_interval)),
+    p.add_argument("--poll-interval", type=float, default=_env_number("POLL_INTERVAL", d.poll_interval, float),
                    help="fallback poll when no notification comes, seconds [OUTBOXPG_POLL_INTERVAL]")
     p.add_argument("--poll-only", action="store_true", default=_env("POLL_ONLY", "").lower() in _TRUE,
                    help="no LISTEN and no session locks: poll every --poll-interval (for PgBouncer in "
@@ -76,18 +99,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "publish_batch(); default: NATS JetStream [OUTBOXPG_PUBLISHER]")
     p.add_argument("--name", default=_env("NAME", d.name),
                    help="worker name recorded in locked_by [OUTBOXPG_NAME]")
-    p.add_argument("--summary-interval", type=float, default=float(_env("SUMMARY_INTERVAL", d.summary_interval)),
+    p.add_argument("--summary-interval", type=float, default=_env_number("SUMMARY_INTERVAL", d.summary_interval, float),
                    help="seconds between summary log lines [OUTBOXPG_SUMMARY_INTERVAL]")
     p.add_argument("--maintenance-interval", type=float,
-                   default=float(_env("MAINTENANCE_INTERVAL", d.maintenance_interval)),
+                   default=_env_number("MAINTENANCE_INTERVAL", d.maintenance_interval, float),
                    help="run outbox_maintain() at start and every this many seconds; 0: never "
                         "(one worker of many does it, under an advisory lock) [OUTBOXPG_MAINTENANCE_INTERVAL]")
-    p.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", 0)),
-                   help="serve Prometheus metrics on this port; 0: off [OUTBOXPG_METRICS_PORT]")
+    p.add_argument("--metrics-port", type=int, default=_env_number("METRICS_PORT", 0, int),
+                   help="serve Prometheus metrics on this port (1-65535); 0: off [OUTBOXPG_METRICS_PORT]")
     p.add_argument("--metrics-addr", default=_env("METRICS_ADDR", "127.0.0.1"),
                    help="address the metrics server binds to [OUTBOXPG_METRICS_ADDR]")
-    p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"),
-                   choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level [OUTBOXPG_LOG_LEVEL]")
+    p.add_argument("--log-level", default=_env_log_level(),
+                   choices=_LOG_LEVELS, help="log level [OUTBOXPG_LOG_LEVEL]")
+    p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     return p
 
 
@@ -142,7 +166,8 @@ async def _check_database(cfg: WorkerConfig) -> tuple[str, timedelta]:
     the worker's functions (1). Returns (subject_prefix, backoff_cap) for the stream check."""
     parse_dsn(cfg.dsn)
     try:
-        conn = await psycopg.AsyncConnection.connect(cfg.dsn, autocommit=True, connect_timeout=10)
+        conn = await psycopg.AsyncConnection.connect(cfg.dsn, autocommit=True, connect_timeout=10,
+                                                     fallback_application_name=application_name(cfg.name))
     except psycopg.Error as exc:
         raise CliError(describe_connection_error(exc), EXIT_CONNECT) from None
     async with conn:
@@ -168,6 +193,41 @@ async def _check_database(cfg: WorkerConfig) -> tuple[str, timedelta]:
         settings = await (await conn.execute("SELECT subject_prefix, backoff_cap FROM outbox_settings")).fetchone()
         assert settings is not None
         return settings[0], settings[1]
+
+
+def _load_publisher(spec: str, cfg: WorkerConfig) -> Any:
+    """--publisher module:callable, the module looked up in the current directory first (as
+    ``python -m`` does; a console script's sys.path starts with its bin/ directory instead).
+    Any failure is one line, exit 2."""
+    from outboxpg.publishers import FunctionPublisher, PublisherNotFound, load_publisher
+
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        publisher = load_publisher(spec)
+    except PublisherNotFound as exc:
+        raise CliError(f"{exc} (looked in the current directory {cwd} and the Python path)", 2) from None
+    except ValueError as exc:
+        raise CliError(str(exc), 2) from None
+    if isinstance(publisher, FunctionPublisher):
+        publisher.timeout = cfg.publish_timeout
+    return publisher
+
+
+def _serve_metrics(args: argparse.Namespace, cfg: WorkerConfig) -> Any:
+    """Bind the --metrics-port server now: a port in use or an address this host does not have
+    is one line, exit 2, before the worker waits for NATS or claims anything."""
+    from outboxpg.metrics import WorkerMetrics
+
+    metrics = WorkerMetrics(cfg.dsn, application_name=f"{application_name(cfg.name)} (metrics)")
+    try:
+        metrics.serve(args.metrics_port, args.metrics_addr)
+    except OSError as exc:   # EADDRINUSE, EADDRNOTAVAIL, EACCES, an unresolvable name (gaierror)
+        reason = (exc.strerror or first_line(exc)).lower() if exc.strerror or str(exc) else type(exc).__name__
+        raise CliError(f"cannot serve metrics on {args.metrics_addr}:{args.metrics_port}: {reason}", 2) from None
+    log.info("event=metrics_serving addr=%s port=%d", args.metrics_addr, args.metrics_port)
+    return metrics
 
 
 def _nats_secrets(url: str) -> list[str]:
@@ -234,13 +294,14 @@ async def _main(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
+    if not 0 <= args.metrics_port <= 65535:
+        raise CliError(f"--metrics-port must be 0 (off) or a port from 1 to 65535, got {args.metrics_port}", 2)
+    # Your own publisher first: a misspelt one is reported before anything else is set up.
+    custom = _load_publisher(args.publisher, cfg) if args.publisher else None
     settings = await _check_database(cfg)
-    if args.publisher:
-        from outboxpg.publishers import FunctionPublisher, load_publisher
-
-        publisher = load_publisher(args.publisher)
-        if isinstance(publisher, FunctionPublisher):
-            publisher.timeout = cfg.publish_timeout
+    metrics = _serve_metrics(args, cfg) if args.metrics_port else None
+    if custom is not None:
+        publisher = custom
     else:
         from outboxpg.nats_publisher import NatsPublisher
 
@@ -249,13 +310,6 @@ async def _main(args: argparse.Namespace) -> int:
         publisher = NatsPublisher(args.nats_url, ack_timeout=cfg.publish_timeout)
         await publisher.start()
         await _stream_setup(args, publisher, cfg, *settings)
-    metrics = None
-    if args.metrics_port:
-        from outboxpg.metrics import WorkerMetrics
-
-        metrics = WorkerMetrics(cfg.dsn)
-        metrics.serve(args.metrics_port, args.metrics_addr)
-        log.info("event=metrics_serving addr=%s port=%d", args.metrics_addr, args.metrics_port)
     worker = Worker(cfg, publisher, metrics)
     if stopping.is_set():
         worker.stop()
@@ -279,7 +333,12 @@ class _Redact(logging.Filter):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        parser = build_parser()
+    except CliError as exc:   # an OUTBOXPG_* variable that does not parse
+        print(f"outboxpg-worker: {exc}", file=sys.stderr)
+        return exc.code
+    args = parser.parse_args(argv)
     restore_double_dash(args, ("dsn", "nats_url", "ensure_stream", "publisher", "name", "metrics_addr"))
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s")
