@@ -144,7 +144,8 @@ class Worker:
         cfg = self.cfg
         self.pool = AsyncConnectionPool(
             cfg.dsn, min_size=1, max_size=cfg.concurrency + 2, open=False, timeout=10,
-            kwargs={"autocommit": True, "fallback_application_name": self.application_name, **CONNECT_OPTIONS},
+            kwargs={"autocommit": True, "fallback_application_name": self.application_name, **CONNECT_OPTIONS,
+                    **_poll_only_options(cfg)},
             configure=self._configure,
             name="outboxpg-worker")
         await self.pool.open(wait=False)
@@ -523,3 +524,12 @@ def _error_text(exc: BaseException | None) -> str:
         return ""
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _poll_only_options(cfg: WorkerConfig) -> dict[str, Any]:
+    """Connection options for the pool. --poll-only is for transaction poolers (PgBouncer
+    pool_mode=transaction), which run each transaction on whatever server connection is free: a
+    statement prepared on one is missing on the next ("prepared statement "_pg3_0" does not
+    exist") or already there under another client's name ("already exists"). prepare_threshold
+    None prepares nothing, whatever a call's prepare=True says: each call is parsed again."""
+    return {"prepare_threshold": None} if cfg.poll_only else {}

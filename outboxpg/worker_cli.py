@@ -31,6 +31,7 @@ import psycopg
 from outboxpg.cli_common import (EXIT_CONNECT, EXIT_FAILED, EXIT_SCHEMA, CliError, describe_connection_error,
                                  package_version, parse_dsn, redact, restore_double_dash, secrets_of)
 from outboxpg.errors import first_line
+from outboxpg.pooler import POOLER_HINT, behind_transaction_pooler
 from outboxpg.worker import Worker, WorkerConfig, application_name
 
 log = logging.getLogger("outboxpg.worker")
@@ -192,6 +193,9 @@ async def _check_database(cfg: WorkerConfig) -> tuple[str, timedelta]:
                            f"(GRANT outbox_worker TO \"{user}\"; see docs/privileges.md)", EXIT_FAILED)
         settings = await (await conn.execute("SELECT subject_prefix, backoff_cap FROM outbox_settings")).fetchone()
         assert settings is not None
+        # The LISTEN and the wakeup lock need sessions of their own (see outboxpg/pooler.py).
+        if not cfg.poll_only and await behind_transaction_pooler(cfg.dsn):
+            raise CliError(POOLER_HINT, EXIT_CONNECT)
         return settings[0], settings[1]
 
 

@@ -124,3 +124,19 @@ def own_nats_server() -> Iterator[EmbeddedNats]:
 def fast_retries(conn: psycopg.Connection[Any]) -> None:
     """Retries due within milliseconds, so tests need not wait out a real backoff."""
     conn.execute("UPDATE outbox_settings SET backoff_base = '20 milliseconds', backoff_cap = '200 milliseconds'")
+
+
+# -- PgBouncer ----------------------------------------------------------------------------
+
+@pytest.fixture
+def pgbouncer(pg_server: NoopExecutor) -> Iterator[Any]:
+    """A PgBouncer of this test's own in transaction mode, in front of the test PostgreSQL
+    (``pgbouncer.dsn_for(dbname)``). Debian's package is installed when missing and we are root;
+    otherwise the test is skipped, saying why."""
+    from pgbouncer import PgBouncer, find_pgbouncer
+
+    binary, why = find_pgbouncer()
+    if binary is None:
+        pytest.skip(why)
+    with PgBouncer(binary, pg_server.host, pg_server.port, pg_server.user, pg_server.password) as bouncer:
+        yield bouncer
