@@ -28,8 +28,11 @@ means delivered, raising means failed. It keeps that order for you.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import inspect
+import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -53,9 +56,12 @@ class FunctionPublisher:
     another, each call only once the previous one returned; a run stops at its first failure
     (its remaining events get ``NotSent``). The whole batch is bounded by ``timeout`` seconds: a
     call still running then fails with a TimeoutError, the calls not started get ``NotSent``.
-    Sync functions run one after another in a worker thread, so a blocking call (an HTTP
-    request, say) never stalls the event loop; a run's events after its first failure are
-    skipped (``NotSent``). Bounded by ``timeout`` seconds per event.
+    Sync functions run one after another in a thread of the batch's own, so a blocking call (an
+    HTTP request, say) never stalls the event loop, where the worker keeps extending the batch's
+    leases meanwhile; a run's events after its first failure are skipped (``NotSent``). Each call
+    is bounded by ``timeout`` seconds: one still running then fails with a TimeoutError and the
+    batch stops there (the calls not started get ``NotSent``). A call cannot be interrupted, so
+    the overdue one goes on in its thread, but nothing is called after it.
     """
 
     run_publishing = "sequential-calls"   # the worker logs it at start
@@ -71,7 +77,7 @@ class FunctionPublisher:
             deadline = asyncio.get_running_loop().time() + self.timeout
             await asyncio.gather(*(self._run_async(events, run, outcomes, deadline) for run in runs_of(events)))
             return outcomes
-        return await asyncio.wait_for(asyncio.to_thread(self._all_sync, events), self.timeout * max(1, len(events)))
+        return await self._publish_sync(events)
 
     async def _run_async(self, events: Sequence[OutboxEvent], run: list[int], outcomes: list[Outcome],
                          deadline: float) -> None:
@@ -97,20 +103,86 @@ class FunctionPublisher:
                 _not_sent(events, run[n + 1:], events[i].id, outcomes)
                 return
 
-    def _all_sync(self, events: Sequence[OutboxEvent]) -> list[Outcome]:
-        outcomes: list[Outcome] = [None] * len(events)
+    async def _publish_sync(self, events: Sequence[OutboxEvent]) -> list[Outcome]:
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        batch = _SyncBatch(self.fn, events, loop, done)
+        # A thread per batch, not the loop's default executor: a call that never returns keeps
+        # its thread, and must not take one from the other batches (nor keep the process from
+        # exiting: daemon).
+        threading.Thread(target=batch.run, name="outboxpg-publisher", daemon=True).start()
+        try:
+            while not done.done():
+                started = batch.started
+                wait = self.timeout if started is None else started + self.timeout - time.monotonic()
+                if wait <= 0:
+                    return batch.give_up(TimeoutError(f"publish took longer than {self.timeout:g}s"))
+                await asyncio.wait((done,), timeout=wait)
+        finally:
+            if not done.done() and not batch.stopped:
+                batch.give_up(NotSent("not sent: the batch was cancelled"))   # cancelled: call nothing more
+        return batch.outcomes
+
+
+class _SyncBatch:
+    """One batch of a sync function, called in a thread of its own, one event after another."""
+
+    def __init__(self, fn: Callable[[OutboxEvent], Any], events: Sequence[OutboxEvent],
+                 loop: asyncio.AbstractEventLoop, done: asyncio.Future[None]) -> None:
+        self.fn, self.events, self.loop, self.done = fn, events, loop, done
+        self.outcomes: list[Outcome] = [None] * len(events)
+        self.lock = threading.Lock()
+        self.current = -1                  # the event being published, or the last one
+        self.started: float | None = None  # when its call started (time.monotonic); None between calls
+        self.stopped = False               # given up on: call nothing more, record nothing more
+
+    def run(self) -> None:
         failed: set[tuple[str, str]] = set()   # aggregates whose run has failed in this batch
-        for i, event in enumerate(events):
-            key = (event.aggregate_type, event.aggregate_id)
-            if failed and key in failed:
-                outcomes[i] = NotSent("not sent: an earlier event of its aggregate failed")
-                continue
-            try:
-                self.fn(event)
-            except Exception as exc:  # noqa: BLE001 - any failure of user code is an outcome
-                outcomes[i] = exc
-                failed.add(key)
-        return outcomes
+        try:
+            for i, event in enumerate(self.events):
+                key = (event.aggregate_type, event.aggregate_id)
+                with self.lock:
+                    if self.stopped:
+                        return
+                    if failed and key in failed:
+                        self.outcomes[i] = NotSent("not sent: an earlier event of its aggregate failed")
+                        continue
+                    self.current, self.started = i, time.monotonic()
+                outcome: Outcome = None
+                try:
+                    self.fn(event)
+                except BaseException as exc:  # noqa: BLE001 - any failure of user code is an outcome
+                    outcome = exc if isinstance(exc, Exception) else RuntimeError(repr(exc))
+                with self.lock:
+                    if self.stopped:
+                        return   # too late: the batch was reported without this call
+                    self.started = None
+                    if outcome is not None:
+                        self.outcomes[i] = outcome
+                        failed.add(key)
+        finally:
+            with contextlib.suppress(RuntimeError):   # the loop is closed: nobody waits any more
+                self.loop.call_soon_threadsafe(_set_done, self.done)
+
+    def give_up(self, outcome: BaseException) -> list[Outcome]:
+        """Stop: the call in progress gets ``outcome``, the events not called yet ``NotSent``."""
+        with self.lock:
+            self.stopped = True
+            first = self.current + 1
+            if self.started is not None:
+                self.outcomes[self.current] = outcome
+            elif self.current < 0:
+                first = 0
+            not_sent = NotSent("not sent: an event before it in the batch ran out of time")
+            for i in range(first, len(self.outcomes)):
+                if self.outcomes[i] is None:
+                    self.outcomes[i] = not_sent
+            return list(self.outcomes)
+
+
+def _set_done(done: asyncio.Future[None]) -> None:
+    if not done.done():
+        done.set_result(None)
 
 
 def _not_sent(events: Sequence[OutboxEvent], positions: list[int], failed_id: int, outcomes: list[Outcome]) -> None:

@@ -12,7 +12,11 @@ wakeup lock, claim once more, sleep) until a notification, the next retry or lea
 (outbox_next_wakeup), or the fallback poll.
 
 A claimed batch holds runs: up to ``outbox_settings.max_run`` consecutive events of one aggregate,
-in id order, under one lease. The publisher keeps each run in order (see publishers.py); the
+in id order, under one lease. A batch still being published a third of the lease after it
+started has its lease extended (outbox_extend), every third of the lease until it is reported:
+a slow but working publisher never loses its leases to another worker (which would publish the
+same events again); a lease ends only when its worker stops extending it (died, hung, or cut off
+from the database for the rest of the lease). The publisher keeps each run in order (see publishers.py); the
 report reads the outcomes run by run (``split_runs``): the events before a run's first failure
 are completed, the failure is failed, the rest are released (not an attempt). Nothing failed:
 one outbox_complete statement, as before runs existed.
@@ -49,6 +53,7 @@ _CLAIM = f"SELECT {CLAIM_COLUMNS} FROM outbox_claim(%s, %s, %s)"
 _COMPLETE = "SELECT outbox_complete(%s::bigint[], %s)"
 _FAIL = "SELECT outbox_fail(%s, %s, %s, %s)"
 _RELEASE = "SELECT outbox_release(%s::bigint[], %s)"
+_EXTEND = "SELECT outbox_extend(%s::bigint[], %s, %s)"
 _NO_TIME = timedelta(0)
 _SLEEP_FOR = "SELECT extract(epoch FROM outbox_next_wakeup() - clock_timestamp())::float8"
 
@@ -86,6 +91,9 @@ class WorkerConfig:
         if self.publish_timeout <= 0:
             raise ValueError("publish timeout must be positive")
         if self.lease < 2 * self.publish_timeout:
+            # A batch's leases are extended while it is published, but one publish (one event,
+            # or a whole NATS batch) is bounded by the publish timeout only: a lease shorter than
+            # twice that leaves no room for the extension and the report around it.
             raise ValueError(
                 f"lease ({self.lease:g}s) must be at least twice the publish timeout ({self.publish_timeout:g}s): "
                 "a batch has to be reported before its lease can expire")
@@ -99,6 +107,7 @@ class WorkerStats:
     lost_leases: int = 0
     released: int = 0
     claims: int = 0
+    extensions: int = 0     # outbox_extend calls for batches still being published
     lag_sum: float = 0.0
     lag_max: float = 0.0
     lag_count: int = 0
@@ -116,6 +125,9 @@ class Worker:
         self._stopping = False
         self._stop = asyncio.Event()
         self._lease = timedelta(seconds=config.lease)
+        # A batch still being published after this long gets its leases extended, and again
+        # every this long: two tries fit into a lease before it can end.
+        self._extend_every = config.lease / 3
         self._db_delay = 0.0
         self._inflight: set[asyncio.Task[None]] = set()
         # Batches reported so far, and as the last claim started: a report that lands while a
@@ -336,10 +348,24 @@ class Worker:
         token = rows[0][10]
         events = [event_from_row(row) for row in rows]
         started = time.monotonic()
+        # Most batches are reported long before this fires: then it costs a timer, nothing more.
+        keeper: list[asyncio.Task[None]] = []
+        published = asyncio.Event()
+        timer = asyncio.get_running_loop().call_later(
+            self._extend_every, lambda: keeper.append(asyncio.ensure_future(self._keep_leases(events, token,
+                                                                                               published))))
         try:
             outcomes: Sequence[BaseException | None] = await self.publisher.publish_batch(events)
         except Exception as exc:  # noqa: BLE001 - a publisher that raises fails the whole batch
             outcomes = [exc] * len(events)
+        finally:
+            timer.cancel()
+            if keeper:
+                # Let an extension in progress finish (a statement cancelled half way would cost
+                # the pool its connection), then report: the lease has at least two thirds left.
+                published.set()
+                with contextlib.suppress(Exception):
+                    await keeper[0]
         if self.metrics is not None:
             self.metrics.publish_seconds.observe(time.monotonic() - started)
         try:
@@ -348,6 +374,35 @@ class Worker:
             log.error("event=report_crashed error=%r", exc)
         finally:
             self._reported += 1
+
+    async def _keep_leases(self, events: Sequence[OutboxEvent], token: Any, published: asyncio.Event) -> None:
+        """Extend the batch's leases now and every third of the lease, until ``published`` is set.
+
+        Fenced by the token like every report: events whose run another worker took back (this
+        worker was cut off, or frozen, past a lease) are not extended; that is logged, and the
+        report later counts them as lost leases."""
+        assert self.pool is not None
+        ids = "{" + ",".join(str(e.id) for e in events) + "}"
+        held = len(events)
+        while not published.is_set():
+            wait = self._extend_every
+            try:
+                async with self.pool.connection() as conn:
+                    cur = await conn.execute(_EXTEND, (ids, token, self._lease))   # rare: not prepared
+                    extended = (await cur.fetchone())[0]  # type: ignore[index]
+            except Exception as exc:  # noqa: BLE001 - psycopg or pool errors: try again sooner
+                log.warning("event=db_error during=extend error=%r", first_line(exc))
+                wait = min(wait / 2, 1.0)
+            else:
+                self.stats.extensions += 1
+                log.debug("event=lease_extended worker=%s events=%d", self.cfg.name, extended)
+                if extended < held:
+                    log.warning("event=lease_lost worker=%s events=%d note=%r", self.cfg.name, held - extended,
+                                "taken over while still being published (this worker was cut off or frozen "
+                                "past the lease); the new holder publishes them again (same msg_id)")
+                    held = extended
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(published.wait(), wait)
 
     async def _report(self, events: Sequence[OutboxEvent], outcomes: Sequence[BaseException | None],
                       token: Any) -> None:

@@ -145,7 +145,8 @@ def _describe(exc: BaseException) -> str:
 
 # What the worker calls, by the signature to_regprocedure() reads.
 _FUNCTIONS = ("outbox_claim(integer,interval,text)", "outbox_complete(bigint[],uuid)",
-              "outbox_fail(bigint,uuid,text,boolean)", "outbox_release(bigint[],uuid)", "outbox_next_wakeup()")
+              "outbox_fail(bigint,uuid,text,boolean)", "outbox_release(bigint[],uuid)",
+              "outbox_extend(bigint[],uuid,interval)", "outbox_next_wakeup()")
 _IDLE_FUNCTIONS = ("outbox_worker_idle()", "outbox_worker_busy()")   # not in --poll-only mode
 
 _CHECK_FUNCTIONS = """

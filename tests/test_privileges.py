@@ -46,6 +46,7 @@ EXECUTE = {
     "outbox_complete(bigint[],uuid)": {"outbox_worker"},
     "outbox_fail(bigint,uuid,text,boolean)": {"outbox_worker"},
     "outbox_release(bigint[],uuid)": {"outbox_worker"},
+    "outbox_extend(bigint[],uuid,interval)": {"outbox_worker"},   # 0014
     "outbox_next_wakeup()": {"outbox_worker"},
     "outbox_worker_idle()": {"outbox_worker"},
     "outbox_worker_busy()": {"outbox_worker"},
@@ -71,6 +72,7 @@ TRIGGER_FUNCTIONS = {"outbox_wake_workers()",      # 0003: NOTIFY idle workers
 # The functions that run as their owner (they read or write the tables for their caller).
 SECURITY_DEFINER = {"outbox_claim(integer,interval,text)", "outbox_complete(bigint[],uuid)",
                     "outbox_fail(bigint,uuid,text,boolean)", "outbox_release(bigint[],uuid)",
+                    "outbox_extend(bigint[],uuid,interval)",
                     "outbox_next_wakeup()", "outbox_maintain(boolean)", "outbox_requeue(bigint[])",
                     "outbox_discard(bigint[],text)", "outbox_health_row()",
                     "outbox_open_producers()"}   # reads other roles' sessions in pg_stat_activity

@@ -1,0 +1,1 @@
+DROP FUNCTION outbox_extend(bigint[], uuid, interval);
