@@ -6,7 +6,13 @@
 --
 -- A dead event holds back the later events of its aggregate (order beats liveness for one
 -- aggregate) until it is requeued or discarded; other aggregates are not affected.
--- depends: 0002_outbox_table 0005_outbox_claim
+--
+-- Both make events claimable without an insert, so nothing else would wake an idle worker: it
+-- would find them only at its fallback poll (30 s by default). They wake idle workers as the
+-- insert trigger does (0003): NOTIFY channel 'outbox' while some worker is idle, otherwise take
+-- the wakeup lock shared until commit, so a worker about to go idle waits for this transaction
+-- and then claims once more.
+-- depends: 0002_outbox_table 0003_outbox_wakeup 0005_outbox_claim
 DO $$ BEGIN PERFORM set_config('search_path', format('%I, pg_temp', current_schema()), false); END $$;
 
 CREATE VIEW outbox_dead_letters AS
@@ -39,6 +45,9 @@ BEGIN
     IF requeued > 0 THEN
         -- The aggregate's head was held (ready_at NULL): it comes due now.
         PERFORM outbox_refresh_heads(types, aggs);
+        IF NOT pg_try_advisory_xact_lock_shared(1868724336, 1) THEN   -- as outbox_wake_workers (0003)
+            PERFORM pg_notify('outbox', '');
+        END IF;
     END IF;
     RETURN requeued;
 END;
@@ -74,6 +83,9 @@ BEGIN
     IF discarded > 0 THEN
         -- Discarding a head releases the next event of its aggregate.
         PERFORM outbox_refresh_heads(types, aggs);
+        IF NOT pg_try_advisory_xact_lock_shared(1868724336, 1) THEN   -- as outbox_wake_workers (0003)
+            PERFORM pg_notify('outbox', '');
+        END IF;
     END IF;
     RETURN discarded;
 END;
