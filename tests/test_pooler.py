@@ -74,7 +74,7 @@ def no_advisory_locks(conn: psycopg.Connection[Any]) -> list[tuple[Any, ...]]:
 
 
 @pytest.mark.parametrize("route", ["pgbouncer", "direct"])
-async def test_poll_only_delivers_5000_events_through_pgbouncer_once_and_in_order(
+async def test_poll_only_delivers_5000_events_once_and_in_order(
         route, dsn, conn, nats_server, pgbouncer, tmp_path, capsys):
     """The same run through PgBouncer (transaction mode) and straight to PostgreSQL, both with
     --poll-only: every event once, in order per aggregate, no database error, and afterwards no
