@@ -23,9 +23,9 @@ from collections.abc import Sequence
 import psycopg
 
 from outboxpg import cli_dead, cli_status, schema
-from outboxpg.cli_common import (EXIT_CONNECT, EXIT_FAILED, EXIT_SCHEMA, NOT_INSTALLED, CliError, add_dsn,
-                                 describe_connection_error, first_line, package_version, redact, resolve_dsn,
-                                 restore_double_dash, secrets_of)
+from outboxpg.cli_common import (EXIT_CONNECT, EXIT_FAILED, EXIT_SCHEMA, CliError, add_dsn,
+                                 describe_connection_error, first_line, not_installed, package_version,
+                                 permission_hint, redact, resolve_dsn, restore_double_dash, secrets_of)
 
 __all__ = ["CliError", "build_parser", "main"]
 
@@ -106,9 +106,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedFunction, psycopg.errors.UndefinedColumn,
             psycopg.errors.UndefinedObject) as exc:
         if 'relation "outbox" does not exist' in str(exc):
-            return _fail(NOT_INSTALLED, EXIT_SCHEMA, secrets)
+            return _fail(not_installed(), EXIT_SCHEMA, secrets)
         return _fail(f"the outbox schema is not up to date ({first_line(exc)}): run outboxpg migrate --dsn ...",
                      EXIT_SCHEMA, secrets)
+    except psycopg.errors.InsufficientPrivilege as exc:   # e.g. a producer's login
+        return _fail(permission_hint(exc), EXIT_FAILED, secrets)
     except psycopg.OperationalError as exc:
         if exc.sqlstate is None:  # from libpq, not from the server: connecting failed (or the connection broke)
             return _fail(describe_connection_error(exc), EXIT_CONNECT, secrets)

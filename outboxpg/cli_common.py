@@ -23,6 +23,32 @@ DSN_HELP = "libpq connection string or URI (default: $OUTBOXPG_DSN, else libpq's
 
 NOT_INSTALLED = "the outbox schema is not installed in this database: run outboxpg migrate --dsn ..."
 
+# The login and database of the last connect(): messages about them name them.
+SESSION: dict[str, Any] = {}
+
+
+def not_installed(where: dict[str, Any] | None = None) -> str:
+    """'the outbox schema is not installed in database shop on db:5432: run outboxpg migrate ...'."""
+    where = where if where is not None else SESSION
+    if not where.get("dbname"):
+        return NOT_INSTALLED
+    return f"the outbox schema is not installed in {where_text(where)}: run outboxpg migrate --dsn ..."
+
+
+_DENIED = re.compile(r"permission denied for (view|table|relation|function|sequence|schema) (\S+)")
+
+
+def permission_hint(exc: psycopg.Error) -> str:
+    """A login without the operator's rights (a producer's, a worker's): what it may not do, and
+    the grant that would let it."""
+    text = first_line(exc)
+    user = SESSION.get("user") or "?"
+    m = _DENIED.search(text)
+    verb = "execute" if m and m.group(1) == "function" else "read" if m and m.group(1) != "schema" else "use"
+    what = f"{verb} {m.group(2)}" if m else "do this"
+    return (f"role '{user}' may not {what} ({text}): log in as a member of outbox_operator "
+            f"(GRANT outbox_operator TO \"{user}\"; see docs/privileges.md)")
+
 # Exit codes: 1 a command failed or was refused, 2 cannot connect (argparse uses 2 for usage
 # errors too), 3 the schema is missing or older than this version of outboxpg.
 EXIT_FAILED, EXIT_CONNECT, EXIT_SCHEMA = 1, 2, 3
@@ -148,9 +174,11 @@ def connect(dsn: str) -> psycopg.Connection[Any]:
     if "application_name" not in params and not os.environ.get("PGAPPNAME"):
         extra["application_name"] = "outboxpg"
     try:
-        return psycopg.connect(dsn, autocommit=True, **extra)
+        conn = psycopg.connect(dsn, autocommit=True, **extra)
     except psycopg.Error as exc:
         raise CliError(describe_connection_error(exc), EXIT_CONNECT) from None
+    SESSION.update(user=conn.info.user, **where_am_i(conn))
+    return conn
 
 
 def step_ids() -> list[str]:
@@ -168,7 +196,7 @@ def require_schema(conn: psycopg.Connection[Any]) -> None:
     assert row is not None
     installed, has_yoyo = row
     if not installed:
-        raise CliError(NOT_INSTALLED, EXIT_SCHEMA)
+        raise CliError(not_installed(where_am_i(conn)), EXIT_SCHEMA)
     ours = step_ids()
     applied: set[str] = set()
     if has_yoyo:

@@ -20,6 +20,11 @@ from psycopg.rows import dict_row
 from outboxpg.cli_common import CliError, add_dsn, confirm, open_outbox, print_json
 from outboxpg.tables import one_line, pairs, table
 
+# Columns of outbox that dead show leaves out: what the partial indexes select on (0002), no
+# information beyond state.
+INTERNAL_COLUMNS = ("in_flow", "unfinished")
+DEFAULT_MAX_BYTES = 4096
+
 LIST_COLUMNS = ("id, dead_at, attempts, aggregate_type, aggregate_id, event_type, subject, last_error, "
                 "created_at, msg_id")
 
@@ -31,6 +36,16 @@ def _event_id(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not an event id: {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"not an event id: {text!r}")
+    return value
+
+
+def _max_bytes(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of bytes: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (all) or more: {text!r}")
     return value
 
 
@@ -60,6 +75,10 @@ def register(sub: Any) -> None:
     p = dsub.add_parser("show", help="one event, every column (payload, headers, last_error)")
     add_dsn(p)
     p.add_argument("id", type=_event_id, help="event id")
+    p.add_argument("--max-bytes", type=_max_bytes, default=DEFAULT_MAX_BYTES, metavar="N",
+                   help=f"show at most N bytes of the payload (default {DEFAULT_MAX_BYTES}; 0: all). A longer one "
+                        "is cut, saying how much was left out; with --json it is then the cut JSON text, a "
+                        "string, and payload_cut_bytes says how many bytes are missing")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_show)
 
@@ -157,12 +176,16 @@ def cmd_show(args: argparse.Namespace) -> int:
         readable = [r["attname"] for r in cur.execute(
             "SELECT attname::text AS attname FROM pg_attribute WHERE attrelid = 'outbox'::regclass AND attnum > 0 "
             "AND NOT attisdropped AND has_column_privilege('outbox'::regclass, attnum, 'SELECT') ORDER BY attnum"
-        ).fetchall()]
+        ).fetchall() if r["attname"] not in INTERNAL_COLUMNS]
         hidden = [c for c in ("payload", "headers") if c not in readable]
+        # The payload as the JSON text stored (jsonb's output): its size, and where to cut it.
         row = cur.execute(sql.SQL("SELECT {} FROM outbox o WHERE o.id = %s ORDER BY o.created_at LIMIT 1").format(
-            sql.SQL(", ").join(sql.Identifier("o", c) for c in readable)), (args.id,)).fetchone()
+            sql.SQL(", ").join(sql.SQL("o.payload::text AS payload") if c == "payload" else sql.Identifier("o", c)
+                               for c in readable)), (args.id,)).fetchone()
         if row is None:
             raise CliError(f"no event with id {args.id}")
+        if "payload" in row:
+            _cut_payload(row, args.max_bytes)
         # (from the ranges: reading tableoid needs a right on the whole table)
         part = cur.execute("SELECT coalesce((SELECT partition FROM outbox_partitions WHERE NOT is_default "
                            "AND range_start <= %(t)s AND %(t)s < range_end), "
@@ -181,7 +204,12 @@ def cmd_show(args: argparse.Namespace) -> int:
         return 0
     items: list[tuple[str, Any]] = []
     for key, value in row.items():
-        if key in ("payload", "headers"):
+        if key in ("payload_bytes", "payload_cut_bytes"):
+            continue
+        if key == "payload" and row["payload_cut_bytes"]:
+            value = (f"{value}\n... ({row['payload_cut_bytes']} more bytes of {row['payload_bytes']} not shown: "
+                     "--max-bytes 0 shows them all)")
+        elif key in ("payload", "headers"):
             value = orjson.dumps(value, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS).decode()
         elif isinstance(value, dt.datetime):
             value = value.isoformat(sep=" ")  # full precision, to match against logs
@@ -191,10 +219,26 @@ def cmd_show(args: argparse.Namespace) -> int:
     if hidden:
         print(f"\n({' and '.join(hidden)} not shown: this role may not read them)")
     if row["state"] == "dead":
-        print(f"\nIt holds back {row['held_back_behind_it']} later event(s) of {row['aggregate_type']}/"
+        held = row["held_back_behind_it"]
+        print(f"\nIt holds back {held} later event{'' if held == 1 else 's'} of {row['aggregate_type']}/"
               f"{row['aggregate_id']}. outboxpg dead requeue {row['id']}  |  "
               f"outboxpg dead discard {row['id']} --reason '...'")
     return 0
+
+
+def _cut_payload(row: dict[str, Any], max_bytes: int) -> None:
+    """row["payload"] (the stored JSON text): parsed when it has at most ``max_bytes`` bytes (0: any
+    size), else its first ``max_bytes`` bytes as text (never half a character). Adds
+    payload_bytes and payload_cut_bytes."""
+    raw = row["payload"].encode()
+    row["payload_bytes"] = len(raw)
+    if max_bytes and len(raw) > max_bytes:
+        shown = raw[:max_bytes].decode("utf-8", "ignore")
+        row["payload"] = shown
+        row["payload_cut_bytes"] = len(raw) - len(shown.encode())
+    else:
+        row["payload"] = orjson.loads(raw)
+        row["payload_cut_bytes"] = 0
 
 
 # -- requeue and discard --------------------------------------------------------------------

@@ -11,9 +11,36 @@ import psycopg
 from psycopg.rows import dict_row
 
 from outboxpg.cli_common import add_dsn, open_outbox, print_json, where_am_i, where_text
-from outboxpg.tables import age, jsonable, pairs, table
+from outboxpg.tables import age, jsonable, one_line, pairs, table
 
 STATES = ("pending", "processing", "published", "dead", "discarded")
+
+# A reason that has failed an event this many attempts in a row is not a passing hiccup: an
+# attention line says so (the events die after max_attempts).
+RECURRING_ATTEMPTS = 3
+
+# Events failing right now: failed at least once and not delivered yet (pending, waiting for
+# their retry; or leased again for one), grouped by their last error's first line with the digits
+# masked, so that "no ack for event 17" and "... 18" are one reason. Like outbox_health it reads
+# only the unfinished events (WHERE unfinished: the partial indexes of 0002), never the published
+# bulk, and only columns an outbox_operator may read.
+_FAILING = """
+SELECT min(split_part(last_error, E'\n', 1))                      AS reason,
+       count(*)                                                   AS events,
+       min(attempts)                                              AS min_attempts,
+       max(attempts)                                              AS max_attempts,
+       count(*) FILTER (WHERE state = 'processing')               AS retrying_now,
+       min(next_attempt_at) FILTER (WHERE state = 'pending')      AS next_retry_at,
+       array_agg(DISTINCT event_type::text ORDER BY event_type::text) AS event_types,
+       (array_agg(id ORDER BY id))[1:20]                          AS ids
+  FROM outbox
+ WHERE unfinished
+   AND last_error IS NOT NULL
+   AND ((state = 'pending' AND attempts > 0) OR (state = 'processing' AND attempts > 1))
+ GROUP BY regexp_replace(split_part(last_error, E'\n', 1), '[0-9]+', 'N', 'g')
+ ORDER BY count(*) DESC, max(attempts) DESC, 1
+ LIMIT 20
+"""
 
 
 def _positive_seconds(text: str) -> float:
@@ -61,6 +88,11 @@ def _snapshot(conn: psycopg.Connection[Any], with_states: bool) -> dict[str, Any
             producers = cur.execute(
                 "SELECT pid, xact_age, state, held_above, aggregates, all_newer FROM outbox_open_producers() "
                 "ORDER BY xact_age DESC NULLS LAST, held_above").fetchall()
+        failing = cur.execute(_FAILING).fetchall()
+        settings = cur.execute("SELECT max_attempts FROM outbox_settings").fetchone()
+        max_attempts = settings["max_attempts"] if settings else None
+        for f in failing:
+            f["recurring"] = f["max_attempts"] >= RECURRING_ATTEMPTS
         states: dict[str, int] | None = None
         if with_states:
             counts = {r["state"]: r["n"] for r in
@@ -68,7 +100,7 @@ def _snapshot(conn: psycopg.Connection[Any], with_states: bool) -> dict[str, Any
             states = {s: int(counts.get(s, 0)) for s in STATES}
     checked_at = health.pop("checked_at")
     return {"database": where_am_i(conn), "checked_at": checked_at, "health": health, "producers": producers,
-            "states": states, "attention": _attention(health, producers)}
+            "failing": failing, "states": states, "attention": _attention(health, producers, failing, max_attempts)}
 
 
 def _plural(n: int, word: str) -> str:
@@ -107,11 +139,23 @@ def _held_note(h: dict[str, Any], producers: list[dict[str, Any]]) -> str:
     return note
 
 
-def _attention(h: dict[str, Any], producers: list[dict[str, Any]]) -> list[str]:
+def _recurring_note(f: dict[str, Any], max_attempts: int | None) -> str:
+    n = f["events"]
+    attempts = (f"{f['max_attempts']} attempts so far" if f["min_attempts"] == f["max_attempts"]
+                else f"{f['min_attempts']} to {f['max_attempts']} attempts so far")
+    dies = f"; dead after {max_attempts}" if max_attempts else ""
+    ids = ", ".join(map(str, f["ids"][:5])) + (", ..." if n > 5 else "")
+    return (f"{_plural(n, 'event')} {'keeps' if n == 1 else 'keep'} failing with {f['reason']!r} "
+            f"({attempts}{dies}): event{'s' if n != 1 else ''} {ids}")
+
+
+def _attention(h: dict[str, Any], producers: list[dict[str, Any]], failing: list[dict[str, Any]],
+               max_attempts: int | None) -> list[str]:
     notes = []
     if h["dead"]:
-        notes.append(f"{h['dead']} dead letter{'s' if h['dead'] != 1 else ''} hold back later events of "
-                     "their aggregates: outboxpg dead list")
+        notes.append("1 dead letter holds back later events of its aggregate: outboxpg dead list" if h["dead"] == 1
+                     else f"{h['dead']} dead letters hold back later events of their aggregates: outboxpg dead list")
+    notes += [_recurring_note(f, max_attempts) for f in failing if f["recurring"]]
     if h["expired_leases"]:
         notes.append(f"{h['expired_leases']} lease{'s' if h['expired_leases'] != 1 else ''} expired (the worker "
                      "died or hung): the next claim retries them")
@@ -147,6 +191,11 @@ def _render(snap: dict[str, Any]) -> list[str]:
         ("open producing transactions", producers_text),
         ("held back by them", _plural(h["held_by_open_transactions"], "event")),
     ])
+    if snap["failing"]:
+        lines += ["", "failing now (failed, not delivered yet: waiting for a retry or retrying; by last error)"]
+        lines += table(["events", "attempts min", "max", "retrying now", "event types", "last error"],
+                       [[f["events"], f["min_attempts"], f["max_attempts"], f["retrying_now"],
+                         ", ".join(f["event_types"]), one_line(f["reason"], 120)] for f in snap["failing"]])
     if snap["states"] is not None:
         lines += ["", "events by state"]
         lines += table(["state", "events"], list(snap["states"].items()))
@@ -161,7 +210,8 @@ def _render(snap: dict[str, Any]) -> list[str]:
 
 def _as_json(snap: dict[str, Any]) -> dict[str, Any]:
     return {"database": snap["database"], "checked_at": snap["checked_at"], "health": jsonable(snap["health"]),
-            "producers": [jsonable(p) for p in snap["producers"]], "states": snap["states"],
+            "producers": [jsonable(p) for p in snap["producers"]],
+            "failing": [jsonable(f) for f in snap["failing"]], "states": snap["states"],
             "attention": snap["attention"]}
 
 

@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import socket
 import time
 from collections.abc import Sequence
@@ -55,6 +56,9 @@ _FAIL = "SELECT outbox_fail(%s, %s, %s, %s)"
 _RELEASE = "SELECT outbox_release(%s::bigint[], %s)"
 _EXTEND = "SELECT outbox_extend(%s::bigint[], %s, %s)"
 _NO_TIME = timedelta(0)
+_DIGITS = re.compile(r"[0-9]+")   # "no ack for event 17" and "... 18" are one reason
+_MAX_REASONS = 1000
+_SUMMARY_REASONS = 10
 _SLEEP_FOR = "SELECT extract(epoch FROM outbox_next_wakeup() - clock_timestamp())::float8"
 
 
@@ -137,6 +141,11 @@ class Worker:
         self._releasing: asyncio.Future[None] | None = None
         self.pool: AsyncConnectionPool | None = None
         # What a DBA sees in pg_stat_activity.application_name for each connection (unless the
+        # Failed publishes by reason (the error's first line, digits masked): the first of each
+        # reason is logged at WARNING, the others are counted and summarised every
+        # summary_interval, so that an outage does not write a line per event and attempt.
+        self._reasons_seen: set[str] = set()
+        self._failures: dict[str, list[Any]] = {}   # reason -> [failures since the last summary, example]
         # DSN or $PGAPPNAME names one: libpq's fallback_application_name gives way to those).
         self.application_name = application_name(config.name)
         self.listener = Listener(config.dsn, self._wake, application_name=f"{self.application_name} (listen)")
@@ -493,8 +502,7 @@ class Worker:
                             _error_text(outcome))
             elif state == "pending":
                 st.failed += 1
-                log.debug("event=publish_failed id=%d attempt=%d error=%r", event.id, event.attempt,
-                          _error_text(outcome))
+                self._note_failure(event, outcome)
             else:
                 st.lost_leases += 1
                 log.warning("event=lease_lost worker=%s id=%d note=%r", self.cfg.name, event.id,
@@ -522,6 +530,38 @@ class Worker:
                         log.debug("event=maintenance_skipped reason=%r", detail)
                     else:
                         log.info("event=maintenance action=%s partition=%s detail=%r", action, partition, detail)
+    def _note_failure(self, event: OutboxEvent, outcome: BaseException) -> None:
+        text = _error_text(outcome).strip()
+        text = (text.splitlines()[0] if text else "")[:300]
+        reason = _DIGITS.sub("N", text)
+        entry = self._failures.setdefault(reason, [0, text])
+        entry[0] += 1
+        if reason in self._reasons_seen:
+            log.debug("event=publish_failed id=%d attempt=%d error=%r", event.id, event.attempt, text)
+            return
+        if len(self._reasons_seen) >= _MAX_REASONS:   # bounded: reasons with ever new words in them
+            self._reasons_seen.clear()
+        self._reasons_seen.add(reason)
+        log.warning("event=publish_failed id=%d aggregate=%s/%s event_type=%s attempt=%d error=%r note=%r",
+                    event.id, event.aggregate_type, event.aggregate_id, event.event_type, event.attempt, text,
+                    f"first failure with this reason: it is retried; further ones are counted and logged as "
+                    f"publish_failures every {self.cfg.summary_interval:g}s")
+
+    def _log_failures(self) -> None:
+        """One WARNING per reason that failed publishes since the last summary (the most
+        frequent first), and one for the rest."""
+        if not self._failures:
+            return
+        ranked = sorted(self._failures.values(), key=lambda e: -e[0])
+        for count, example in ranked[:_SUMMARY_REASONS]:
+            log.warning("event=publish_failures failures=%d interval=%gs error=%r", count,
+                        self.cfg.summary_interval, example)
+        rest = ranked[_SUMMARY_REASONS:]
+        if rest:
+            log.warning("event=publish_failures failures=%d interval=%gs other_reasons=%d", sum(e[0] for e in rest),
+                        self.cfg.summary_interval, len(rest))
+        self._failures = {}
+
             except psycopg.Error as exc:
                 log.warning("event=maintenance_failed error=%r retry_in=%gs", first_line(exc),
                             self.cfg.maintenance_interval)
@@ -559,6 +599,7 @@ def split_runs(events: Sequence[OutboxEvent], outcomes: Sequence[BaseException |
     outcome says: it may not count as published while an earlier event of its aggregate is not
     (the stream would hold them out of order), so it is handed out again after the failed one.
     """
+        self._log_failures()
     delivered: list[OutboxEvent] = []
     failed: list[tuple[OutboxEvent, BaseException]] = []
     released: list[int] = []

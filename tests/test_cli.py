@@ -31,7 +31,7 @@ from outboxpg import schema
 
 CLI = [sys.executable, "-m", "outboxpg.cli"]
 SECRET = "S3cr3t-pw-do-not-show"
-NOT_INSTALLED = "outboxpg: the outbox schema is not installed in this database: run outboxpg migrate --dsn ..."
+NOT_INSTALLED = "outboxpg: the outbox schema is not installed in {where}: run outboxpg migrate --dsn ..."
 
 
 @dataclass
@@ -530,7 +530,8 @@ def test_database_without_the_schema(empty_dsn: str) -> None:
     for r in run_all(("status", "--dsn", with_password), ("dead", "list", "--dsn", with_password),
                      ("dead", "requeue", "--all-matching", "--yes", "--dsn", empty_dsn),
                      ("maintain", "--dry-run", "--dsn", empty_dsn)):
-        assert one_line_error(r, 3) == NOT_INSTALLED
+        p = psycopg.conninfo.conninfo_to_dict(empty_dsn)
+        assert one_line_error(r, 3) == NOT_INSTALLED.format(where=f"database {p['dbname']} on {p['host']}:{p['port']}")
         assert SECRET not in r.err
 
 
