@@ -139,13 +139,13 @@ class Worker:
         self._reported = 0
         self._reported_at_claim = 0
         self._releasing: asyncio.Future[None] | None = None
-        self.pool: AsyncConnectionPool | None = None
-        # What a DBA sees in pg_stat_activity.application_name for each connection (unless the
         # Failed publishes by reason (the error's first line, digits masked): the first of each
         # reason is logged at WARNING, the others are counted and summarised every
         # summary_interval, so that an outage does not write a line per event and attempt.
         self._reasons_seen: set[str] = set()
         self._failures: dict[str, list[Any]] = {}   # reason -> [failures since the last summary, example]
+        self.pool: AsyncConnectionPool | None = None
+        # What a DBA sees in pg_stat_activity.application_name for each connection (unless the
         # DSN or $PGAPPNAME names one: libpq's fallback_application_name gives way to those).
         self.application_name = application_name(config.name)
         self.listener = Listener(config.dsn, self._wake, application_name=f"{self.application_name} (listen)")
@@ -508,28 +508,6 @@ class Worker:
                 log.warning("event=lease_lost worker=%s id=%d note=%r", self.cfg.name, event.id,
                             "failure not recorded: the lease had expired and was taken over")
 
-    async def _db_backoff(self) -> None:
-        self._db_delay = min(max(self._db_delay * 2, 0.1), 5.0)
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._stop.wait(), self._db_delay)   # cut short by stop()
-
-    # -- maintenance ---------------------------------------------------------------------
-
-    async def _maintenance(self) -> None:
-        """outbox_maintain() now and every maintenance_interval. A failure is logged and the
-        next run tries again; delivery never depends on it (inserts fall back to the default
-        partition)."""
-        assert self.pool is not None
-        while True:
-            try:
-                async with self.pool.connection() as conn:
-                    rows = await (await conn.execute(
-                        "SELECT action, partition, detail FROM outbox_maintain()")).fetchall()
-                for action, partition, detail in rows:
-                    if action == "skip" and partition is None:
-                        log.debug("event=maintenance_skipped reason=%r", detail)
-                    else:
-                        log.info("event=maintenance action=%s partition=%s detail=%r", action, partition, detail)
     def _note_failure(self, event: OutboxEvent, outcome: BaseException) -> None:
         text = _error_text(outcome).strip()
         text = (text.splitlines()[0] if text else "")[:300]
@@ -562,6 +540,28 @@ class Worker:
                         self.cfg.summary_interval, len(rest))
         self._failures = {}
 
+    async def _db_backoff(self) -> None:
+        self._db_delay = min(max(self._db_delay * 2, 0.1), 5.0)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), self._db_delay)   # cut short by stop()
+
+    # -- maintenance ---------------------------------------------------------------------
+
+    async def _maintenance(self) -> None:
+        """outbox_maintain() now and every maintenance_interval. A failure is logged and the
+        next run tries again; delivery never depends on it (inserts fall back to the default
+        partition)."""
+        assert self.pool is not None
+        while True:
+            try:
+                async with self.pool.connection() as conn:
+                    rows = await (await conn.execute(
+                        "SELECT action, partition, detail FROM outbox_maintain()")).fetchall()
+                for action, partition, detail in rows:
+                    if action == "skip" and partition is None:
+                        log.debug("event=maintenance_skipped reason=%r", detail)
+                    else:
+                        log.info("event=maintenance action=%s partition=%s detail=%r", action, partition, detail)
             except psycopg.Error as exc:
                 log.warning("event=maintenance_failed error=%r retry_in=%gs", first_line(exc),
                             self.cfg.maintenance_interval)
@@ -577,6 +577,7 @@ class Worker:
             self._log_summary()
 
     def _log_summary(self, final: bool = False) -> None:
+        self._log_failures()
         st = self.stats
         avg = st.lag_sum / st.lag_count if st.lag_count else 0.0
         log.info("event=%s worker=%s delivered=%d failed=%d dead=%d released=%d lost_leases=%d lag_avg_ms=%.1f "
@@ -599,7 +600,6 @@ def split_runs(events: Sequence[OutboxEvent], outcomes: Sequence[BaseException |
     outcome says: it may not count as published while an earlier event of its aggregate is not
     (the stream would hold them out of order), so it is handed out again after the failed one.
     """
-        self._log_failures()
     delivered: list[OutboxEvent] = []
     failed: list[tuple[OutboxEvent, BaseException]] = []
     released: list[int] = []
