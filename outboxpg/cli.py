@@ -1,6 +1,6 @@
 """The ``outboxpg`` command line: install the schema, inspect and operate the outbox, run the demo.
 
-  outboxpg migrate [--status | --rollback]      install or upgrade the schema (yoyo-migrations)
+  outboxpg migrate [--status | --rollback | --adopt]  install or upgrade the schema (yoyo-migrations)
   outboxpg sql                                   the whole install as one psql script
   outboxpg status [--json] [--watch [S]]         is it healthy? (outbox_health, events per state)
   outboxpg dead list | show | requeue | discard  dead letters
@@ -23,24 +23,66 @@ from collections.abc import Sequence
 import psycopg
 
 from outboxpg import cli_dead, cli_status, schema
-from outboxpg.cli_common import (EXIT_CONNECT, EXIT_FAILED, EXIT_SCHEMA, CliError, add_dsn,
+from outboxpg.cli_common import (EXIT_CONNECT, EXIT_FAILED, EXIT_SCHEMA, CliError, add_dsn, connect,
                                  describe_connection_error, first_line, not_installed, package_version,
-                                 permission_hint, redact, resolve_dsn, restore_double_dash, secrets_of)
+                                 permission_hint, redact, resolve_dsn, restore_double_dash, secrets_of,
+                                 where_am_i, where_text)
 
 __all__ = ["CliError", "build_parser", "main"]
 
 
+def _print_notice(diag: psycopg.errors.Diagnostic) -> None:
+    """A NOTICE or WARNING of a migration step, as psql shows it (on stderr)."""
+    print(f"{diag.severity}:  {diag.message_primary}", file=sys.stderr, flush=True)
+
+
+def _hand_installed_hint(where: str) -> str:
+    return (f"the outbox schema is already installed in {where}, but yoyo has no record of it (installed "
+            "with psql?): run outboxpg migrate --adopt to check it against the migration files and record it, "
+            "then outboxpg migrate")
+
+
 def cmd_migrate(args: argparse.Namespace) -> int:
     dsn = resolve_dsn(args)
+    with connect(dsn) as conn:     # one-line errors for a bad DSN; what is installed, read only
+        where = where_text(where_am_i(conn))
+        rec = schema.recorded(conn)
     if args.rollback:
-        done = schema.rollback(dsn, args.steps)
+        done = schema.rollback(dsn, args.steps, on_notice=_print_notice)
         print("\n".join(f"rolled back {m}" for m in done) if done else "nothing to roll back")
     elif args.status:
+        if rec.hand_installed:
+            print(f"the outbox schema is installed in {where} but yoyo has no record of it (installed with psql?): "
+                  "outboxpg migrate --adopt checks it against the files and records it")
         for step in schema.pending(dsn):
-            print(f"{'applied' if step.applied else 'pending'}  {step.id}")
+            print(f"{'applied' if step.applied else 'not recorded' if rec.hand_installed else 'pending'}  {step.id}")
+    elif args.adopt:
+        return _adopt(dsn, where, rec)
     else:
-        done = schema.migrate(dsn)
+        try:
+            done = schema.migrate(dsn, on_notice=_print_notice)
+        except schema.HandInstalled:
+            raise CliError(_hand_installed_hint(where)) from None
         print("\n".join(f"applied {m}" for m in done) if done else "schema is up to date")
+    return 0
+
+
+def _adopt(dsn: str, where: str, rec: schema.Recorded) -> int:
+    if not rec.installed:
+        raise CliError(f"nothing to adopt: {f'the outbox schema is not installed in {where}: run outboxpg migrate --dsn ...'}", EXIT_SCHEMA)
+    if not rec.hand_installed:
+        ours = len(rec.applied & set(schema.step_ids()))
+        print(f"nothing to adopt: yoyo records {ours} of the {len(schema.step_ids())} steps already "
+              "(outboxpg migrate --status)")
+        return 0
+    done, differences = schema.adopt(dsn)
+    if not done:
+        raise CliError(f"not adopted: the outbox schema in {where} does not match the migration files of this "
+                       f"version ({'; '.join(differences)}); nothing recorded")
+    print("\n".join(f"recorded {m}" for m in done))
+    rest = len(schema.step_ids()) - len(done)
+    print(f"checked against the migration files: the install matches {len(done)} steps, recorded in yoyo's "
+          f"bookkeeping" + (f"; outboxpg migrate applies the other {rest}" if rest else ""))
     return 0
 
 
@@ -66,7 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_dsn(p)
     g = p.add_mutually_exclusive_group()
     g.add_argument("--rollback", action="store_true", help="roll back the last applied step(s)")
-    g.add_argument("--status", action="store_true", help="list every step and whether it is applied")
+    g.add_argument("--status", action="store_true",
+                   help="list every step and whether it is applied (read only: an outbox_operator may run it)")
+    g.add_argument("--adopt", action="store_true",
+                   help="record a schema installed by hand (outboxpg sql | psql) in yoyo's bookkeeping, after "
+                        "checking that its objects match the migration files")
     p.add_argument("--steps", type=int, default=1, help="with --rollback: how many steps (default: 1)")
     p.set_defaults(func=cmd_migrate)
 

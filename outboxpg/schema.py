@@ -3,15 +3,27 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote, urlencode
 
+import psycopg
 from psycopg.conninfo import conninfo_to_dict
 from yoyo import get_backend, read_migrations
 
-__all__ = ["MigrationStep", "migrations_dir", "yoyo_uri", "migrate", "rollback", "pending", "install_sql"]
+__all__ = ["HandInstalled", "MigrationStep", "migrations_dir", "yoyo_uri", "migrate", "rollback", "pending",
+           "recorded", "adopt", "install_sql"]
+
+# Called with each NOTICE or WARNING the server sends while steps are applied or rolled back
+# (0012's rollback says which roles it keeps, and why).
+OnNotice = Callable[[psycopg.errors.Diagnostic], None]
+
+
+class HandInstalled(Exception):
+    """The outbox schema is there, but yoyo has no record of it (installed with psql)."""
 
 
 @dataclass(frozen=True)
@@ -32,30 +44,77 @@ def yoyo_uri(dsn: str) -> str:
     ``psycopg.connect`` unchanged, so socket directories, sslmode and the like survive.
     """
     params = {k: str(v) for k, v in conninfo_to_dict(dsn).items() if v is not None}
+    params.setdefault("fallback_application_name", "outboxpg")
     dbname = params.pop("dbname", "")
     query = urlencode(params)
     return f"postgresql+psycopg:///{quote(dbname, safe='')}" + (f"?{query}" if query else "")
 
 
-def _steps(dsn: str):  # type: ignore[no-untyped-def]
+def _steps(dsn: str, on_notice: OnNotice | None = None):  # type: ignore[no-untyped-def]
     backend = get_backend(yoyo_uri(dsn))
+    if on_notice is not None:
+        # yoyo runs each step on a copy of the backend, with a connection of its own.
+        backend.connection.add_notice_handler(on_notice)
+        copy = backend.copy
+
+        def copy_with_notices():  # type: ignore[no-untyped-def]
+            other = copy()
+            other.connection.add_notice_handler(on_notice)
+            return other
+
+        backend.copy = copy_with_notices
     return backend, read_migrations(str(migrations_dir()))
 
 
+def step_ids() -> list[str]:
+    """The migration steps this version of outboxpg ships, in order."""
+    return sorted(p.name.removesuffix(".sql") for p in migrations_dir().glob("[0-9]*.sql")
+                  if not p.name.endswith(".rollback.sql"))
+
+
+@dataclass(frozen=True)
+class Recorded:
+    installed: bool          # the outbox schema's first object (outbox_settings) is there
+    bookkeeping: bool        # yoyo's table is there and readable
+    applied: frozenset[str]  # the steps yoyo recorded as applied
+
+    @property
+    def hand_installed(self) -> bool:
+        return self.installed and not (self.applied & set(step_ids()))
+
+
+def recorded(conn: psycopg.Connection[Any]) -> Recorded:
+    """What is installed and what yoyo recorded, read only (no lock, nothing created)."""
+    row = conn.execute("SELECT to_regclass('outbox_settings') IS NOT NULL, "
+                       "       coalesce(has_table_privilege(to_regclass('_yoyo_migration'), 'SELECT'), false)"
+                       ).fetchone()
+    assert row is not None
+    installed, bookkeeping = row
+    applied: frozenset[str] = frozenset()
+    if bookkeeping:
+        applied = frozenset(r[0] for r in conn.execute("SELECT migration_id FROM _yoyo_migration").fetchall())
+    return Recorded(installed, bookkeeping, applied)
+
+
+def _recorded(dsn: str) -> Recorded:
+    with psycopg.connect(dsn, autocommit=True, fallback_application_name="outboxpg") as conn:
+        return recorded(conn)
+
+
 def pending(dsn: str) -> list[MigrationStep]:
-    """Every migration step, and whether it is applied in the database behind ``dsn``."""
-    backend, steps = _steps(dsn)
-    try:
-        with backend.lock():
-            todo = {m.id for m in backend.to_apply(steps)}
-        return [MigrationStep(m.id, m.id not in todo) for m in steps]
-    finally:
-        backend.connection.close()
+    """Every migration step, and whether yoyo recorded it as applied in the database behind
+    ``dsn``. Read only: an outbox_operator login (no write access to yoyo_lock) may ask."""
+    applied = _recorded(dsn).applied
+    return [MigrationStep(s, s in applied) for s in step_ids()]
 
 
-def migrate(dsn: str) -> list[str]:
-    """Apply every step not yet applied; returns their ids (empty when already up to date)."""
-    backend, steps = _steps(dsn)
+def migrate(dsn: str, on_notice: OnNotice | None = None) -> list[str]:
+    """Apply every step not yet applied; returns their ids (empty when already up to date).
+    A database installed by hand (no yoyo record of it) is refused with HandInstalled: the
+    steps would fail on the objects already there."""
+    if _recorded(dsn).hand_installed:
+        raise HandInstalled("the outbox schema is installed but yoyo has no record of it")
+    backend, steps = _steps(dsn, on_notice)
     try:
         with backend.lock():
             todo = backend.to_apply(steps)
@@ -65,14 +124,33 @@ def migrate(dsn: str) -> list[str]:
         backend.connection.close()
 
 
-def rollback(dsn: str, count: int = 1) -> list[str]:
+def rollback(dsn: str, count: int = 1, on_notice: OnNotice | None = None) -> list[str]:
     """Roll back the last ``count`` applied steps; returns their ids, newest first."""
-    backend, steps = _steps(dsn)
+    backend, steps = _steps(dsn, on_notice)
     try:
         with backend.lock():
             todo = backend.to_rollback(steps)[:count]
             backend.rollback_migrations(todo)
         return [m.id for m in todo]
+    finally:
+        backend.connection.close()
+
+
+def adopt(dsn: str) -> tuple[list[str], list[str]]:
+    """Record a hand-installed schema in yoyo's bookkeeping (yoyo's mark_migrations), after
+    checking it against the files (outboxpg.adopt). Returns (steps recorded, differences): the
+    longest prefix of steps the install matches is recorded; nothing is when it matches none."""
+    from outboxpg.adopt import check_install
+
+    check = check_install(dsn)
+    if not check.matched:
+        return [], check.differences
+    backend, steps = _steps(dsn)
+    try:
+        with backend.lock():
+            todo = [m for m in steps if m.id in check.steps[:check.matched]]
+            backend.mark_migrations(todo)
+        return [m.id for m in todo], check.differences
     finally:
         backend.connection.close()
 
