@@ -64,20 +64,38 @@ with orjson. It also sees every error answer: publish_async loses those with an 
 publish timed out instead, and "message size exceeds maximum" was retried until dead instead
 of dead-lettered at once.
 
-Permanent errors (dead-lettered at once, never retried): a message (payload plus headers, as
-NATS counts it) over the server's max_payload, or over the stream's max message size, a header value containing a line break, and a
-subject or header the client refuses. Everything else (no ack in time, no stream answering,
-connection down) is an ordinary failure, retried with backoff.
+Permanent errors (dead-lettered at once, never retried): a message over the server's
+max_payload, headers over JetStream's 64 KiB, a message over the stream's max message size, a
+header value containing a line break, and a subject or header the client refuses. The sizes
+are counted as the server counts them (measured against nats-server 2.15: payload plus the
+header block as nats-py writes it, values trimmed; the subject and the reply subject do not
+count), and checked before anything is sent: a message over max_payload makes the server answer
+-ERR and close the connection, which nats-py then closes for good. Everything else (no ack in
+time, no stream answering, connection down) is an ordinary failure, retried with backoff.
+
+A client nats-py has closed for good (any -ERR from the server but a few, a close from outside)
+is replaced: the publishes waiting for an answer fail at once (ordinary failures), ``ready`` is
+cleared until a new client is connected (the worker claims nothing meanwhile), and the new one
+is connected with the same retries as at start.
+
+Servers: ``url`` is one URL or a comma-separated list (or a list) of them, ``nats://``,
+``tls://``, ``ws://`` or ``wss://``; ``parse_servers`` checks them and says in one line what is
+wrong with a malformed one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
+import ipaddress
 import logging
+import re
 import uuid
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlsplit
 
 import nats
 import nats.errors
@@ -90,14 +108,17 @@ from nats.js.api import StreamConfig
 
 from outboxpg.events import NotSent, OutboxEvent, PermanentError, runs_of
 
-__all__ = ["NatsPublisher", "check_stream", "ensure_stream", "supports_atomic_batch"]
+__all__ = ["NatsPublisher", "check_stream", "ensure_stream", "parse_servers", "supports_atomic_batch"]
 
 log = logging.getLogger("outboxpg.nats")
 
 # JetStream API error codes that no retry can fix.
 _PERMANENT_API_CODES = {
     10054,  # message size exceeds maximum allowed
+    10097,  # header size exceeds maximum allowed of 64k (checked before sending; in case a server counts otherwise)
 }
+# JetStream refuses a message whose header block is longer than this (10097).
+_JS_MAX_HEADER_BYTES = 65535
 
 
 _STATUS = "Status"   # nats.js.api.Header.STATUS: an inline status answer (503: no responders)
@@ -149,13 +170,15 @@ class NatsPublisher:
     had the message (a re-publish dropped by deduplication). ``duplicates`` counts them.
     """
 
-    def __init__(self, url: str = "nats://127.0.0.1:4222", *, ack_timeout: float = 5.0,
+    def __init__(self, url: str | Sequence[str] = "nats://127.0.0.1:4222", *, ack_timeout: float = 5.0,
                  max_pending: int = 10_000, connect_deadline: float | None = None,
                  on_duplicate: Callable[[int], None] | None = None, atomic_min_run: int | None = 32,
                  atomic_max_runs: int = 2) -> None:
         """``atomic_min_run``: runs at least this long go as atomic batches where the stream
-        allows it (None: never), while at most ``atomic_max_runs`` such runs are in flight."""
-        self.url = url
+        allows it (None: never), while at most ``atomic_max_runs`` such runs are in flight.
+        A malformed ``url`` is a ValueError (see parse_servers)."""
+        self.servers = parse_servers(url)
+        self.url = ",".join(self.servers)   # for log lines
         self.atomic_min_run = atomic_min_run
         self.atomic_max_runs = atomic_max_runs
         self.atomic_server = False     # the connected server has atomic batch publish (2.12+)
@@ -177,20 +200,31 @@ class NatsPublisher:
         self._reply_prefix_len = 0
         self._waiting: dict[str, _Run] = {}   # reply token -> the run whose event it answers
         self._token = 0
+        # Cleared while a client that nats-py closed for good is being replaced; the worker
+        # claims only while it is set.
+        self.ready = asyncio.Event()
+        self.ready.set()
+        self.replacements = 0          # clients replaced after nats-py closed them for good
+        self._generation = 0           # which client's closed callback counts
+        self._replacing: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         if self.nc is not None and not self.nc.is_closed:
             return   # started already (outboxpg-worker starts it before Worker.run() would)
+        await self._connect(self.connect_deadline)
+
+    async def _connect(self, deadline: float | None) -> None:
         delay = 0.2
         loop = asyncio.get_running_loop()
-        give_up = None if self.connect_deadline is None else loop.time() + self.connect_deadline
+        give_up = None if deadline is None else loop.time() + deadline
+        generation = self._generation + 1
         while True:
             try:
-                self.nc = await nats.connect(
-                    self.url, connect_timeout=2, allow_reconnect=True, max_reconnect_attempts=-1,
+                nc = await nats.connect(
+                    self.servers, connect_timeout=2, allow_reconnect=True, max_reconnect_attempts=-1,
                     reconnect_time_wait=0.5, name="outboxpg-worker",
                     disconnected_cb=self._on_disconnected, reconnected_cb=self._on_reconnected,
-                    error_cb=self._on_error)
+                    error_cb=self._on_error, closed_cb=functools.partial(self._on_closed, generation))
                 break
             except Exception as exc:  # noqa: BLE001 - report and retry any connect failure
                 if give_up is not None and loop.time() + delay > give_up:
@@ -198,6 +232,7 @@ class NatsPublisher:
                 log.warning("event=nats_connect_failed url=%s error=%r retry_in=%.1fs", self.url, str(exc), delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
+        self.nc, self._generation = nc, generation
         self.js = self.nc.jetstream(publish_async_max_pending=self.max_pending)
         # One inbox for every ack: "<inbox>.<token>". nats-py renews the subscription after a
         # reconnect; an ack lost meanwhile times out like any other.
@@ -213,6 +248,41 @@ class NatsPublisher:
             self.run_publishing = f"atomic-batch(min_run={self.atomic_min_run})+sequential-acks"
         else:
             self.run_publishing = f"sequential-acks (server {shown} has no atomic batch publish)"
+        self.ready.set()
+
+    async def _on_closed(self, generation: int) -> None:
+        """nats-py closed a client for good (an -ERR from the server, or a close from outside).
+        Not by close() (shutdown), and only the current client: replace it."""
+        if self._closing or generation != self._generation:
+            return
+        self.ready.clear()
+        nc = self.nc
+        error = getattr(nc, "last_error", None)
+        log.warning("event=nats_closed url=%s error=%r note=%r", self.url,
+                    f"{type(error).__name__}: {error}" if error else None,
+                    "nats-py closed the client for good: connecting a new one")
+        # Their answers can only come to the closed client: fail them now rather than at the timeout.
+        lost = nats.errors.ConnectionClosedError()
+        for token, run in list(self._waiting.items()):
+            self._forget(run, token)
+            if run.chunk_end:
+                self._batch_refused(run, lost)
+            else:
+                self._finish(run, lost)
+        if self._replacing is None or self._replacing.done():
+            self._replacing = asyncio.ensure_future(self._replace())
+
+    async def _replace(self) -> None:
+        try:
+            await self._connect(None)   # retried until it works, a warning per try, as at start
+        except Exception as exc:  # noqa: BLE001 - subscribing on the new client failed: try again
+            log.warning("event=nats_replace_failed url=%s error=%r", self.url, str(exc))
+            if not self._closing:
+                await asyncio.sleep(1)
+                self._replacing = asyncio.ensure_future(self._replace())
+            return
+        self.replacements += 1
+        log.info("event=nats_replaced url=%s", self.url)
 
     async def _on_disconnected(self) -> None:
         if not self._closing:
@@ -226,6 +296,8 @@ class NatsPublisher:
 
     async def close(self) -> None:
         self._closing = True
+        if self._replacing is not None and not self._replacing.done():
+            self._replacing.cancel()
         if self.nc is not None and not self.nc.is_closed:
             try:
                 await asyncio.wait_for(self.nc.close(), 5)
@@ -294,6 +366,19 @@ class NatsPublisher:
         A run stops at its first failure: that event gets the failure, the rest ``NotSent``.
         Events still unacked ``ack_timeout`` after the start get a TimeoutError."""
         assert self.js is not None and self.nc is not None, "NatsPublisher.start() was not awaited"
+        if not self.ready.is_set():
+            # The client was closed for good and is being replaced: wait for the new one, within
+            # the batch's time. (The worker claims nothing meanwhile: this is a batch claimed before.)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.ready.wait(), self.ack_timeout)
+            if not self.ready.is_set():
+                closed = nats.errors.ConnectionClosedError()
+                outcomes: list[BaseException | None] = [None] * len(events)
+                for positions in runs_of(events):
+                    outcomes[positions[0]] = closed
+                    for i in positions[1:]:
+                        outcomes[i] = NotSent("not sent: the NATS client was being replaced")
+                return outcomes
         batch = _Batch(events, asyncio.get_running_loop().create_future())
         runs = [_Run(batch, positions) for positions in runs_of(events)]
         # Counted before the first send: an ack read while this loop yields (nats-py flushes
@@ -365,22 +450,30 @@ class NatsPublisher:
         if "\n" in text or "\r" in text:
             return PermanentError("a header value contains a line break, which NATS headers cannot carry")
         outbox_id, attempt = str(event.id), str(event.attempt)
-        max_payload = self.nc.max_payload  # type: ignore[union-attr]
-        if max_payload:
-            # NATS counts the header block in max_payload. A message over it would make the server
-            # answer -ERR and close the connection (for good, in nats-py): refuse it here.
-            size = len(payload) + _FIXED_HEADER_BYTES + len(text.encode()) + len(outbox_id) + len(attempt)
-            if row_headers:
-                size += sum(len(k) + 4 for k in row_headers if k not in _OUTBOX_HEADERS)
-            if size + extra > max_payload:
-                return PermanentError(
-                    f"message of {size} bytes (payload {len(payload)}, headers {size - len(payload)}) exceeds "
-                    f"the NATS server's max_payload of {max_payload}")
         headers = {"Nats-Msg-Id": event.msg_id, "Outbox-Id": outbox_id, "Outbox-Event-Type": event.event_type,
                    "Outbox-Aggregate-Type": event.aggregate_type, "Outbox-Aggregate-Id": event.aggregate_id,
                    "Outbox-Attempt": attempt}
         if row_headers:
             headers = {**row_headers, **headers}
+        # NATS counts the header block in max_payload: a message over it would make the server
+        # answer -ERR and close the connection (for good, in nats-py); JetStream refuses a header
+        # block over 64 KiB. First a bound computed without a loop: at least the real size (the
+        # values untrimmed, a row header that the outbox's own replace counted too).
+        header_bytes = _FIXED_HEADER_BYTES + len(text.encode()) + len(outbox_id) + len(attempt) + extra
+        if row_headers:
+            header_bytes += sum(len(k) + 4 for k in row_headers if k not in _OUTBOX_HEADERS)
+        max_payload = self.nc.max_payload or 0  # type: ignore[union-attr]
+        if (max_payload and header_bytes + len(payload) > max_payload) or header_bytes > _JS_MAX_HEADER_BYTES:
+            # Near a limit: count exactly what goes on the wire.
+            header_bytes = _header_block_bytes(headers) + extra
+            size = header_bytes + len(payload)
+            if max_payload and size > max_payload:
+                return PermanentError(
+                    f"message of {size} bytes (payload {len(payload)}, headers {header_bytes}) exceeds "
+                    f"the NATS server's max_payload of {max_payload}")
+            if header_bytes > _JS_MAX_HEADER_BYTES:
+                return PermanentError(f"headers of {header_bytes} bytes exceed JetStream's limit of "
+                                      f"{_JS_MAX_HEADER_BYTES} (64 KiB)")
         return headers
 
     # -- atomic batches ------------------------------------------------------------------
@@ -527,6 +620,58 @@ class NatsPublisher:
 _OUTBOX_HEADERS = ("Nats-Msg-Id", "Outbox-Id", "Outbox-Event-Type", "Outbox-Aggregate-Type", "Outbox-Aggregate-Id",
                    "Outbox-Attempt")
 _FIXED_HEADER_BYTES = len("NATS/1.0\r\n") + sum(len(name) + 4 for name in _OUTBOX_HEADERS) + 2
+
+
+def _header_block_bytes(headers: dict[str, str]) -> int:
+    """The header block as nats-py writes it ("NATS/1.0\r\n", "<name>: <value>\r\n" with the
+    value trimmed, "\r\n"): what NATS counts in max_payload and JetStream in its 64 KiB."""
+    return 12 + sum(len(k) + 4 + len(v.strip().encode()) for k, v in headers.items())
+
+
+_SCHEMES = ("nats", "tls", "ws", "wss")
+_HOSTNAME = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*\.?")
+
+
+def parse_servers(urls: str | Sequence[str]) -> list[str]:
+    """The NATS servers in ``urls`` (a comma-separated list, or a list), each a URL
+    ``scheme://[user:password@]host[:port]``. A ValueError says in
+    one line what is wrong with a malformed one, without its password: what nats-py would retry
+    forever (a list given as one URL, an unknown scheme taken for a host name...)."""
+    parts = urls.split(",") if isinstance(urls, str) else list(urls)
+    servers = []
+    for raw in parts:
+        part = raw.strip()
+        shown = re.sub(r"//[^/@]*@", "//***@", part)
+        if not part:
+            raise ValueError("an empty server in the NATS URL list" if len(parts) > 1 else "the NATS URL is empty")
+        if "://" not in part:
+            raise ValueError(f"NATS URL {shown!r} has no scheme: write it as nats://host:port "
+                             "(or tls://, ws://, wss://)")
+        if any(c.isspace() for c in part):
+            raise ValueError(f"NATS URL {shown!r} contains a space: separate several servers with commas")
+        url = part
+        try:
+            u = urlsplit(url)
+            u.port   # a port that is not a number 0-65535 raises here
+        except ValueError as exc:
+            raise ValueError(f"malformed NATS URL {shown!r}: {exc}") from None
+        if u.scheme.lower() not in _SCHEMES:
+            raise ValueError(f"NATS URL {shown!r} has the scheme {u.scheme!r}: use nats://, tls://, ws:// or wss://"
+                             + (" (several servers: separate the URLs with commas)" if "," in part else ""))
+        host = u.hostname or ""
+        try:
+            valid_host = bool(ipaddress.ip_address(host)) if ":" in host else bool(_HOSTNAME.fullmatch(host))
+        except ValueError:
+            valid_host = False
+        if not valid_host:
+            raise ValueError(f"NATS URL {shown!r} has no valid host name")
+        if u.path not in ("", "/") or u.query or u.fragment:
+            raise ValueError(f"NATS URL {shown!r} has a path, query or fragment: a server URL is "
+                             "scheme://[user:password@]host[:port]")
+        servers.append(url)
+    if len({u.split("://")[0].lower() in ("ws", "wss") for u in servers}) > 1:
+        raise ValueError("the NATS URL list mixes websocket (ws://, wss://) and other servers: nats-py cannot")
+    return servers
 
 
 def server_version(nc: Client) -> tuple[int, int, int] | None:

@@ -124,6 +124,8 @@ class Worker:
         self.cfg = config
         self.metrics = metrics
         self.publisher = as_publisher(publisher)
+        # Optional: an asyncio.Event the publisher sets while it can publish (NatsPublisher.ready).
+        self._publisher_ready: asyncio.Event | None = getattr(self.publisher, "ready", None)
         self.stats = WorkerStats()
         self._wake = asyncio.Event()
         self._stopping = False
@@ -323,6 +325,11 @@ class Worker:
         while not self._stopping:
             while len(self._inflight) >= self.cfg.concurrency:
                 await asyncio.wait(self._inflight, return_when=asyncio.FIRST_COMPLETED)
+            if self._publisher_ready is not None and not self._publisher_ready.is_set():
+                # The publisher cannot publish right now (NatsPublisher: its client was closed
+                # for good and is being replaced): claiming would only spend attempts.
+                if not await self._until_publisher_ready():
+                    break
             self._reported_at_claim = self._reported
             rows = await self._claim()
             total += len(rows)
@@ -333,6 +340,21 @@ class Worker:
             if len(rows) < self.cfg.batch_size:
                 break
         return total
+
+    async def _until_publisher_ready(self) -> bool:
+        """Wait until the publisher is ready again (True) or stop() (False)."""
+        ready = self._publisher_ready
+        assert ready is not None
+        log.warning("event=publisher_not_ready worker=%s note=%r", self.cfg.name, "not claiming until it is")
+        waits = [asyncio.ensure_future(ready.wait()), asyncio.ensure_future(self._stop.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        if ready.is_set():
+            log.info("event=publisher_ready worker=%s", self.cfg.name)
+        return ready.is_set() and not self._stopping
 
     async def _claim(self) -> list[tuple[Any, ...]]:
         assert self.pool is not None

@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dsn", default=_env("DSN", ""),
                    help="PostgreSQL connection string or URI [OUTBOXPG_DSN; empty: libpq's PG* variables]")
     p.add_argument("--nats-url", default=_env("NATS_URL", "nats://127.0.0.1:4222"),
-                   help="NATS server URL [OUTBOXPG_NATS_URL]")
+                   help="NATS server URL, or several separated by commas (nats://, tls://, ws://, wss://) "
+                        "[OUTBOXPG_NATS_URL]")
     p.add_argument("--batch-size", type=int, default=_env_number("BATCH_SIZE", d.batch_size, int),
                    help="events per claim [OUTBOXPG_BATCH_SIZE]")
     p.add_argument("--concurrency", type=int, default=_env_number("CONCURRENCY", d.concurrency, int),
@@ -251,7 +252,7 @@ def _nats_secrets(url: str) -> list[str]:
     return found
 
 
-async def _wait_for_nats(url: str, stopping: asyncio.Event) -> bool:
+async def _wait_for_nats(servers: list[str], stopping: asyncio.Event) -> bool:
     """Wait until the NATS server answers, logging each failed try and pausing 0.2 s, 0.4 s, ...
     up to 5 s in between. nats-py's own connect retries a refused server forever and silently
     (every 0.5 s, logged at DEBUG only); this probe connection makes no retries of its own.
@@ -266,11 +267,12 @@ async def _wait_for_nats(url: str, stopping: asyncio.Event) -> bool:
             seen.append(exc)
 
         try:
-            nc = await nats.connect(url, connect_timeout=2, allow_reconnect=False, max_reconnect_attempts=1,
+            nc = await nats.connect(servers, connect_timeout=2, allow_reconnect=False, max_reconnect_attempts=1,
                                     reconnect_time_wait=0, error_cb=on_error, name="outboxpg-worker-probe")
         except Exception as exc:  # noqa: BLE001 - refused, unresolvable, TLS, authorization...
             reason = seen[-1] if seen else exc
-            log.warning("event=nats_connect_failed url=%s error=%r retry_in=%.1fs", url, _describe(reason), delay)
+            log.warning("event=nats_connect_failed url=%s error=%r retry_in=%.1fs", ",".join(servers),
+                        _describe(reason), delay)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stopping.wait(), delay)
             delay = min(delay * 2, 5.0)
@@ -303,6 +305,10 @@ async def _main(args: argparse.Namespace) -> int:
         raise CliError(f"--metrics-port must be 0 (off) or a port from 1 to 65535, got {args.metrics_port}", 2)
     # Your own publisher first: a misspelt one is reported before anything else is set up.
     custom = _load_publisher(args.publisher, cfg) if args.publisher else None
+    if custom is None:
+        from outboxpg.nats_publisher import parse_servers
+
+        servers = parse_servers(args.nats_url)   # ValueError: exit 2 with its one line
     settings = await _check_database(cfg)
     metrics = _serve_metrics(args, cfg) if args.metrics_port else None
     if custom is not None:
@@ -310,9 +316,9 @@ async def _main(args: argparse.Namespace) -> int:
     else:
         from outboxpg.nats_publisher import NatsPublisher
 
-        if not await _wait_for_nats(args.nats_url, stopping):
+        if not await _wait_for_nats(servers, stopping):
             return 0
-        publisher = NatsPublisher(args.nats_url, ack_timeout=cfg.publish_timeout)
+        publisher = NatsPublisher(servers, ack_timeout=cfg.publish_timeout)
         await publisher.start()
         await _stream_setup(args, publisher, cfg, *settings)
     worker = Worker(cfg, publisher, metrics)

@@ -66,6 +66,7 @@ class NatsProxy:
     def __init__(self, target_port: int, version: str | None = None) -> None:
         self.target_port, self.version = target_port, version
         self.writers: list[asyncio.StreamWriter] = []
+        self.clients: list[asyncio.StreamWriter] = []   # the client side of each connection
         self.server: asyncio.Server | None = None
         self.cuts = 0
 
@@ -80,6 +81,7 @@ class NatsProxy:
             writer.close()
             return
         self.writers += [writer, up_writer]
+        self.clients.append(writer)
         if self.version is not None:
             info = await up_reader.readline()
             real = info.split(b'"version":"', 1)[1].split(b'"', 1)[0]
@@ -99,6 +101,15 @@ class NatsProxy:
         for w in self.writers:
             w.transport.abort()
         self.writers.clear()
+        self.clients.clear()
+
+    def inject(self, line: bytes) -> None:
+        """Send ``line`` to every client as if the server had (e.g. b"-ERR 'Unknown Protocol
+        Operation'\r\n", on which nats-py closes its client for good). Only between messages:
+        call it while nothing is in flight."""
+        for w in self.clients:
+            if not w.is_closing():
+                w.write(line)
 
     async def close(self) -> None:
         self.cut()
