@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import os
 import sys
 import time
 from typing import Any
@@ -11,9 +13,14 @@ import psycopg
 from psycopg.rows import dict_row
 
 from outboxpg.cli_common import add_dsn, open_outbox, print_json, where_am_i, where_text
+from outboxpg.errors import first_line
+from outboxpg.streams import MAX_SUBJECTS, SUBJECTS_SQL, Subject, missing_text
 from outboxpg.tables import age, jsonable, one_line, pairs, table
 
 STATES = ("pending", "processing", "published", "dead", "discarded")
+
+# The publisher's reason when no stream captures an event's subject (NatsPublisher._outcome).
+NO_STREAM = "(no responders)"
 
 # A reason that has failed an event this many attempts in a row is not a passing hiccup: an
 # attention line says so (the events die after max_attempts).
@@ -32,8 +39,11 @@ SELECT min(split_part(last_error, E'\n', 1))                      AS reason,
        count(*) FILTER (WHERE state = 'processing')               AS retrying_now,
        min(next_attempt_at) FILTER (WHERE state = 'pending')      AS next_retry_at,
        array_agg(DISTINCT event_type::text ORDER BY event_type::text) AS event_types,
-       (array_agg(id ORDER BY id))[1:20]                          AS ids
-  FROM outbox
+       (array_agg(id ORDER BY id))[1:20]                          AS ids,
+       -- where they go (resolved as the claim does): names the subject a "no responders" lacks
+       (array_agg(DISTINCT coalesce(subject::text, s.subject_prefix || '.' || aggregate_type || '.' || event_type)))[1:5]
+                                                                  AS subjects
+  FROM outbox CROSS JOIN (SELECT subject_prefix FROM outbox_settings) s
  WHERE unfinished
    AND last_error IS NOT NULL
    AND ((state = 'pending' AND attempts > 0) OR (state = 'processing' AND attempts > 1))
@@ -65,6 +75,10 @@ def register(sub: Any) -> None:
     p.add_argument("--health-only", action="store_true",
                    help="skip the per-state counts, which read the whole table (outbox_health alone reads "
                         "only unfinished events)")
+    p.add_argument("--nats-url", default=os.environ.get("OUTBOXPG_NATS_URL") or None, metavar="URL",
+                   help="also ask JetStream whether a stream captures the subject of every unfinished event "
+                        "(without it, a subject no stream captures shows only once its events fail) "
+                        "[OUTBOXPG_NATS_URL]")
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("maintain", help="run outbox_maintain(): create partitions ahead, drop expired ones",
@@ -78,7 +92,39 @@ def register(sub: Any) -> None:
 
 # -- status ---------------------------------------------------------------------------------
 
-def _snapshot(conn: psycopg.Connection[Any], with_states: bool) -> dict[str, Any]:
+async def _uncaptured(url: str, subjects: list[Subject]) -> list[Subject]:
+    import nats
+
+    from outboxpg.streams import uncaptured
+
+    seen: list[Exception] = []
+
+    async def on_error(exc: Exception) -> None:   # nats-py's default prints a traceback
+        seen.append(exc)
+
+    try:
+        nc = await nats.connect([u.strip() for u in url.split(",") if u.strip()], connect_timeout=3,
+                                allow_reconnect=False, max_reconnect_attempts=1, name="outboxpg-status",
+                                error_cb=on_error)
+    except Exception as exc:  # noqa: BLE001 - the first error says more than nats-py's "no servers"
+        raise (seen[0] if seen else exc) from None
+    try:
+        return await uncaptured(nc.jetstream(timeout=5), subjects)
+    finally:
+        await nc.close()
+
+
+def _check_subjects(conn: psycopg.Connection[Any], url: str) -> dict[str, Any]:
+    """Which subjects of the unfinished events no JetStream stream captures (--nats-url)."""
+    subjects = [Subject(*row) for row in conn.execute(SUBJECTS_SQL, (MAX_SUBJECTS,)).fetchall()]
+    try:
+        missing = asyncio.run(_uncaptured(url, subjects)) if subjects else []
+    except Exception as exc:  # noqa: BLE001 - unreachable, refused, no JetStream...
+        return {"checked": len(subjects), "missing": None, "error": f"{type(exc).__name__}: {first_line(exc)}"}
+    return {"checked": len(subjects), "missing": [vars(s) for s in missing], "error": None}
+
+
+def _snapshot(conn: psycopg.Connection[Any], with_states: bool, nats_url: str | None = None) -> dict[str, Any]:
     with conn.cursor(row_factory=dict_row) as cur:
         health = cur.execute("SELECT now() AS checked_at, * FROM outbox_health").fetchone()
         assert health is not None
@@ -98,9 +144,11 @@ def _snapshot(conn: psycopg.Connection[Any], with_states: bool) -> dict[str, Any
             counts = {r["state"]: r["n"] for r in
                       cur.execute("SELECT state::text AS state, count(*) AS n FROM outbox GROUP BY 1").fetchall()}
             states = {s: int(counts.get(s, 0)) for s in STATES}
+    subjects = _check_subjects(conn, nats_url) if nats_url else None
     checked_at = health.pop("checked_at")
     return {"database": where_am_i(conn), "checked_at": checked_at, "health": health, "producers": producers,
-            "failing": failing, "states": states, "attention": _attention(health, producers, failing, max_attempts)}
+            "failing": failing, "states": states, "subjects": subjects,
+            "attention": _attention(health, producers, failing, max_attempts, subjects)}
 
 
 def _plural(n: int, word: str) -> str:
@@ -149,13 +197,30 @@ def _recurring_note(f: dict[str, Any], max_attempts: int | None) -> str:
             f"({attempts}{dies}): event{'s' if n != 1 else ''} {ids}")
 
 
+def _no_stream_note(f: dict[str, Any]) -> str:
+    n = f["events"]
+    subjects = ", ".join(map(repr, f["subjects"])) + (", ..." if len(f["subjects"]) >= 5 else "")
+    return (f"{_plural(n, 'event')} {'fails' if n == 1 else 'fail'}: no JetStream stream captures "
+            f"{'its' if n == 1 else 'their'} subject ({subjects}; {f['max_attempts']} attempts so far): add it to "
+            "a stream (outboxpg-worker --ensure-stream NAME adds the explicit subjects of unfinished events)")
+
+
 def _attention(h: dict[str, Any], producers: list[dict[str, Any]], failing: list[dict[str, Any]],
-               max_attempts: int | None) -> list[str]:
+               max_attempts: int | None, subjects: dict[str, Any] | None = None) -> list[str]:
     notes = []
     if h["dead"]:
         notes.append("1 dead letter holds back later events of its aggregate: outboxpg dead list" if h["dead"] == 1
                      else f"{h['dead']} dead letters hold back later events of their aggregates: outboxpg dead list")
-    notes += [_recurring_note(f, max_attempts) for f in failing if f["recurring"]]
+    # A subject no stream captures fails every attempt: said at the first one, not at the third.
+    notes += [_no_stream_note(f) if NO_STREAM in f["reason"] else _recurring_note(f, max_attempts)
+              for f in failing if f["recurring"] or NO_STREAM in f["reason"]]
+    if subjects is not None:
+        if subjects["error"]:
+            notes.append(f"cannot check the subjects against JetStream (--nats-url): {subjects['error']}")
+        elif subjects["missing"]:
+            missing = [Subject(**m) for m in subjects["missing"]]
+            notes.append(f"{missing_text(missing)}: their publishes fail (no responders) until a stream captures "
+                         "them (outboxpg-worker --ensure-stream NAME adds the explicit ones)")
     if h["expired_leases"]:
         notes.append(f"{h['expired_leases']} lease{'s' if h['expired_leases'] != 1 else ''} expired (the worker "
                      "died or hung): the next claim retries them")
@@ -166,6 +231,16 @@ def _attention(h: dict[str, Any], producers: list[dict[str, Any]], failing: list
     if h["backlog"] and not h["worker_claimed_last_minute"]:
         notes.append(f"backlog of {h['backlog']} but no claim in the last minute: is a worker running?")
     return notes
+
+
+def _subjects_pair(sub: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """With --nats-url: how many subjects of unfinished events were checked against JetStream."""
+    if sub is None:
+        return []
+    text = (f"{sub['checked']} checked; the check failed (see attention)" if sub["error"] else
+            f"{sub['checked']} checked; {len(sub['missing'])} captured by no stream" if sub["missing"] else
+            f"{sub['checked']} checked; each captured by a stream")
+    return [("subjects in JetStream", text)]
 
 
 def _render(snap: dict[str, Any]) -> list[str]:
@@ -190,7 +265,7 @@ def _render(snap: dict[str, Any]) -> list[str]:
         ("worker claimed last minute", h["worker_claimed_last_minute"]),
         ("open producing transactions", producers_text),
         ("held back by them", _plural(h["held_by_open_transactions"], "event")),
-    ])
+    ] + _subjects_pair(snap["subjects"]))
     if snap["failing"]:
         lines += ["", "failing now (failed, not delivered yet: waiting for a retry or retrying; by last error)"]
         lines += table(["events", "attempts min", "max", "retrying now", "event types", "last error"],
@@ -212,13 +287,14 @@ def _as_json(snap: dict[str, Any]) -> dict[str, Any]:
     return {"database": snap["database"], "checked_at": snap["checked_at"], "health": jsonable(snap["health"]),
             "producers": [jsonable(p) for p in snap["producers"]],
             "failing": [jsonable(f) for f in snap["failing"]], "states": snap["states"],
+            **({"subjects": snap["subjects"]} if snap["subjects"] is not None else {}),
             "attention": snap["attention"]}
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     with open_outbox(args) as conn:
         if args.watch is None:
-            snap = _snapshot(conn, not args.health_only)
+            snap = _snapshot(conn, not args.health_only, args.nats_url)
             if args.json:
                 print_json(_as_json(snap))
             else:
@@ -227,7 +303,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         clear = sys.stdout.isatty() and not args.json
         try:
             while True:
-                snap = _snapshot(conn, not args.health_only)
+                snap = _snapshot(conn, not args.health_only, args.nats_url)
                 if args.json:
                     print_json(_as_json(snap))
                 else:

@@ -32,6 +32,8 @@ from outboxpg.cli_common import (EXIT_CONNECT, EXIT_FAILED, EXIT_SCHEMA, CliErro
                                  package_version, parse_dsn, redact, restore_double_dash, secrets_of)
 from outboxpg.errors import first_line
 from outboxpg.pooler import POOLER_HINT, behind_transaction_pooler
+from outboxpg.streams import (MAX_SUBJECTS, SUBJECTS_SQL, Subject, explicit_to_add, missing_text, uncaptured,
+                              under_prefix)
 from outboxpg.worker import Worker, WorkerConfig, application_name
 
 log = logging.getLogger("outboxpg.worker")
@@ -93,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no LISTEN and no session locks: poll every --poll-interval (for PgBouncer in "
                         "transaction mode) [OUTBOXPG_POLL_ONLY]")
     p.add_argument("--ensure-stream", default=_env("ENSURE_STREAM", None), metavar="NAME",
-                   help="create or update JetStream stream NAME to capture <subject_prefix>.> with a "
+                   help="create or update JetStream stream NAME to capture <subject_prefix>.> and the "
+                        "explicit subjects of unfinished events that no stream captures, with a "
                         "duplicate window covering lease + backoff cap, and allow_atomic (atomic batch "
                         "publish) on nats-server 2.12+ [OUTBOXPG_ENSURE_STREAM]")
     p.add_argument("--publisher", default=_env("PUBLISHER", None), metavar="MODULE:CALLABLE",
@@ -118,22 +121,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _stream_setup(args: argparse.Namespace, publisher: Any, cfg: WorkerConfig, prefix: str,
-                        backoff_cap: timedelta) -> None:
-    """Check (and with --ensure-stream, create) the stream the worker will publish into. A
-    failure is logged, not fatal: publishes then fail and are retried, as without a stream."""
+                        backoff_cap: timedelta, subjects: list[Subject]) -> None:
+    """Check (and with --ensure-stream, create) the stream the worker will publish into: one
+    capturing <prefix>.> and the explicit subjects of the unfinished events. A failure is
+    logged, not fatal: publishes then fail and are retried, as without a stream."""
     from outboxpg.nats_publisher import check_stream, ensure_stream, supports_atomic_batch
 
     window = timedelta(seconds=cfg.lease) + backoff_cap + timedelta(seconds=60)
+    explicit = [s for s in subjects if s.explicit and not under_prefix(s.subject, prefix)]
     if args.ensure_stream:
         try:
+            # The subjects the events use: the prefix's, and explicit ones no stream has yet.
+            wanted = [f"{prefix}.>"] + await explicit_to_add(publisher.js, prefix, explicit)
             # allow_atomic where the server has atomic batch publish: long runs then go as batches.
             log.info("event=ensure_stream result=%r", await ensure_stream(publisher.js, args.ensure_stream,
-                                                                           [f"{prefix}.>"], window,
+                                                                           wanted, window,
                                                                            atomic=supports_atomic_batch(publisher.nc)))
         except Exception as exc:  # noqa: BLE001 - JetStream off, no permission, a conflicting stream...
             log.error("event=ensure_stream_failed stream=%s error=%r", args.ensure_stream, _describe(exc))
     try:
         problems = await check_stream(publisher.js, f"{prefix}.check", timedelta(seconds=cfg.lease) + backoff_cap)
+        missing = await uncaptured(publisher.js, explicit)
+        if missing:
+            problems.append(f"{missing_text(missing, 'explicit subject')}: each publish of them fails "
+                            "(no responders) until a stream captures them, and they die after max_attempts "
+                            "(add them to a stream, e.g. with --ensure-stream NAME)")
     except Exception as exc:  # noqa: BLE001 - e.g. JetStream not enabled on the server
         problems = [f"cannot check the JetStream stream for {prefix + '.>'!r}: {_describe(exc)}"]
     for problem in problems:
@@ -147,7 +159,8 @@ def _describe(exc: BaseException) -> str:
 # What the worker calls, by the signature to_regprocedure() reads.
 _FUNCTIONS = ("outbox_claim(integer,interval,text)", "outbox_complete(bigint[],uuid)",
               "outbox_fail(bigint,uuid,text,boolean)", "outbox_release(bigint[],uuid)",
-              "outbox_extend(bigint[],uuid,interval)", "outbox_next_wakeup()")
+              "outbox_extend(bigint[],uuid,interval)", "outbox_next_wakeup()",
+              "outbox_unfinished_subjects(integer)")
 _IDLE_FUNCTIONS = ("outbox_worker_idle()", "outbox_worker_busy()")   # not in --poll-only mode
 
 _CHECK_FUNCTIONS = """
@@ -163,10 +176,11 @@ SELECT to_regclass('outbox_settings') IS NOT NULL
 """
 
 
-async def _check_database(cfg: WorkerConfig) -> tuple[str, timedelta]:
+async def _check_database(cfg: WorkerConfig) -> tuple[str, timedelta, list[Subject]]:
     """Fail fast, in one line, on what no retry can fix: a wrong DSN or an unreachable server
     (exit 2), a database without the schema or with an older one (3), a login that may not run
-    the worker's functions (1). Returns (subject_prefix, backoff_cap) for the stream check."""
+    the worker's functions (1). Returns (subject_prefix, backoff_cap, the subjects of the
+    unfinished events) for the stream check."""
     parse_dsn(cfg.dsn)
     try:
         conn = await psycopg.AsyncConnection.connect(cfg.dsn, autocommit=True, connect_timeout=10,
@@ -198,7 +212,8 @@ async def _check_database(cfg: WorkerConfig) -> tuple[str, timedelta]:
         # The LISTEN and the wakeup lock need sessions of their own (see outboxpg/pooler.py).
         if not cfg.poll_only and await behind_transaction_pooler(cfg.dsn):
             raise CliError(POOLER_HINT, EXIT_CONNECT)
-        return settings[0], settings[1]
+        rows = await (await conn.execute(SUBJECTS_SQL, (MAX_SUBJECTS,))).fetchall()
+        return settings[0], settings[1], [Subject(*row) for row in rows]
 
 
 def _load_publisher(spec: str, cfg: WorkerConfig) -> Any:

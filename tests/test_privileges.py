@@ -62,6 +62,8 @@ EXECUTE = {
     # the insert trigger names each aggregate by it; sql/health.sql matches producers' locks with it
     "outbox_aggregate_key(text,text)": {"outbox_producer", "outbox_operator"},
     "outbox_open_producers()": {"outbox_worker", "outbox_operator"},   # status, sql/health.sql
+    # 0015: the worker's start-up stream check and outboxpg status --nats-url
+    "outbox_unfinished_subjects(integer)": {"outbox_worker", "outbox_operator"},
 }
 # Trigger functions: they fire as the inserting producer without any EXECUTE grant, and cannot be
 # called directly (so PUBLIC's EXECUTE on one that a later step created means nothing).
@@ -75,7 +77,8 @@ SECURITY_DEFINER = {"outbox_claim(integer,interval,text)", "outbox_complete(bigi
                     "outbox_extend(bigint[],uuid,interval)",
                     "outbox_next_wakeup()", "outbox_maintain(boolean)", "outbox_requeue(bigint[])",
                     "outbox_discard(bigint[],text)", "outbox_health_row()",
-                    "outbox_open_producers()"}   # reads other roles' sessions in pg_stat_activity
+                    "outbox_open_producers()",   # reads other roles' sessions in pg_stat_activity
+                    "outbox_unfinished_subjects(integer)"}   # reads the table for a worker
 # Who may read each view.
 VIEWS = {"outbox_stats": {"outbox_operator"}, "outbox_dead_letters": {"outbox_operator"},
          "outbox_partitions": {"outbox_operator"}, "outbox_health": {"outbox_worker", "outbox_operator"}}

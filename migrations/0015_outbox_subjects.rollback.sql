@@ -1,0 +1,1 @@
+DROP FUNCTION outbox_unfinished_subjects(integer);
