@@ -7,45 +7,37 @@
 -- passes back to outbox_complete / outbox_fail / outbox_release. The lease is committed with
 -- the caller's statement: claim in its own short transaction, publish outside any transaction.
 --
--- Two ways out, both bounded by what the claim hands out, whatever the depth of the backlog and
--- however the events spread over aggregates:
---   * New events are read once, in id order, behind an intake cursor (outbox_intake.intake_id;
---     outbox_take_in). An aggregate with no line (no head, nothing unfinished before the event)
---     is handed out at once, its events in the chunk as one run: events spread over many
---     aggregates go out in id order and cost no bookkeeping beyond the claim's lease row.
---   * Aggregates with a line have a head in outbox_heads: one row per aggregate whose events
---     wait behind one another (one in flight, a retry, a dead letter, a run cut by max_run or
---     the batch). A claim takes heads whose time has come (ready_at), oldest first, and hands
---     out a run from each: up to outbox_settings.max_run consecutive events of that aggregate,
---     in id order. A million events of ten aggregates cost a claim ten heads and the runs it
---     returns, and an empty claim is a look at two indexes.
--- Heads go first; the intake fills the rest of the batch.
+-- The queue is a queue of aggregates, not of events. outbox_heads holds one row per aggregate
+-- (aggregate_type, aggregate_id) that has unfinished events: the head of its line. A claim takes
+-- heads whose time has come (ready_at), oldest first, and hands out a run from each: up to
+-- outbox_settings.max_run consecutive events of that aggregate, in id order. So the work of a
+-- claim is bounded by what it hands out, whatever the depth of the backlog and however the
+-- events spread over aggregates: a million events of ten aggregates cost a claim ten heads and
+-- the runs it returns, and an empty claim is a look at one index.
 --
 -- Rules kept here:
 --   * Exclusive: heads are taken FOR NO KEY UPDATE SKIP LOCKED, so concurrent claimers never
 --     get the same aggregate and never wait on each other; the events of a run are locked with
 --     SKIP LOCKED too, and a run ends at the first event someone else is changing right now.
---     The intake is one claim at a time (the others skip it).
 --   * Order per aggregate: a head's ready_at is the end of its run's lease while the run is in
 --     flight, so at most one run per aggregate is out at a time, and a run is a prefix of the
 --     aggregate's unfinished events: it stops at the first event that is not pending and due
 --     (a retry waiting for its backoff, a dead letter, a leased one) and at the commit-order
---     guard (below). An aggregate the intake handed out whole has no head while its run is
---     out: its next event, when the intake reads it, finds the run unfinished before it and
---     makes the head. A dead event holds back its own aggregate only (its head's ready_at is NULL).
+--     guard (below). A dead event holds back its own aggregate only (its head's ready_at is NULL).
 --   * Commit order: an event is handed out only once no open transaction can still commit an
 --     earlier event of its aggregate (outbox_commit_guard; 0013 for the producers' side).
 --   * Expired leases are reclaimed here, so no separate reaper is needed: a head whose run's
---     lease ran out comes due, and so does a claim's lease row (outbox_leases, for the runs
---     without a head); the run's first event has failed an attempt (the worker died or hung)
---     and is retried after a backoff, or is dead once max_attempts is reached; the rest of the
---     run goes back to pending without an attempt counted.
+--     lease ran out comes due; the run's first event has failed an attempt (the worker died or
+--     hung) and is retried after a backoff, or is dead once max_attempts is reached; the rest
+--     of the run goes back to pending without an attempt counted.
 --
--- Why the producers write none of this: a producer's row would stay invisible, and a lock on it
--- held, until its transaction ends. The cursor only moves up to the commit horizon, below which
--- no open transaction can still commit an event; events above it that are visible are read on
--- every claim until the cursor passes them (few: only what committed since, plus what an open
--- transaction holds back).
+-- How new events reach outbox_heads: the producers do not write there (a producer's row would
+-- stay invisible, and a lock on it held, until its transaction ends). Claims take new events in
+-- instead, in id order, from an intake cursor (outbox_intake.intake_id): every committed event
+-- with an id up to it has its aggregate's head. The cursor only moves up to the commit horizon,
+-- below which no open transaction can still commit an event; events above it that are visible
+-- are taken in on every claim until the cursor passes them (few: only what committed since,
+-- plus what an open transaction holds back). At most `chunk` events are read per claim.
 --
 -- batch_size below 1 or NULL is an error; above outbox_settings.max_claim_batch it is clamped.
 -- depends: 0002_outbox_table 0004_outbox_retry_delay
@@ -94,57 +86,6 @@ COMMENT ON TABLE outbox_intake IS
     'outboxpg: how far claims have taken new events into outbox_heads, and when a worker last claimed.';
 
 INSERT INTO outbox_intake DEFAULT VALUES;
-
--- One row per claim whose events are still out: how the events of aggregates without a head
--- (handed out by outbox_take_in) come back when their lease runs out. A claim that finds a
--- lease expired gives those aggregates heads, due at once, and the head's usual expiry rules
--- apply (outbox_claim). Reports count the events down; the row goes when none is left.
-CREATE TABLE outbox_leases (
-    lease_token  uuid         PRIMARY KEY,
-    locked_until timestamptz  NOT NULL,
-    -- Every event the claim handed out, in id order.
-    ids          bigint[]     NOT NULL,
-    -- How many of them no report has settled yet.
-    open         integer      NOT NULL
-);
-
-COMMENT ON TABLE outbox_leases IS
-    'outboxpg: the leases of claims with events still out (ids, and how many no report has settled yet). Kept by the outbox_* functions.';
-
-CREATE INDEX outbox_leases_until_idx ON outbox_leases (locked_until);
-
--- Called by the report functions with the number of events they changed under a lease.
-CREATE FUNCTION outbox_settle_lease(lease_token uuid, settled integer, until timestamptz DEFAULT NULL)
-RETURNS void
-LANGUAGE plpgsql
-SET search_path FROM CURRENT
-AS $$
-BEGIN
-    IF until IS NOT NULL THEN
-        -- outbox_extend: the lease goes on.
-        UPDATE outbox_leases u SET locked_until = greatest(u.locked_until, until)
-          FROM (SELECT l.ctid FROM outbox_leases l
-                 WHERE l.lease_token = outbox_settle_lease.lease_token
-                   FOR UPDATE SKIP LOCKED) l
-         WHERE u.ctid = l.ctid;
-        RETURN;
-    END IF;
-    -- SKIP LOCKED: a row locked right now is being taken back by a claim (its lease ran out)
-    -- or counted down by another report of the same claim; a count missed here only keeps the
-    -- row until its lease ends, when a claim finds nothing left to take back and drops it.
-    WITH l AS (
-        SELECT l.ctid, l.open FROM outbox_leases l
-         WHERE l.lease_token = outbox_settle_lease.lease_token
-           FOR UPDATE SKIP LOCKED),
-    gone AS (
-        DELETE FROM outbox_leases d USING l WHERE d.ctid = l.ctid AND l.open <= settled)
-    UPDATE outbox_leases u SET open = u.open - settled
-      FROM l WHERE u.ctid = l.ctid AND l.open > settled;
-END;
-$$;
-
-COMMENT ON FUNCTION outbox_settle_lease(uuid, integer, timestamptz) IS
-    'Called by the report functions: counts down a claim''s lease row (outbox_leases), or extends it.';
 
 -- The commit-order guard, read once per claim. Ids come from a sequence when a row is
 -- inserted, not when its transaction commits, so a lower id can become visible after a higher
@@ -215,27 +156,10 @@ $$;
 COMMENT ON FUNCTION outbox_commit_horizon() IS
     'Largest outbox id that no open producing transaction can still precede.';
 
--- New events, read once in id order behind the intake cursor (a few chunks a claim). An
--- aggregate without a head whose first event here is its first unfinished one is "free": its
--- events here are handed out at once, as a run (the prefix that is pending, due and not held
--- back by the commit-order guard), without ever writing a head; the claim's lease row
--- (outbox_leases) is what brings them back if the lease runs out. Everything else gets a head:
--- an aggregate behind an unfinished event (one in flight, a retry, a dead letter), a free one
--- whose run ended inside the chunk or was cut by the batch (the head then stands for the run in
--- flight, ready at the end of its lease), and a free one whose first event cannot go now. An
--- aggregate that has a head already is handled there (its head is locked, and moved back if a
--- late commit put an event before it); one whose head someone is changing right now is left
--- for the next claim.
--- So with events spread over many aggregates, no head is ever written; heads are for the
--- aggregates that have a line.
--- The cursor moves past everything read, except free events the batch had no room for (read
--- again by the next claim), and never past the commit horizon. Returns the cursor (NULL when
--- another claim is taking in right now: one at a time, the others skip it rather than wait) and
--- the events to hand out, in id order, with their row addresses.
-CREATE FUNCTION outbox_take_in(settled bigint, open_below bigint, held_keys integer[], last_id bigint,
-                               remaining integer, max_run integer, t timestamptz, lease interval,
-                               OUT upto bigint, OUT ids bigint[], OUT tids tid[],
-                               OUT lo timestamptz, OUT hi timestamptz)
+-- Take newly committed events into outbox_heads: up to `chunk` in-flow events above the intake
+-- cursor, oldest first. Returns the cursor afterwards, or NULL when another claim is taking in
+-- right now (one at a time: the others skip it rather than wait).
+CREATE FUNCTION outbox_take_in(settled bigint, last_id bigint, chunk integer) RETURNS bigint
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
 SET plan_cache_mode = force_generic_plan  -- see outbox_claim, also for the settings below
@@ -244,154 +168,80 @@ SET enable_bitmapscan = off
 SET enable_hashjoin = off
 SET enable_mergejoin = off
 SET enable_material = off
+-- Group the new events by aggregate in a hash table, not by sorting all of them.
+SET enable_sort = off
 SET jit = off
 AS $$
 DECLARE
-    chunk   integer;
+    upto    bigint;
+    types   text[];
+    ids     text[];
+    firsts  bigint[];
     seen    bigint;
     top     bigint;
-    wait_at bigint;
-    was     bigint;
-    r_ids   bigint[];
-    r_tids  tid[];
-    r_lo    timestamptz;
-    r_hi    timestamptz;
 BEGIN
     SELECT i.intake_id INTO upto FROM outbox_intake i FOR UPDATE SKIP LOCKED;
-    IF NOT FOUND OR upto >= last_id OR remaining < 1 THEN
-        RETURN;
+    IF NOT FOUND THEN
+        RETURN NULL;
     END IF;
-    was := upto;
-    -- A chunk at a time, a little more than the batch (room for events of aggregates that have
-    -- a head), at most four: a claim that comes back short has read everything up to the
-    -- cursor, or four chunks (outbox_next_wakeup then says to claim again at once).
-    FOR round IN 1..4 LOOP
-        chunk := least(greatest(remaining + remaining / 4, 100), 10000);
-
-        -- No joins between the steps below (their sizes are unknown to the planner, and nested
-        -- loops over them would be quadratic): each step adds columns to the chunk's rows, by
-        -- window functions over the aggregate's events or by index probes once per aggregate.
-        WITH ev AS MATERIALIZED (
-            SELECT o.id, o.ctid, o.created_at, o.aggregate_type, o.aggregate_id,
-                   outbox_aggregate_key(o.aggregate_type, o.aggregate_id) AS lock_key,
-                   o.state = 'pending' AND o.next_attempt_at <= t AS due
-              FROM outbox o
-             WHERE o.in_flow
-               AND o.id > upto AND o.id <= last_id
-             ORDER BY o.id
-             LIMIT chunk),
-        -- Each event's place in its aggregate's events here, and whether all of them up to it can
-        -- go now (pending, due, not held back by the commit-order guard).
-        lined AS MATERIALIZED (
-            SELECT e.*, min(e.id) OVER a AS first_id, row_number() OVER a AS rn,
-                   bool_and(e.due AND (e.id <= settled OR (e.id <= open_below AND e.lock_key <> ALL (held_keys))))
-                       OVER a AS ok
-              FROM ev e
-            WINDOW a AS (PARTITION BY e.aggregate_type, e.aggregate_id ORDER BY e.id)),
-        -- Once per aggregate, at its first event here: its head, or else an unfinished event before.
-        -- A head is read as it is and locked, SKIP LOCKED: one that a report or another claim is
-        -- changing right now is left for the next claim (`busy`), as are its events. Never waiting
-        -- here is what keeps a claim, which holds the heads it took, out of deadlocks with reports.
-        looked AS MATERIALIZED (
-            SELECT l.*, hd.head_id AS old_head, hd.head_id IS NOT NULL AND hl.head_id IS NULL AS busy,
-                   CASE WHEN l.rn = 1 AND hd.head_id IS NULL THEN
-                        (SELECT o.id FROM outbox o
-                          WHERE o.aggregate_type = l.aggregate_type AND o.aggregate_id = l.aggregate_id
-                            AND o.unfinished AND o.id < l.id
-                          ORDER BY o.id
-                          LIMIT 1) END AS earlier
-              FROM lined l
-              LEFT JOIN LATERAL (
-                    SELECT h.head_id FROM outbox_heads h
-                     WHERE l.rn = 1
-                       AND h.aggregate_type = l.aggregate_type AND h.aggregate_id = l.aggregate_id) hd ON true
-              LEFT JOIN LATERAL (
-                    SELECT h.head_id FROM outbox_heads h
-                     WHERE l.rn = 1 AND hd.head_id IS NOT NULL
-                       AND h.aggregate_type = l.aggregate_type AND h.aggregate_id = l.aggregate_id
-                       FOR NO KEY UPDATE SKIP LOCKED) hl ON true),
-        -- Free: no head and nothing unfinished before. The run: the events that can go, from the
-        -- first, up to max_run.
-        spread AS MATERIALIZED (
-            SELECT k.*, bool_or(k.rn = 1 AND k.old_head IS NULL AND k.earlier IS NULL) OVER g AS free,
-                       count(*) FILTER (WHERE k.ok AND k.rn <= max_run) OVER g AS n_ok,
-                   count(*) OVER g AS n_all
-              FROM looked k
-            WINDOW g AS (PARTITION BY k.first_id)),
-        -- The runs of free aggregates in the order of their first event; the batch is cut there.
-        placed AS MATERIALIZED (
-            SELECT s.*,
-                   s.free AND s.ok AND s.rn <= max_run
-                   AND count(*) FILTER (WHERE s.free AND s.ok AND s.rn <= max_run)
-                           OVER (ORDER BY s.first_id, s.id ROWS UNBOUNDED PRECEDING) <= remaining AS taken
-              FROM spread s),
-        counted AS MATERIALIZED (
-            SELECT p.*, count(*) FILTER (WHERE p.taken) OVER (PARTITION BY p.first_id) AS n_taken
-              FROM placed p),
-        -- A head that exists is locked above, so that a report about to drop it because it saw no
-        -- more events of its aggregate waits for this transaction and then sees these events
-        -- (outbox_refresh_heads). An event that committed late below its aggregate's head (it was
-        -- held back by the commit-order guard meanwhile) moves the head back to it.
-        moved_back AS (
-            UPDATE outbox_heads h
-               SET head_id = c.first_id
-              FROM counted c
-             WHERE c.rn = 1 AND c.old_head > c.first_id AND NOT c.busy
-               AND h.aggregate_type = c.aggregate_type AND h.aggregate_id = c.aggregate_id),
-        new_heads AS (
-            INSERT INTO outbox_heads AS h (aggregate_type, aggregate_id, lock_key, head_id, ready_at)
-            SELECT c.aggregate_type, c.aggregate_id, c.lock_key, coalesce(c.earlier, c.first_id),
-                   -- A run handed out here: ready when its lease ends. Otherwise due now, for the
-                   -- next claim to look at (not after its own time).
-                   CASE WHEN c.n_taken > 0 THEN t + lease ELSE now() END
-              FROM counted c
-             WHERE c.rn = 1 AND c.old_head IS NULL
-               AND (c.earlier IS NOT NULL                           -- behind an unfinished event
-                    OR c.n_ok = 0                                   -- its first event cannot go now
-                    OR (c.n_taken > 0 AND c.n_taken < c.n_all))     -- part of it handed out
-             ORDER BY c.aggregate_type, c.aggregate_id
-            -- Made meanwhile by a report (an event failed) or by a claim (a lease ran out): that
-            -- one stays, and is due.
-            ON CONFLICT (aggregate_type, aggregate_id) DO NOTHING)
-        SELECT array_agg(c.id ORDER BY c.id) FILTER (WHERE c.taken),
-               array_agg(c.ctid ORDER BY c.id) FILTER (WHERE c.taken),
-               min(c.created_at) FILTER (WHERE c.taken), max(c.created_at) FILTER (WHERE c.taken),
-               count(*), max(c.id),
-               -- Free runs the batch had no room for, and busy heads: the cursor stops before the first.
-               min(c.first_id) FILTER (WHERE c.rn = 1 AND ((c.free AND c.n_ok > 0 AND c.n_taken = 0) OR c.busy))
-          INTO r_ids, r_tids, r_lo, r_hi, seen, top, wait_at
-          FROM counted c;
-        ids := ids || r_ids;                  -- || and least/greatest ignore NULLs
-        tids := tids || r_tids;
-        lo := least(lo, r_lo);
-        hi := greatest(hi, r_hi);
-        remaining := remaining - coalesce(cardinality(r_ids), 0);
-
-        -- Read up to here: all of it when fewer than chunk came back.
-        top := CASE WHEN seen < chunk THEN last_id ELSE top END;
-        -- The cursor moves past everything read, before the free events left for the next claim,
-        -- never past the horizon.
-        upto := greatest(upto, least(top, settled, wait_at - 1));
-        -- Another chunk only from where this one ended: events read above the horizon would be
-        -- read (and handed out) again.
-        EXIT WHEN seen < chunk OR wait_at IS NOT NULL OR remaining < 1 OR top > settled;
-    END LOOP;
-    IF upto > was THEN
-        UPDATE outbox_intake SET intake_id = upto;
+    IF upto >= last_id THEN
+        RETURN upto;
     END IF;
+
+    -- One row per aggregate among the new events, with its first event.
+    SELECT array_agg(a.aggregate_type ORDER BY a.aggregate_type, a.aggregate_id),
+           array_agg(a.aggregate_id ORDER BY a.aggregate_type, a.aggregate_id),
+           array_agg(a.first_id ORDER BY a.aggregate_type, a.aggregate_id),
+           sum(a.n), max(a.top)
+      INTO types, ids, firsts, seen, top
+      FROM (SELECT e.aggregate_type, e.aggregate_id, min(e.id) AS first_id, count(*) AS n, max(e.id) AS top
+              FROM (SELECT o.id, o.aggregate_type, o.aggregate_id
+                      FROM outbox o
+                     WHERE o.in_flow
+                       AND o.id > upto AND o.id <= last_id
+                     ORDER BY o.id
+                     LIMIT chunk) e
+             GROUP BY e.aggregate_type, e.aggregate_id) a;
+
+    IF types IS NOT NULL THEN
+        -- New heads are inserted; a head that exists is locked (in key order, as reports lock
+        -- them), so that a report about to drop it because it saw no more events of its
+        -- aggregate waits for this transaction and then sees these events
+        -- (outbox_refresh_heads). An event that committed late below its aggregate's head (it
+        -- was held back by the commit-order guard meanwhile) moves the head back to it.
+        -- A new head is due now, whatever this statement's snapshot said of its event: while
+        -- the cursor is held back, events read here may have been claimed, or even published
+        -- and their head dropped, since (a run reads its aggregate's line beyond the cursor).
+        -- The claim that takes the head finds the truth (a lease running: it waits for its end;
+        -- no event left: the head is dropped).
+        INSERT INTO outbox_heads AS h (aggregate_type, aggregate_id, lock_key, head_id, ready_at)
+        SELECT s.t, s.i, outbox_aggregate_key(s.t, s.i), s.f, now()   -- not after the claim's own time
+          FROM unnest(types, ids, firsts) AS s(t, i, f)
+        ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE
+           SET head_id = excluded.head_id
+         WHERE h.head_id > excluded.head_id;
+    END IF;
+
+    -- Past everything read (all of it when fewer than chunk came back), never past the horizon.
+    top := least(CASE WHEN coalesce(seen, 0) < chunk THEN last_id ELSE top END, settled);
+    IF top > upto THEN
+        UPDATE outbox_intake SET intake_id = top;
+        upto := top;
+    END IF;
+    RETURN upto;
 END;
 $$;
 
-COMMENT ON FUNCTION outbox_take_in(bigint, bigint, integer[], bigint, integer, integer, timestamptz, interval) IS
-    'Called by outbox_claim: hands out new events of aggregates without a head, registers the others in outbox_heads, and moves the intake cursor.';
+COMMENT ON FUNCTION outbox_take_in(bigint, bigint, integer) IS
+    'Called by outbox_claim: registers the aggregates of newly committed events in outbox_heads and moves the intake cursor.';
 
 -- Recompute the heads of the given aggregates from their first unfinished event, after a
 -- report or a repair changed their events; drop the heads with none left. A head is dropped
--- only under a row lock (FOR NO KEY UPDATE) taken in a statement of its own before the events
--- are looked at: a claim reading a new event of the aggregate either holds that lock first (and
--- this statement, with a snapshot taken after it, sees the event), or finds it taken and leaves
--- the event for the next claim, or finds the head gone and makes it again.
-CREATE FUNCTION outbox_refresh_heads(types text[], ids text[], make_heads boolean DEFAULT true) RETURNS void
+-- only under FOR UPDATE, taken in a statement of its own before the events are looked at:
+-- a claim taking in a new event of the aggregate either holds its KEY SHARE lock first (and
+-- this statement, with a snapshot taken after it, sees the event), or finds the head gone and
+-- creates it again.
+CREATE FUNCTION outbox_refresh_heads(types text[], ids text[]) RETURNS void
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
 SET plan_cache_mode = force_generic_plan  -- see outbox_claim, also for the settings below
@@ -409,57 +259,40 @@ BEGIN
        FROM (SELECT DISTINCT s.t, s.i FROM unnest(types, ids) AS s(t, i)) s
        JOIN outbox_heads h ON h.aggregate_type = s.t COLLATE "C" AND h.aggregate_id = s.i COLLATE "C"
       ORDER BY h.aggregate_type, h.aggregate_id
-        FOR NO KEY UPDATE OF h;
+        FOR UPDATE OF h;
     -- Events not taken in yet may lie below a head_id (see outbox_take_in).
     SELECT i.intake_id INTO upto FROM outbox_intake i;
 
-    -- With make_heads, aggregates without a head are looked at too: an event the intake handed
-    -- out without one that failed, or was handed back, now needs a head, as the cursor is past
-    -- it; so does its aggregate when an earlier event of the run is still out (a worker may
-    -- report a run's failure before its published prefix). (Above the cursor it is the
-    -- intake's.) outbox_complete leaves it out: after a complete, every unfinished event of such
-    -- an aggregate up to the cursor is still out, or has a head.
     WITH firsts AS MATERIALIZED (
-        SELECT s.t AS aggregate_type, s.i AS aggregate_id, h.head_id IS NOT NULL AS has_head,
-               f.id, f.state, f.next_attempt_at, f.locked_until
+        SELECT h.aggregate_type, h.aggregate_id, f.id, f.state, f.next_attempt_at, f.locked_until
           FROM (SELECT DISTINCT s.t, s.i FROM unnest(types, ids) AS s(t, i)) s
-          LEFT JOIN outbox_heads h ON h.aggregate_type = s.t COLLATE "C" AND h.aggregate_id = s.i COLLATE "C"
+          JOIN outbox_heads h ON h.aggregate_type = s.t COLLATE "C" AND h.aggregate_id = s.i COLLATE "C"
           LEFT JOIN LATERAL (
                 SELECT o.id, o.state, o.next_attempt_at, o.locked_until
                   FROM outbox o
-                 WHERE o.aggregate_type = s.t COLLATE "C" AND o.aggregate_id = s.i COLLATE "C"
+                 WHERE o.aggregate_type = h.aggregate_type AND o.aggregate_id = h.aggregate_id
                    AND o.unfinished
-                   AND o.id >= CASE WHEN h.head_id IS NULL THEN 0 ELSE least(h.head_id, upto + 1) END
-                   AND (h.head_id IS NOT NULL OR make_heads)
+                   AND o.id >= least(h.head_id, upto + 1)
                  ORDER BY o.id
                  LIMIT 1) f ON true),
     dropped AS (
         DELETE FROM outbox_heads h
          USING firsts f
-         WHERE f.has_head AND f.id IS NULL
-           AND h.aggregate_type = f.aggregate_type AND h.aggregate_id = f.aggregate_id),
-    moved AS (
-        UPDATE outbox_heads h
-           SET head_id  = f.id,
-               ready_at = CASE f.state WHEN 'pending' THEN f.next_attempt_at
-                                       WHEN 'processing' THEN f.locked_until END
-          FROM firsts f
-         WHERE f.has_head AND f.id IS NOT NULL
-           AND h.aggregate_type = f.aggregate_type AND h.aggregate_id = f.aggregate_id
-           AND (h.head_id, h.ready_at) IS DISTINCT FROM
-               (f.id, CASE f.state WHEN 'pending' THEN f.next_attempt_at WHEN 'processing' THEN f.locked_until END))
-    -- A head made by the intake meanwhile stays: it is due, and the claim that takes it looks again.
-    INSERT INTO outbox_heads (aggregate_type, aggregate_id, lock_key, head_id, ready_at)
-    SELECT f.aggregate_type, f.aggregate_id, outbox_aggregate_key(f.aggregate_type, f.aggregate_id), f.id,
-           CASE f.state WHEN 'pending' THEN f.next_attempt_at WHEN 'processing' THEN f.locked_until END
+         WHERE f.id IS NULL
+           AND h.aggregate_type = f.aggregate_type AND h.aggregate_id = f.aggregate_id)
+    UPDATE outbox_heads h
+       SET head_id  = f.id,
+           ready_at = CASE f.state WHEN 'pending' THEN f.next_attempt_at
+                                   WHEN 'processing' THEN f.locked_until END
       FROM firsts f
-     WHERE NOT f.has_head AND f.id <= upto
-     ORDER BY f.aggregate_type, f.aggregate_id
-    ON CONFLICT (aggregate_type, aggregate_id) DO NOTHING;
+     WHERE f.id IS NOT NULL
+       AND h.aggregate_type = f.aggregate_type AND h.aggregate_id = f.aggregate_id
+       AND (h.head_id, h.ready_at) IS DISTINCT FROM
+           (f.id, CASE f.state WHEN 'pending' THEN f.next_attempt_at WHEN 'processing' THEN f.locked_until END);
 END;
 $$;
 
-COMMENT ON FUNCTION outbox_refresh_heads(text[], text[], boolean) IS
+COMMENT ON FUNCTION outbox_refresh_heads(text[], text[]) IS
     'Called by the report and repair functions: recompute (or drop) the heads of the given aggregates from their first unfinished event.';
 
 -- Rows deleted by hand (DELETE FROM outbox ...; the functions never delete) and TRUNCATE take
@@ -474,7 +307,6 @@ DECLARE
 BEGIN
     IF TG_OP = 'TRUNCATE' THEN
         DELETE FROM outbox_heads;
-        DELETE FROM outbox_leases;
         RETURN NULL;
     END IF;
     SELECT array_agg(g.aggregate_type), array_agg(g.aggregate_id) INTO types, ids
@@ -536,8 +368,6 @@ DECLARE
     g       record;
     upto    bigint;
     took_in boolean;
-    x       record;
-    intake  record;
     remaining  integer;
     empty_types text[] := '{}';
     empty_ids   text[] := '{}';
@@ -573,33 +403,17 @@ BEGIN
 
     -- Commit order: read before the snapshots of the statements below.
     SELECT * INTO g FROM outbox_commit_guard();
+    upto := outbox_take_in(g.settled, g.last_id, least(greatest(2 * n, 500), 10000));
     IF NOT cfg.commit_order_guard THEN
         -- Switched off (0013): whatever is visible, in id order per aggregate.
         g.settled := g.last_id;
         g.open_below := g.last_id;
         g.held_keys := '{}';
     END IF;
-    SELECT i.intake_id INTO upto FROM outbox_intake i;
-
-    -- Leases run out (the worker died or hung): the aggregates of their events still out get
-    -- heads, due now, and the passes below reclaim them as they reclaim any run.
-    FOR x IN SELECT l.lease_token, l.ids FROM outbox_leases l
-              WHERE l.locked_until < t
-              ORDER BY l.locked_until
-              LIMIT 8
-                FOR UPDATE SKIP LOCKED LOOP
-        INSERT INTO outbox_heads AS h (aggregate_type, aggregate_id, lock_key, head_id, ready_at)
-        SELECT o.aggregate_type, o.aggregate_id, outbox_aggregate_key(o.aggregate_type, o.aggregate_id),
-               min(o.id), now()
-          FROM outbox o
-         WHERE o.in_flow AND o.id = ANY (x.ids)
-           AND o.state = 'processing' AND o.lease_token = x.lease_token
-         GROUP BY o.aggregate_type, o.aggregate_id
-         ORDER BY o.aggregate_type, o.aggregate_id
-        -- A head that exists already covers the run (its head_id is at or below it).
-        ON CONFLICT (aggregate_type, aggregate_id) DO NOTHING;
-        DELETE FROM outbox_leases l WHERE l.lease_token = x.lease_token;
-    END LOOP;
+    took_in := upto IS NOT NULL;
+    IF NOT took_in THEN
+        SELECT i.intake_id INTO upto FROM outbox_intake i;
+    END IF;
 
     -- Passes: a pass that reclaimed expired runs looks again for the rest of the batch, so a
     -- worker's crash does not cost the next claim its batch (a short claim tells a worker that
@@ -742,21 +556,10 @@ BEGIN
         EXIT WHEN r_ids IS NULL OR cardinality(c_ids) >= n;
     END LOOP;
 
-    -- New events, for the rest of the batch (see outbox_take_in).
-    intake := outbox_take_in(g.settled, g.open_below, g.held_keys, g.last_id, n - cardinality(c_ids),
-                             cfg.max_run, t, lease);
-    took_in := intake.upto IS NOT NULL;
-    IF intake.ids IS NOT NULL THEN
-        c_ids  := c_ids || intake.ids;
-        c_tids := c_tids || intake.tids;
-        lo := least(lo, intake.lo);
-        hi := greatest(hi, intake.hi);
-    END IF;
-
     IF cardinality(empty_types) > 0 THEN
         -- Heads with no unfinished event in sight: dropped, or set right, under the protocol
         -- that keeps a new event from losing its head (the claim holds them already).
-        PERFORM outbox_refresh_heads(empty_types, empty_ids, false);
+        PERFORM outbox_refresh_heads(empty_types, empty_ids);
     END IF;
     IF took_in THEN
         -- Monitors ask "is a worker claiming?": to the second, so that a busy worker does not
@@ -767,8 +570,6 @@ BEGIN
     IF cardinality(c_ids) = 0 THEN
         RETURN;
     END IF;
-    INSERT INTO outbox_leases (lease_token, locked_until, ids, open)
-    VALUES (token, t + lease, c_ids, cardinality(c_ids));
 
     RETURN QUERY
     WITH claimed AS (

@@ -70,8 +70,7 @@ BEGIN
         SELECT count(*), array_agg(d.aggregate_type), array_agg(d.aggregate_id) INTO done, types, aggs FROM done d;
     END IF;
     IF done > 0 THEN
-        PERFORM outbox_refresh_heads(types, aggs, false);
-        PERFORM outbox_settle_lease(lease_token, done);
+        PERFORM outbox_refresh_heads(types, aggs);
     END IF;
     RETURN done;
 END;
@@ -121,7 +120,6 @@ BEGIN
     -- NULL: the token no longer holds this event's lease; nothing changed.
     IF new_state IS NOT NULL THEN
         PERFORM outbox_refresh_heads(ARRAY[agg_type], ARRAY[agg_id]);
-        PERFORM outbox_settle_lease(lease_token, 1);
     END IF;
     RETURN new_state::text;
 END;
@@ -166,7 +164,6 @@ BEGIN
     SELECT count(*), array_agg(d.aggregate_type), array_agg(d.aggregate_id) INTO released, types, aggs FROM done d;
     IF released > 0 THEN
         PERFORM outbox_refresh_heads(types, aggs);
-        PERFORM outbox_settle_lease(lease_token, released);
     END IF;
     RETURN released;
 END;

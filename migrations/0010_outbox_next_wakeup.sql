@@ -27,18 +27,12 @@ BEGIN
     IF NOT (SELECT s.commit_order_guard FROM outbox_settings s) THEN
         g.settled := g.last_id;
     END IF;
-    -- Committed events no claim has read yet (a claim reads a few chunks at most): claim now.
-    IF (SELECT i.intake_id FROM outbox_intake i) < g.settled THEN
-        RETURN now();
-    END IF;
-    RETURN least((SELECT min(h.ready_at)
-                    FROM outbox_heads h
-                   WHERE h.ready_at > now() - interval '1 second'
-                     AND (h.ready_at > now()
-                          OR h.head_id <= g.settled
-                          OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys)))),
-                 -- A lease of events handed out without a head (0005's outbox_take_in).
-                 (SELECT min(l.locked_until) FROM outbox_leases l));
+    RETURN (SELECT min(h.ready_at)
+              FROM outbox_heads h
+             WHERE h.ready_at > now() - interval '1 second'
+               AND (h.ready_at > now()
+                    OR h.head_id <= g.settled
+                    OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys))));
 END;
 $$;
 

@@ -66,8 +66,7 @@ BEGIN
      RETURNING o.aggregate_type, o.aggregate_id)
     SELECT count(*), array_agg(d.aggregate_type), array_agg(d.aggregate_id) INTO extended, types, aggs FROM done d;
     IF extended > 0 THEN
-        PERFORM outbox_refresh_heads(types, aggs, false);
-        PERFORM outbox_settle_lease(lease_token, 0, t + lease);
+        PERFORM outbox_refresh_heads(types, aggs);
     END IF;
     RETURN extended;
 END;
