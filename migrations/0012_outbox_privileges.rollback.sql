@@ -14,7 +14,7 @@ BEGIN
         -- A role a DBA dropped by hand (after DROP OWNED) has nothing left to revoke here.
         CONTINUE WHEN NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = r);
         EXECUTE format('REVOKE ALL ON outbox, outbox_settings, outbox_stats, outbox_dead_letters, outbox_partitions, outbox_health, '
-                       'outbox_heads, outbox_intake, outbox_leases FROM %I', r);
+                       'outbox_heads, outbox_intake FROM %I', r);
         EXECUTE format('REVOKE ALL ON SEQUENCE outbox_id_seq FROM %I', r);
         EXECUTE format('REVOKE ALL ON FUNCTION
             outbox_wake_workers(), outbox_worker_idle(), outbox_worker_busy(),
@@ -23,7 +23,7 @@ BEGIN
             outbox_fail(bigint, uuid, text, boolean), outbox_release(bigint[], uuid),
             outbox_requeue(bigint[]), outbox_discard(bigint[], text),
             outbox_maintain(boolean), outbox_next_wakeup(), outbox_health_row(), outbox_commit_horizon(),
-            outbox_commit_guard(), outbox_take_in(bigint, bigint, integer[], bigint, integer, integer, timestamptz, interval), outbox_settle_lease(uuid, integer, timestamptz), outbox_refresh_heads(text[], text[], boolean),
+            outbox_commit_guard(), outbox_take_in(bigint, bigint, integer), outbox_refresh_heads(text[], text[]),
             outbox_aggregate_key(text, text) FROM %I', r);
         IF to_regclass('_yoyo_migration') IS NOT NULL THEN
             EXECUTE format('REVOKE ALL ON _yoyo_migration FROM %I', r);
@@ -40,7 +40,7 @@ GRANT EXECUTE ON FUNCTION
     outbox_fail(bigint, uuid, text, boolean), outbox_release(bigint[], uuid),
     outbox_requeue(bigint[]), outbox_discard(bigint[], text),
     outbox_maintain(boolean), outbox_next_wakeup(), outbox_health_row(), outbox_commit_horizon(),
-    outbox_commit_guard(), outbox_take_in(bigint, bigint, integer[], bigint, integer, integer, timestamptz, interval), outbox_settle_lease(uuid, integer, timestamptz), outbox_refresh_heads(text[], text[], boolean),
+    outbox_commit_guard(), outbox_take_in(bigint, bigint, integer), outbox_refresh_heads(text[], text[]),
     outbox_aggregate_key(text, text)
 TO PUBLIC;
 

@@ -129,7 +129,7 @@ REVOKE EXECUTE ON FUNCTION
     outbox_fail(bigint, uuid, text, boolean), outbox_release(bigint[], uuid),
     outbox_requeue(bigint[]), outbox_discard(bigint[], text),
     outbox_maintain(boolean), outbox_next_wakeup(), outbox_health_row(), outbox_commit_horizon(),
-    outbox_commit_guard(), outbox_take_in(bigint, bigint, integer[], bigint, integer, integer, timestamptz, interval), outbox_settle_lease(uuid, integer, timestamptz), outbox_refresh_heads(text[], text[], boolean),
+    outbox_commit_guard(), outbox_take_in(bigint, bigint, integer), outbox_refresh_heads(text[], text[]),
     outbox_aggregate_key(text, text)
 FROM PUBLIC;
 
@@ -177,7 +177,7 @@ GRANT SELECT ON outbox_health TO outbox_worker;
 GRANT SELECT ON outbox_stats, outbox_dead_letters, outbox_partitions, outbox_health, outbox_settings
     TO outbox_operator;
 -- The queue of aggregates and the intake cursor (0005): what sql/health.sql and the CLI look at.
-GRANT SELECT ON outbox_heads, outbox_intake, outbox_leases TO outbox_operator;
+GRANT SELECT ON outbox_heads, outbox_intake TO outbox_operator;
 GRANT EXECUTE ON FUNCTION
     outbox_requeue(bigint[]), outbox_discard(bigint[], text), outbox_maintain(boolean), outbox_health_row()
 TO outbox_operator;

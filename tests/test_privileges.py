@@ -57,9 +57,8 @@ EXECUTE = {
     "outbox_retry_delay(integer,interval,interval)": set(),   # only called inside claim / fail
     "outbox_commit_horizon()": set(),                         # only called inside claim
     "outbox_commit_guard()": set(),                           # inside claim and outbox_health_row
-    "outbox_take_in(bigint,bigint,integer[],bigint,integer,integer,timestamp with time zone,interval)": set(),  # inside claim
-    "outbox_settle_lease(uuid,integer,timestamp with time zone)": set(),  # inside the report functions
-    "outbox_refresh_heads(text[],text[],boolean)": set(),             # inside the report and repair functions
+    "outbox_take_in(bigint,bigint,integer)": set(),           # inside claim
+    "outbox_refresh_heads(text[],text[])": set(),             # inside the report and repair functions
     # the insert trigger names each aggregate by it; sql/health.sql matches producers' locks with it
     "outbox_aggregate_key(text,text)": {"outbox_producer", "outbox_operator"},
     "outbox_open_producers()": {"outbox_worker", "outbox_operator"},   # status, sql/health.sql
