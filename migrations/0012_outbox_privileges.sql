@@ -45,7 +45,8 @@
 -- For later migrations: CREATE OR REPLACE FUNCTION keeps the grants but resets every attribute
 -- it does not name, so a replaced function must say SECURITY DEFINER again; a function that is
 -- dropped and created anew is executable by PUBLIC again and has lost its grants.
--- depends: 0011_outbox_health
+-- It names the functions and views of 0003, 0005 to 0011 (ALTER, REVOKE, GRANT need them to exist):
+-- depends: 0003_outbox_wakeup 0006_outbox_report 0007_outbox_dead_letters 0008_outbox_partitions 0011_outbox_health
 DO $$ BEGIN PERFORM set_config('search_path', format('%I, pg_temp', current_schema()), false); END $$;
 
 -- 1. The group roles, created when missing (by a role with CREATEROLE; or a DBA creates them
