@@ -23,8 +23,8 @@ from nats.js.api import DeliverPolicy
 
 from outboxpg import enqueue, schema
 from outboxpg.embedded import EmbeddedNats, EmbeddedPostgres
-from outboxpg.nats_publisher import NatsPublisher, ensure_stream, supports_atomic_batch
-from outboxpg.worker import Worker, WorkerConfig
+from outboxpg.relay.nats_publisher import NatsPublisher, ensure_stream, supports_atomic_batch
+from outboxpg.relay.worker import Worker, WorkerConfig
 
 STEPS = ("created", "paid", "shipped")
 

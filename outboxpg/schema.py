@@ -14,16 +14,14 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 from yoyo import get_backend, read_migrations
 
+from outboxpg.errors import HandInstalled
+
 __all__ = ["HandInstalled", "MigrationStep", "migrations_dir", "yoyo_uri", "migrate", "rollback", "pending",
            "recorded", "adopt", "install_sql"]
 
 # Called with each NOTICE or WARNING the server sends while steps are applied or rolled back
 # (0012's rollback says which roles it keeps, and why).
 OnNotice = Callable[[psycopg.errors.Diagnostic], None]
-
-
-class HandInstalled(Exception):
-    """The outbox schema is there, but yoyo has no record of it (installed with psql)."""
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import dict_row
 
-WAKEUP_LOCK = (1868724336, 1)
+from outboxpg.locks import WAKEUP_LOCK  # noqa: F401 (the tests import it from here)
 
 
 def connect(dsn: str, autocommit: bool = True, lock_timeout: str = "10s") -> psycopg.Connection[Any]:

@@ -15,7 +15,7 @@ from nats.js.api import StreamConfig
 
 from jetstream import NatsProxy, StreamHandle, make_stream
 from outboxpg.events import NotSent, OutboxEvent, PermanentError
-from outboxpg.nats_publisher import NatsPublisher, ensure_stream
+from outboxpg.relay.nats_publisher import NatsPublisher, ensure_stream
 from test_nats_publisher import event
 from test_worker_runs import assert_in_order_once, start, states, stream_ids, until_published, write
 

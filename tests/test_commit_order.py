@@ -15,7 +15,7 @@ import contextlib
 
 from outboxpg import enqueue, enqueue_many, Event
 from outboxpg.events import OutboxEvent
-from outboxpg.publishers import FunctionPublisher
+from outboxpg.relay.publishers import FunctionPublisher
 from test_worker import start, wait_until
 
 

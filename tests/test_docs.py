@@ -214,7 +214,7 @@ def _insert(c: psycopg.Connection[Any], aggregate_type: str, aggregate_id: str, 
 
 async def _deliver(env: Env, prefix: str, until: Callable[[], bool]) -> None:
     """A real worker (worker-a:4711, NATS publisher) until ``until()``."""
-    from outboxpg.nats_publisher import NatsPublisher, ensure_stream
+    from outboxpg.relay.nats_publisher import NatsPublisher, ensure_stream
     from outboxpg.worker import Worker, WorkerConfig
 
     publisher = NatsPublisher(env.nats_url, ack_timeout=5)

@@ -22,7 +22,7 @@ from nats.js.api import StreamConfig
 
 from jetstream import StreamHandle, make_stream, read_stream
 from outboxpg import enqueue
-from outboxpg.nats_publisher import NatsPublisher
+from outboxpg.relay.nats_publisher import NatsPublisher
 from outboxpg.worker import Worker, WorkerConfig
 
 Conn = psycopg.Connection[Any]

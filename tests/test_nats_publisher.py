@@ -16,7 +16,7 @@ import pytest
 
 from jetstream import make_stream
 from outboxpg.events import OutboxEvent, PermanentError
-from outboxpg.nats_publisher import NatsPublisher
+from outboxpg.relay.nats_publisher import NatsPublisher
 
 
 def event(i: int, subject: str, **kw: Any) -> OutboxEvent:

@@ -19,7 +19,7 @@ import pytest
 from jetstream import make_stream, read_stream
 from outboxpg import Event, enqueue_many
 from outboxpg.embedded import free_port
-from outboxpg.pooler import behind_transaction_pooler
+from outboxpg.relay.pooler import behind_transaction_pooler
 from pgbouncer import PgBouncer, find_pgbouncer
 
 WORKER = str(Path(sys.executable).parent / "outboxpg-worker")

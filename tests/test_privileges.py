@@ -33,7 +33,7 @@ from jetstream import make_stream, read_stream
 from outboxpg import Event, enqueue, enqueue_many, schema
 from outboxpg.embedded import EmbeddedPostgres
 from outboxpg.events import OutboxEvent
-from outboxpg.publishers import FunctionPublisher
+from outboxpg.relay.publishers import FunctionPublisher
 from outboxpg.worker import Worker, WorkerConfig
 
 GROUPS = ("outbox_producer", "outbox_worker", "outbox_operator")
@@ -426,7 +426,7 @@ async def test_the_worker_cli_with_nats_runs_as_a_worker_login(logins: dict[str,
 
 
 def test_metrics_database_gauges_as_a_worker_login(logins: dict[str, Login], conn: psycopg.Connection[Any]) -> None:
-    from outboxpg.metrics import WorkerMetrics
+    from outboxpg.relay.metrics import WorkerMetrics
 
     insert(conn, "1")
     metrics = WorkerMetrics(logins["worker"].dsn, sample_every=0.0)

@@ -31,8 +31,8 @@ from jetstream import NatsProxy, make_stream, read_stream
 from outboxpg import Event, enqueue_many
 from outboxpg.embedded import free_port
 from outboxpg.events import NotSent, OutboxEvent, PermanentError
-from outboxpg.nats_publisher import NatsPublisher
-from outboxpg.publishers import FunctionPublisher
+from outboxpg.relay.nats_publisher import NatsPublisher
+from outboxpg.relay.publishers import FunctionPublisher
 from outboxpg.worker import Worker, WorkerConfig
 
 Conn = psycopg.Connection[Any]

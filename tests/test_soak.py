@@ -9,16 +9,19 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from outboxpg.soak import FAULT_KINDS
+SOAK = Path(__file__).resolve().parent.parent / "tools" / "soak.py"   # what bin/soak runs
+sys.path.insert(0, str(SOAK.parent))
+from soak import FAULT_KINDS  # noqa: E402
 
 
 @pytest.mark.timeout(240)
 def test_short_soak_loses_nothing_duplicates_nothing_reorders_nothing():
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "outboxpg.soak", "--seconds", "40", "--seed", "7"],
+    r = subprocess.run([sys.executable, str(SOAK), "--seconds", "40", "--seed", "7"],
                        capture_output=True, text=True, timeout=220)
     elapsed = time.monotonic() - t0
     out = r.stdout + r.stderr

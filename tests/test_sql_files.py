@@ -15,6 +15,7 @@ import pytest
 from psycopg.rows import dict_row
 
 from helpers import claim, complete, fail, insert, psql_args, psql_env
+from outboxpg import locks
 from test_cli import build_dataset, last_claim_at, operator_dsn, producing_transaction  # noqa: F401 (a fixture)
 
 SQL_DIR = Path(__file__).resolve().parent.parent / "sql"
@@ -50,6 +51,25 @@ def snapshot(conn: psycopg.Connection[Any]) -> list[tuple[Any, ...]]:
 
 
 # -- every file -------------------------------------------------------------------------------
+
+def test_every_advisory_lock_key_of_the_sql_is_named_in_outboxpg_locks() -> None:
+    """The SQL spells the lock keys out; outboxpg.locks names them for Python and the tests."""
+    named_pairs = {v for v in vars(locks).values() if isinstance(v, tuple)}
+    classes = {locks.LOCK_CLASS, locks.AGGREGATE_LOCK_CLASS}
+    migrations = sorted((SQL_DIR.parent / "migrations").glob("*.sql"))
+    seen_pairs, seen_classes = set(), set()
+    for path in [*migrations, *SQL_DIR.glob("*.sql")]:
+        text = path.read_text()
+        for first, second in re.findall(r"\(\s*(\d{6,})\s*,\s*(\d+)\s*\)", text):
+            seen_pairs.add((int(first), int(second)))
+        seen_classes.update(int(c) for c in re.findall(r"classid\s*=\s*(\d{6,})", text))
+        seen_classes.update(int(c) for c in re.findall(r"\(\s*(\d{6,})\s*,", text))
+    assert seen_pairs and seen_pairs <= named_pairs, seen_pairs - named_pairs
+    assert seen_classes <= classes, seen_classes - classes
+    # Each name is used: a lock the SQL no longer takes loses its name.
+    assert named_pairs <= seen_pairs, named_pairs - seen_pairs
+    assert classes <= seen_classes
+
 
 def test_sql_dir_holds_the_documented_files() -> None:
     assert sorted(p.stem for p in SQL_DIR.glob("*.sql")) == sorted(FILES)

@@ -11,6 +11,7 @@ from psycopg.rows import dict_row
 
 from helpers import (Background, claim, complete, discard, event, events, fail, insert, insert_series, release,
                      set_settings, states)
+from outboxpg.locks import MAINTENANCE_LOCK
 
 Conn = psycopg.Connection[Any]
 
@@ -263,7 +264,7 @@ def test_dry_run_changes_nothing(conn: Conn) -> None:
 def test_maintain_skips_when_another_maintainer_runs(dsn: str, conn: Conn) -> None:
     _old_events(conn, -30, 1, "a")
     with psycopg.connect(dsn) as other:
-        other.execute("SELECT pg_advisory_xact_lock(1868724336, 2)")
+        other.execute("SELECT pg_advisory_xact_lock(%s, %s)", MAINTENANCE_LOCK)
         rows = maintain(conn)
         assert [(r["action"], r["detail"]) for r in rows] == [("skip", "another outbox_maintain() is running")]
         assert conn.execute("SELECT count(*) FROM outbox_default").fetchone() == (1,)
@@ -315,11 +316,11 @@ def test_dry_run_does_not_take_the_maintainers_lock(dsn: str) -> None:
     import psycopg
 
     with psycopg.connect(dsn, autocommit=True) as holder, psycopg.connect(dsn, autocommit=True) as other:
-        holder.execute("SELECT pg_advisory_lock(1868724336, 2)")
+        holder.execute("SELECT pg_advisory_lock(%s, %s)", MAINTENANCE_LOCK)
         rows = other.execute("SELECT action FROM outbox_maintain(true)").fetchall()
         assert ("skip",) not in rows
         assert other.execute("SELECT action FROM outbox_maintain()").fetchall() == [("skip",)]
-        holder.execute("SELECT pg_advisory_unlock(1868724336, 2)")
+        holder.execute("SELECT pg_advisory_unlock(%s, %s)", MAINTENANCE_LOCK)
         with other.transaction():
             other.execute("SELECT * FROM outbox_maintain(true)")
             # Still inside the dry run's transaction: a real run elsewhere is not blocked.

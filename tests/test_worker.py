@@ -14,8 +14,9 @@ import pytest
 from jetstream import make_stream, read_stream
 from outboxpg import Event, enqueue, enqueue_many
 from outboxpg.events import OutboxEvent
-from outboxpg.nats_publisher import NatsPublisher
-from outboxpg.publishers import FunctionPublisher
+from outboxpg.locks import WAKEUP_LOCK
+from outboxpg.relay.nats_publisher import NatsPublisher
+from outboxpg.relay.publishers import FunctionPublisher
 from outboxpg.worker import Worker, WorkerConfig
 
 
@@ -178,13 +179,12 @@ async def test_idle_lock_connection_killed_worker_retakes_it(dsn, conn):
 
     running = start(dsn, FunctionPublisher(publish), poll_interval=120)
     await wait_until(running.idle, 10, "worker idle")
-    holder = ("SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND classid = 1868724336 "
-              "AND objid = 1 AND granted")
-    old_pid = conn.execute(holder).fetchone()[0]
+    holder = "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND classid = %s AND objid = %s AND granted"
+    old_pid = conn.execute(holder, WAKEUP_LOCK).fetchone()[0]
     conn.execute("SELECT pg_terminate_backend(%s)", (old_pid,))
 
     async def retaken() -> bool:
-        row = conn.execute(holder).fetchone()
+        row = conn.execute(holder, WAKEUP_LOCK).fetchone()
         return row is not None and row[0] != old_pid
     await wait_until(retaken, 5, "wakeup lock taken again on a new connection")
     event_id = enqueue(conn, "order", "1", "created", {})

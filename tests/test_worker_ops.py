@@ -10,8 +10,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from outboxpg import enqueue
 from outboxpg.embedded import free_port
 from outboxpg.events import OutboxEvent, PermanentError
-from outboxpg.metrics import WorkerMetrics
-from outboxpg.publishers import FunctionPublisher
+from outboxpg.locks import MAINTENANCE_LOCK
+from outboxpg.relay.metrics import WorkerMetrics
+from outboxpg.relay.publishers import FunctionPublisher
 from outboxpg.worker import Worker, WorkerConfig
 from test_worker import count_in, start, wait_until, _eq
 
@@ -69,7 +70,7 @@ async def test_scheduled_maintenance_runs_under_the_advisory_lock_and_failures_d
     before = conn.execute("SELECT count(*) FROM outbox_partitions").fetchone()[0]
     conn.execute("UPDATE outbox_settings SET partitions_ahead = 6")
     # Another worker "is maintaining": it holds the lock, so this worker's runs skip.
-    conn.execute("SELECT pg_advisory_lock(1868724336, 2)")
+    conn.execute("SELECT pg_advisory_lock(%s, %s)", MAINTENANCE_LOCK)
     seen: list[int] = []
 
     async def publish(event: OutboxEvent) -> None:
@@ -78,7 +79,7 @@ async def test_scheduled_maintenance_runs_under_the_advisory_lock_and_failures_d
     running = start(dsn, FunctionPublisher(publish), maintenance_interval=0.3)
     await asyncio.sleep(1.0)
     assert conn.execute("SELECT count(*) FROM outbox_partitions").fetchone()[0] == before
-    conn.execute("SELECT pg_advisory_unlock(1868724336, 2)")
+    conn.execute("SELECT pg_advisory_unlock(%s, %s)", MAINTENANCE_LOCK)
 
     async def created() -> bool:
         return conn.execute("SELECT count(*) FROM outbox_partitions").fetchone()[0] == before + 3

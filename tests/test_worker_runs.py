@@ -19,8 +19,8 @@ import pytest
 from jetstream import NatsProxy, StreamHandle, make_stream, read_stream
 from outboxpg import enqueue
 from outboxpg.events import OutboxEvent
-from outboxpg.nats_publisher import NatsPublisher
-from outboxpg.publishers import FunctionPublisher
+from outboxpg.relay.nats_publisher import NatsPublisher
+from outboxpg.relay.publishers import FunctionPublisher
 from outboxpg.worker import Worker, WorkerConfig
 
 

@@ -144,6 +144,8 @@ def test_environment_variable_that_does_not_parse_is_one_line_exit_2() -> None:
         ("OUTBOXPG_LEASE", "30s"): "OUTBOXPG_LEASE: not a number: '30s'",
         ("OUTBOXPG_METRICS_PORT", "x"): "OUTBOXPG_METRICS_PORT: not a whole number: 'x'",
         ("OUTBOXPG_LOG_LEVEL", "LOUD"): "OUTBOXPG_LOG_LEVEL: must be one of DEBUG, INFO, WARNING, ERROR: 'LOUD'",
+        ("OUTBOXPG_POLL_ONLY", "maybe"):
+            "OUTBOXPG_POLL_ONLY: not a yes/no value (1, true, yes, on; 0, false, no, off): 'maybe'",
     }
     for (name, value), message in cases.items():
         r = run("--help", env={name: value})
@@ -151,6 +153,44 @@ def test_environment_variable_that_does_not_parse_is_one_line_exit_2() -> None:
         assert r.stdout == ""
     ok = run("--help", env={"OUTBOXPG_BATCH_SIZE": "200"})
     assert ok.returncode == 0 and "(default: 200)" in ok.stdout, ok.stderr
+
+
+def test_flag_that_does_not_parse_is_one_line_exit_2() -> None:
+    cases = {
+        ("--batch-size", "abc"): "argument --batch-size: invalid int value: 'abc'",
+        ("--lease", "30s"): "argument --lease: invalid float value: '30s'",
+        ("--log-level", "LOUD"): "argument --log-level: invalid choice: 'LOUD'",
+        ("--no-such-flag", "1"): "unrecognized arguments: --no-such-flag 1",
+    }
+    for args, message in cases.items():
+        line = one_line(run(*args), 2)
+        assert line.startswith(f"outboxpg-worker: {message}") and line.endswith("(see outboxpg-worker --help)"), \
+            (args, line)
+
+
+def test_every_worker_option_has_its_flag_and_variable_declared_once() -> None:
+    """WorkerConfig's fields are the worker's options: each one is a flag with its variable, and
+    a value given either way reaches WorkerConfig."""
+    import dataclasses
+
+    from outboxpg.cli.options import env_name, flag_name, from_args
+    from outboxpg.cli.outboxpg_worker import build_parser
+    from outboxpg.relay.config import WorkerConfig
+
+    help_text = run("--help").stdout
+    for f in dataclasses.fields(WorkerConfig):
+        assert flag_name(f) in help_text and f"[{env_name(f)}]" in help_text, f.name
+    parser = build_parser()
+    cfg = from_args(WorkerConfig, parser.parse_args(["--dsn", "dbname=x", "--batch-size", "7", "--poll-only"]))
+    assert (cfg.dsn, cfg.batch_size, cfg.poll_only, cfg.concurrency) == ("dbname=x", 7, True, WorkerConfig("").concurrency)
+    saved = dict(os.environ)
+    try:
+        os.environ.update(OUTBOXPG_LEASE="45", OUTBOXPG_POLL_ONLY="off", OUTBOXPG_NAME="w9")
+        cfg = from_args(WorkerConfig, build_parser().parse_args(["--lease", "50"]))
+        assert (cfg.lease, cfg.poll_only, cfg.name) == (50.0, False, "w9")   # the flag wins over the variable
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 # -- --version --------------------------------------------------------------------------------

@@ -12,10 +12,10 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from outboxpg.cli_common import add_dsn, open_outbox, print_json, where_am_i, where_text
-from outboxpg.errors import first_line
-from outboxpg.streams import MAX_SUBJECTS, SUBJECTS_SQL, Subject, missing_text
-from outboxpg.tables import age, jsonable, one_line, pairs, table
+from outboxpg.cli.common import add_dsn, open_outbox, print_json, where_am_i, where_text
+from outboxpg.errors import describe
+from outboxpg.relay.streams import MAX_SUBJECTS, SUBJECTS_SQL, Subject, missing_text
+from outboxpg.cli.render import age, jsonable, one_line, pairs, table
 
 STATES = ("pending", "processing", "published", "dead", "discarded")
 
@@ -95,7 +95,7 @@ def register(sub: Any) -> None:
 async def _uncaptured(url: str, subjects: list[Subject]) -> list[Subject]:
     import nats
 
-    from outboxpg.streams import uncaptured
+    from outboxpg.relay.streams import uncaptured
 
     seen: list[Exception] = []
 
@@ -120,7 +120,7 @@ def _check_subjects(conn: psycopg.Connection[Any], url: str) -> dict[str, Any]:
     try:
         missing = asyncio.run(_uncaptured(url, subjects)) if subjects else []
     except Exception as exc:  # noqa: BLE001 - unreachable, refused, no JetStream...
-        return {"checked": len(subjects), "missing": None, "error": f"{type(exc).__name__}: {first_line(exc)}"}
+        return {"checked": len(subjects), "missing": None, "error": describe(exc)}
     return {"checked": len(subjects), "missing": [vars(s) for s in missing], "error": None}
 
 

@@ -22,8 +22,10 @@ from collections.abc import Sequence
 
 import psycopg
 
-from outboxpg import cli_dead, cli_status, schema
-from outboxpg.cli_common import (EXIT_CONNECT, EXIT_FAILED, EXIT_SCHEMA, CliError, add_dsn, connect,
+from outboxpg import schema
+from outboxpg.errors import describe
+from outboxpg.cli import dead as cli_dead, status as cli_status
+from outboxpg.cli.common import (EXIT_CONNECT, EXIT_FAILED, EXIT_SCHEMA, CliError, add_dsn, connect,
                                  describe_connection_error, first_line, not_installed, package_version,
                                  permission_hint, redact, resolve_dsn, restore_double_dash, secrets_of,
                                  where_am_i, where_text)
@@ -166,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - one line, never a traceback (OUTBOXPG_DEBUG=1 shows it)
         if os.environ.get("OUTBOXPG_DEBUG"):
             raise
-        return _fail(f"{type(exc).__name__}: {first_line(exc)}", EXIT_FAILED, secrets)
+        return _fail(describe(exc), EXIT_FAILED, secrets)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from typing import Any
 
 import psycopg
 
-from outboxpg.wakeup import CONNECT_OPTIONS
+from outboxpg.relay.wakeup import CONNECT_OPTIONS
 
 __all__ = ["POOLER_HINT", "behind_transaction_pooler"]
 

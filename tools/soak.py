@@ -1,13 +1,14 @@
 """Chaos soak: producers, three outboxpg-worker processes and seeded faults, then a checker.
 
-    python -m outboxpg.soak --minutes 3 --seed 42      (or bin/soak ...)
+    bin/soak --minutes 3 --seed 42          (python tools/soak.py ..., from the checkout)
 
 Everything runs on throwaway servers started here (EmbeddedPostgres, EmbeddedNats) and everything
 started here is stopped here. See RELIABILITY.md for what is injected, what is checked and how the
 figures are measured. Exit code 0: every invariant held; 1: a violation; 2: the harness failed.
 
-``FlakyPublisher`` is the publisher the soak's workers load (``--publisher
-outboxpg.soak:FlakyPublisher``): the real ``NatsPublisher`` behind a coin that fails a fraction
+A tool beside the tests, not part of the installed package. ``FlakyPublisher`` is the
+publisher the soak's workers load (``--publisher soak:FlakyPublisher``, this directory on their
+PYTHONPATH): the real ``NatsPublisher`` behind a coin that fails a fraction
 of events before they are published, configured through OUTBOXPG_SOAK_* environment variables.
 """
 
@@ -54,7 +55,7 @@ class FlakyPublisher:
     OUTBOXPG_SOAK_STATS_DIR/pub-<pid>.log (one line each: survives kill -9)."""
 
     def __init__(self) -> None:
-        from outboxpg.nats_publisher import NatsPublisher
+        from outboxpg.relay.nats_publisher import NatsPublisher
 
         self.fail_rate = float(os.environ.get("OUTBOXPG_SOAK_FAIL_RATE", "0.05"))
         self.rng = random.Random(f'{os.environ.get("OUTBOXPG_SOAK_SEED", "0")}-{os.getpid()}')
@@ -221,7 +222,10 @@ class Workers:
         self.env = {**os.environ, "OUTBOXPG_SOAK_NATS_URL": nats_url, "OUTBOXPG_SOAK_SEED": str(seed),
                     "OUTBOXPG_SOAK_FAIL_RATE": str(args.fail_rate),
                     "OUTBOXPG_SOAK_ACK_TIMEOUT": str(args.publish_timeout),
-                    "OUTBOXPG_SOAK_STATS_DIR": str(workdir)}
+                    "OUTBOXPG_SOAK_STATS_DIR": str(workdir),
+                    # The workers load FlakyPublisher from this file: --publisher soak:FlakyPublisher.
+                    "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent),
+                                                                os.environ.get("PYTHONPATH")]))}
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * count
         self.spawns = [0] * count
         self.expected_exit: set[int] = set()       # pids the soak itself signalled
@@ -240,7 +244,7 @@ class Workers:
         self.procs[i] = subprocess.Popen(
             [self.binary, "--dsn", self.dsn, "--name", self.name(i), "--batch-size", "50", "--concurrency", "2",
              "--lease", str(a.lease), "--publish-timeout", str(a.publish_timeout), "--poll-interval", "2",
-             "--summary-interval", "10", "--publisher", "outboxpg.soak:FlakyPublisher"],
+             "--summary-interval", "10", "--publisher", "soak:FlakyPublisher"],
             stdout=log, stderr=subprocess.STDOUT, env=self.env)
         log.close()
 

@@ -16,6 +16,7 @@ from typing import Any
 import psycopg
 
 from outboxpg.errors import first_line
+from outboxpg.relay.backoff import next_delay
 
 __all__ = ["CONNECT_OPTIONS", "Listener", "IdleLock"]
 
@@ -54,7 +55,7 @@ class Listener:
             except psycopg.Error as exc:
                 log.warning("event=listen_connect_failed error=%r retry_in=%.1fs", first_line(exc), delay)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                delay = next_delay(delay)
                 continue
             try:
                 await conn.execute(f"LISTEN {self.channel}")
@@ -76,7 +77,7 @@ class Listener:
                 with contextlib.suppress(Exception):
                     await conn.close()
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)
+            delay = next_delay(delay)
 
 
 class IdleLock:

@@ -14,10 +14,10 @@ from urllib.parse import quote, unquote
 import orjson
 import psycopg
 
-from outboxpg.errors import first_line
 from psycopg.conninfo import conninfo_to_dict
 
 from outboxpg import schema
+from outboxpg.errors import EXIT_CONNECT, EXIT_FAILED, EXIT_SCHEMA, CliError, first_line
 
 DSN_HELP = "libpq connection string or URI (default: $OUTBOXPG_DSN, else libpq's PG* variables)"
 
@@ -49,10 +49,6 @@ def permission_hint(exc: psycopg.Error) -> str:
     return (f"role '{user}' may not {what} ({text}): log in as a member of outbox_operator "
             f"(GRANT outbox_operator TO \"{user}\"; see docs/privileges.md)")
 
-# Exit codes: 1 a command failed or was refused, 2 cannot connect (argparse uses 2 for usage
-# errors too), 3 the schema is missing or older than this version of outboxpg.
-EXIT_FAILED, EXIT_CONNECT, EXIT_SCHEMA = 1, 2, 3
-
 # For databases installed by hand with psql (no yoyo bookkeeping): the objects the commands use.
 # The newest first: the first one missing says how far behind the install is.
 _REQUIRED_OBJECTS = (
@@ -74,14 +70,6 @@ def package_version() -> str:
         from outboxpg import __version__
 
         return __version__
-
-
-class CliError(Exception):
-    """A failure to report as one line, with exit code ``code``."""
-
-    def __init__(self, message: str, code: int = EXIT_FAILED) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 def add_dsn(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,89 @@
+"""Command-line options built from their one declaration: a dataclass field made with
+outboxpg.relay.config.option() (type, default, help). Field ``batch_size`` becomes the flag
+--batch-size and the environment variable OUTBOXPG_BATCH_SIZE; the flag wins over the
+variable, the variable over the field's default. A value that does not parse, from either, is a
+CliError: one line, exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import typing
+from typing import Any, NoReturn
+
+from outboxpg.errors import EXIT_USAGE, CliError
+
+__all__ = ["OneLineParser", "add_options", "env_name", "flag_name", "from_args"]
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+
+def flag_name(f: dataclasses.Field[Any]) -> str:
+    return "--" + f.name.replace("_", "-")
+
+
+def env_name(f: dataclasses.Field[Any]) -> str:
+    return "OUTBOXPG_" + f.name.upper()
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line ('prog: argument --x: ...'), exit 2,
+    without the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+
+def _parse(kind: type, text: str, where: str, choices: tuple[str, ...] | None) -> Any:
+    if kind is bool:
+        if text.strip().lower() in _TRUE:
+            return True
+        if text.strip().lower() in _FALSE:
+            return False
+        raise CliError(f"{where}: not a yes/no value (1, true, yes, on; 0, false, no, off): {text!r}", EXIT_USAGE)
+    if choices is not None and text not in choices:
+        raise CliError(f"{where}: must be one of {', '.join(choices)}: {text!r}", EXIT_USAGE)
+    try:
+        return kind(text)
+    except ValueError:
+        what = "a whole number" if kind is int else "a number"
+        raise CliError(f"{where}: not {what}: {text!r}", EXIT_USAGE) from None
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    if f.metadata.get("command_default", dataclasses.MISSING) is not dataclasses.MISSING:
+        return f.metadata["command_default"]
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
+def add_options(parser: argparse.ArgumentParser, declared: type) -> None:
+    """A flag for every field of the dataclass ``declared``, its default read from the
+    environment now (a variable that does not parse raises CliError, also before --help: the
+    help would show it as the default)."""
+    hints = typing.get_type_hints(declared)
+    for f in dataclasses.fields(declared):
+        kind = hints[f.name]
+        kind = next((k for k in typing.get_args(kind) if k is not type(None)), kind)   # str | None: str
+        env = env_name(f)
+        choices = f.metadata.get("choices")
+        text = os.environ.get(env)
+        default = _default(f) if text is None else _parse(kind, text, env, choices)
+        help = f"{f.metadata['help']} [{env}]"
+        if kind is bool:
+            parser.add_argument(flag_name(f), dest=f.name, action="store_true", default=default, help=help)
+        else:
+            parser.add_argument(flag_name(f), dest=f.name, type=kind, default=default, choices=choices,
+                                metavar=f.metadata.get("metavar"), help=help)
+
+
+def from_args(declared: type, args: argparse.Namespace) -> Any:
+    """An instance of the dataclass ``declared`` with the parsed values of its fields."""
+    return declared(**{f.name: getattr(args, f.name) for f in dataclasses.fields(declared)})

@@ -1,0 +1,351 @@
+"""``outboxpg-worker``: run the relay from the command line.
+
+Every flag can also come from an environment variable, OUTBOXPG_<FLAG> (e.g. OUTBOXPG_DSN,
+OUTBOXPG_BATCH_SIZE, OUTBOXPG_POLL_ONLY=1). Flags win over the environment. Each option is
+declared once, as a field of WorkerConfig (outboxpg.relay.config) or of CommandOptions below;
+flags, variables and help are built from those (outboxpg.cli.options).
+
+At start it fails fast, with one line on stderr and an exit code, on what no retry can fix:
+2 a bad flag or DSN, or PostgreSQL cannot be reached; 3 the outbox schema is missing or too old;
+1 the login may not run the worker's functions (or another database error at start).
+What may come right by itself is waited for, with a warning per try and a growing pause:
+an unreachable NATS server at start (then nats-py reconnects on its own). No log line shows
+the DSN's or the NATS URL's password.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import psycopg
+
+from outboxpg.cli.options import OneLineParser, add_options, from_args
+from outboxpg.cli.common import (EXIT_CONNECT, EXIT_FAILED, EXIT_SCHEMA, CliError, describe_connection_error,
+                                 package_version, parse_dsn, redact, restore_double_dash, secrets_of)
+from outboxpg.errors import EXIT_USAGE, describe, first_line
+from outboxpg.relay.pooler import POOLER_HINT, behind_transaction_pooler
+from outboxpg.relay.streams import (MAX_SUBJECTS, SUBJECTS_SQL, Subject, explicit_to_add, missing_text, uncaptured,
+                              under_prefix)
+from outboxpg.relay.config import WorkerConfig, option
+from outboxpg.relay.worker import Worker, application_name
+from outboxpg.relay.backoff import next_delay
+
+log = logging.getLogger("outboxpg.worker")
+
+
+@dataclass
+class CommandOptions:
+    """The options of the command beside WorkerConfig's: where to publish, metrics, logging."""
+
+    nats_url: str = option("NATS server URL, or several separated by commas (nats://, tls://, ws://, wss://)",
+                           "nats://127.0.0.1:4222")
+    ensure_stream: str | None = option(
+        "create or update JetStream stream NAME to capture <subject_prefix>.> and the explicit subjects of "
+        "unfinished events that no stream captures, with a duplicate window covering lease + backoff cap, and "
+        "allow_atomic (atomic batch publish) on nats-server 2.12+", None, metavar="NAME")
+    publisher: str | None = option("publish with your own callable (fn(event), sync or async) or object with "
+                                   "publish_batch(); default: NATS JetStream", None, metavar="MODULE:CALLABLE")
+    metrics_port: int = option("serve Prometheus metrics on this port (1-65535); 0: off", 0)
+    metrics_addr: str = option("address the metrics server binds to", "127.0.0.1")
+    log_level: str = option("log level", "INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every option of WorkerConfig and CommandOptions, each also read from OUTBOXPG_<NAME>."""
+    p = OneLineParser(
+        prog="outboxpg-worker",
+        description="Deliver outbox events to NATS JetStream (or to your own publisher). "
+                    "Every flag also reads OUTBOXPG_<FLAG> from the environment.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_options(p, WorkerConfig)
+    add_options(p, CommandOptions)
+    p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
+    return p
+
+
+async def _stream_setup(args: argparse.Namespace, publisher: Any, cfg: WorkerConfig, prefix: str,
+                        backoff_cap: timedelta, subjects: list[Subject]) -> None:
+    """Check (and with --ensure-stream, create) the stream the worker will publish into: one
+    capturing <prefix>.> and the explicit subjects of the unfinished events. A failure is
+    logged, not fatal: publishes then fail and are retried, as without a stream."""
+    from outboxpg.relay.nats_publisher import check_stream, ensure_stream, supports_atomic_batch
+
+    window = timedelta(seconds=cfg.lease) + backoff_cap + timedelta(seconds=60)
+    explicit = [s for s in subjects if s.explicit and not under_prefix(s.subject, prefix)]
+    if args.ensure_stream:
+        try:
+            # The subjects the events use: the prefix's, and explicit ones no stream has yet.
+            wanted = [f"{prefix}.>"] + await explicit_to_add(publisher.js, prefix, explicit)
+            # allow_atomic where the server has atomic batch publish: long runs then go as batches.
+            log.info("event=ensure_stream result=%r", await ensure_stream(publisher.js, args.ensure_stream,
+                                                                           wanted, window,
+                                                                           atomic=supports_atomic_batch(publisher.nc)))
+        except Exception as exc:  # noqa: BLE001 - JetStream off, no permission, a conflicting stream...
+            log.error("event=ensure_stream_failed stream=%s error=%r", args.ensure_stream, describe(exc))
+    try:
+        problems = await check_stream(publisher.js, f"{prefix}.check", timedelta(seconds=cfg.lease) + backoff_cap)
+        missing = await uncaptured(publisher.js, explicit)
+        if missing:
+            problems.append(f"{missing_text(missing, 'explicit subject')}: each publish of them fails "
+                            "(no responders) until a stream captures them, and they die after max_attempts "
+                            "(add them to a stream, e.g. with --ensure-stream NAME)")
+    except Exception as exc:  # noqa: BLE001 - e.g. JetStream not enabled on the server
+        problems = [f"cannot check the JetStream stream for {prefix + '.>'!r}: {describe(exc)}"]
+    for problem in problems:
+        log.warning("event=stream_check problem=%r", problem)
+
+
+# What the worker calls, by the signature to_regprocedure() reads.
+_FUNCTIONS = ("outbox_claim(integer,interval,text)", "outbox_complete(bigint[],uuid)",
+              "outbox_fail(bigint,uuid,text,boolean)", "outbox_release(bigint[],uuid)",
+              "outbox_extend(bigint[],uuid,interval)", "outbox_next_wakeup()",
+              "outbox_unfinished_subjects(integer)")
+_IDLE_FUNCTIONS = ("outbox_worker_idle()", "outbox_worker_busy()")   # not in --poll-only mode
+
+_CHECK_FUNCTIONS = """
+SELECT f, to_regprocedure(f) IS NOT NULL,
+       coalesce(has_function_privilege(to_regprocedure(f), 'EXECUTE'), false)
+  FROM unnest(%s::text[]) AS f
+"""
+_CHECK_SETTINGS = """
+SELECT to_regclass('outbox_settings') IS NOT NULL
+       AND has_column_privilege(to_regclass('outbox_settings'), 'subject_prefix', 'SELECT')
+       AND has_column_privilege(to_regclass('outbox_settings'), 'backoff_cap', 'SELECT'),
+       current_user::text
+"""
+
+
+async def _check_database(cfg: WorkerConfig) -> tuple[str, timedelta, list[Subject]]:
+    """Fail fast, in one line, on what no retry can fix: a wrong DSN or an unreachable server
+    (exit 2), a database without the schema or with an older one (3), a login that may not run
+    the worker's functions (1). Returns (subject_prefix, backoff_cap, the subjects of the
+    unfinished events) for the stream check."""
+    parse_dsn(cfg.dsn)
+    try:
+        conn = await psycopg.AsyncConnection.connect(cfg.dsn, autocommit=True, connect_timeout=10,
+                                                     fallback_application_name=application_name(cfg.name))
+    except psycopg.Error as exc:
+        raise CliError(describe_connection_error(exc), EXIT_CONNECT) from None
+    async with conn:
+        functions = _FUNCTIONS + (() if cfg.poll_only else _IDLE_FUNCTIONS)
+        rows = await (await conn.execute(_CHECK_FUNCTIONS, (list(functions),))).fetchall()
+        if not rows[0][1]:
+            raise CliError("the outbox schema is not installed in this database: run outboxpg migrate --dsn ...",
+                           EXIT_SCHEMA)
+        missing = [f for f, exists, _ in rows if not exists]
+        if missing:
+            raise CliError(f"the outbox schema is not up to date ({missing[0]} is missing): "
+                           "run outboxpg migrate --dsn ...", EXIT_SCHEMA)
+        not_executable = [f.split("(")[0] for f, _, may in rows if not may]
+        row = await (await conn.execute(_CHECK_SETTINGS)).fetchone()
+        assert row is not None
+        may_read, user = row
+        denied = [f"execute {', '.join(not_executable)}"] if not_executable else []
+        if not may_read:
+            denied.append("read outbox_settings")
+        if denied:
+            raise CliError(f"role {user!r} may not {' nor '.join(denied)}: make it a member of outbox_worker "
+                           f"(GRANT outbox_worker TO \"{user}\"; see docs/privileges.md)", EXIT_FAILED)
+        settings = await (await conn.execute("SELECT subject_prefix, backoff_cap FROM outbox_settings")).fetchone()
+        assert settings is not None
+        # The LISTEN and the wakeup lock need sessions of their own (see outboxpg/relay/pooler.py).
+        if not cfg.poll_only and await behind_transaction_pooler(cfg.dsn):
+            raise CliError(POOLER_HINT, EXIT_CONNECT)
+        rows = await (await conn.execute(SUBJECTS_SQL, (MAX_SUBJECTS,))).fetchall()
+        return settings[0], settings[1], [Subject(*row) for row in rows]
+
+
+def _load_publisher(spec: str, cfg: WorkerConfig) -> Any:
+    """--publisher module:callable, the module looked up in the current directory first (as
+    ``python -m`` does; a console script's sys.path starts with its bin/ directory instead).
+    Any failure is one line, exit 2."""
+    from outboxpg.relay.publishers import FunctionPublisher, PublisherNotFound, load_publisher
+
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        publisher = load_publisher(spec)
+    except PublisherNotFound as exc:
+        raise CliError(f"{exc} (looked in the current directory {cwd} and the Python path)", EXIT_USAGE) from None
+    except ValueError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
+    if isinstance(publisher, FunctionPublisher):
+        publisher.timeout = cfg.publish_timeout
+    return publisher
+
+
+def _serve_metrics(args: argparse.Namespace, cfg: WorkerConfig) -> Any:
+    """Bind the --metrics-port server now: a port in use or an address this host does not have
+    is one line, exit 2, before the worker waits for NATS or claims anything."""
+    from outboxpg.relay.metrics import WorkerMetrics
+
+    metrics = WorkerMetrics(cfg.dsn, application_name=f"{application_name(cfg.name)} (metrics)")
+    try:
+        metrics.serve(args.metrics_port, args.metrics_addr)
+    except OSError as exc:   # EADDRINUSE, EADDRNOTAVAIL, EACCES, an unresolvable name (gaierror)
+        reason = (exc.strerror or first_line(exc)).lower() if exc.strerror or str(exc) else type(exc).__name__
+        raise CliError(f"cannot serve metrics on {args.metrics_addr}:{args.metrics_port}: {reason}", EXIT_USAGE) from None
+    log.info("event=metrics_serving addr=%s port=%d", args.metrics_addr, args.metrics_port)
+    return metrics
+
+
+def _nats_secrets(url: str) -> list[str]:
+    """The passwords (or tokens) in a NATS URL list, e.g. nats://user:pw@host or nats://token@host."""
+    found = []
+    for part in url.split(","):
+        try:
+            u = urlsplit(part.strip())
+            password, username = u.password, u.username
+        except ValueError:
+            continue
+        if password:
+            found.append(password)
+        elif username:
+            found.append(username)   # a token
+    return found
+
+
+async def _wait_for_nats(servers: list[str], stopping: asyncio.Event) -> bool:
+    """Wait until the NATS server answers, logging each failed try and pausing 0.2 s, 0.4 s, ...
+    up to 5 s in between. nats-py's own connect retries a refused server forever and silently
+    (every 0.5 s, logged at DEBUG only); this probe connection makes no retries of its own.
+    False: stopped (SIGTERM) while waiting."""
+    import nats
+
+    delay = 0.2
+    while not stopping.is_set():
+        seen: list[Exception] = []
+
+        async def on_error(exc: Exception) -> None:
+            seen.append(exc)
+
+        try:
+            nc = await nats.connect(servers, connect_timeout=2, allow_reconnect=False, max_reconnect_attempts=1,
+                                    reconnect_time_wait=0, error_cb=on_error, name="outboxpg-worker-probe")
+        except Exception as exc:  # noqa: BLE001 - refused, unresolvable, TLS, authorization...
+            reason = seen[-1] if seen else exc
+            log.warning("event=nats_connect_failed url=%s error=%r retry_in=%.1fs", ",".join(servers),
+                        describe(reason), delay)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stopping.wait(), delay)
+            delay = next_delay(delay)
+            continue
+        with contextlib.suppress(Exception):
+            await nc.close()
+        return True
+    return False
+
+
+async def _main(args: argparse.Namespace) -> int:
+    cfg: WorkerConfig = from_args(WorkerConfig, args)
+    cfg.validate()
+    # SIGTERM/SIGINT while starting: stop waiting and exit 0; once running: worker.stop().
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+    worker: Worker | None = None
+
+    def on_signal() -> None:
+        stopping.set()
+        if worker is not None:
+            worker.stop()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    if not 0 <= args.metrics_port <= 65535:
+        raise CliError(f"--metrics-port must be 0 (off) or a port from 1 to 65535, got {args.metrics_port}", EXIT_USAGE)
+    # Your own publisher first: a misspelt one is reported before anything else is set up.
+    custom = _load_publisher(args.publisher, cfg) if args.publisher else None
+    if custom is None:
+        from outboxpg.relay.nats_publisher import parse_servers
+
+        servers = parse_servers(args.nats_url)   # ValueError: exit 2 with its one line
+    settings = await _check_database(cfg)
+    metrics = _serve_metrics(args, cfg) if args.metrics_port else None
+    if custom is not None:
+        publisher = custom
+    else:
+        from outboxpg.relay.nats_publisher import NatsPublisher
+
+        if not await _wait_for_nats(servers, stopping):
+            return 0
+        publisher = NatsPublisher(servers, ack_timeout=cfg.publish_timeout)
+        await publisher.start()
+        await _stream_setup(args, publisher, cfg, *settings)
+    worker = Worker(cfg, publisher, metrics)
+    if stopping.is_set():
+        worker.stop()
+    await worker.run()
+    return 0
+
+
+class _Redact(logging.Filter):
+    """Replaces every form of the given secrets in log lines with ***."""
+
+    def __init__(self, secrets: Sequence[str]) -> None:
+        super().__init__()
+        self.secrets = list(secrets)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        clean = redact(text, self.secrets)
+        if clean != text:
+            record.msg, record.args = clean, None
+        return True
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        parser = build_parser()
+    except CliError as exc:   # an OUTBOXPG_* variable that does not parse
+        print(f"outboxpg-worker: {exc}", file=sys.stderr)
+        return exc.code
+    args = parser.parse_args(argv)
+    restore_double_dash(args, ("dsn", "nats_url", "ensure_stream", "publisher", "name", "metrics_addr"))
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s")
+    nats_secrets = _nats_secrets(args.nats_url)
+    secrets = sorted({*secrets_of(args.dsn), *nats_secrets, *map(unquote, nats_secrets)} - {""}, key=len, reverse=True)
+    if secrets:
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(_Redact(secrets))
+
+    def fail(message: str, code: int) -> int:
+        print(redact(f"outboxpg-worker: {message}", secrets), file=sys.stderr)
+        return code
+
+    try:
+        # The relay allocates a few dozen container objects per event (rows, events, header
+        # dicts, nats-py messages), nearly all freed at once by reference counting; the cyclic
+        # collector's default gen-0 threshold (700) still ran it every ~30 events, about 1 us of
+        # CPU per event (4% of the worker's). A process of our own: tuned here, not in Worker.
+        gc.set_threshold(50_000, 20, 100)
+        return asyncio.run(_main(args))
+    except CliError as exc:
+        return fail(str(exc), exc.code)
+    except ValueError as exc:   # a flag out of range (WorkerConfig.validate)
+        return fail(str(exc), EXIT_USAGE)
+    except psycopg.OperationalError as exc:
+        if exc.sqlstate is None:   # from libpq: connecting failed, or the connection broke
+            return fail(describe_connection_error(exc), EXIT_CONNECT)
+        return fail(f"database error at start: {first_line(exc)}", EXIT_FAILED)
+    except psycopg.Error as exc:
+        return fail(f"database error at start: {first_line(exc)}", EXIT_FAILED)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

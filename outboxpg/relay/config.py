@@ -1,0 +1,64 @@
+"""The worker's options, each declared once: a field of WorkerConfig with its type, default and
+help. ``outboxpg-worker`` builds its flags (``batch_size``: --batch-size) and environment
+variables (OUTBOXPG_BATCH_SIZE) from these fields (outboxpg.cli.options), and WorkerConfig from
+what it parsed; its own options (NATS, metrics, logging) are declared the same way beside it."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable, Sequence
+from dataclasses import MISSING, dataclass, field
+from typing import Any
+
+__all__ = ["WorkerConfig", "option"]
+
+
+def option(help: str, default: Any = MISSING, *, default_factory: Callable[[], Any] | Any = MISSING,
+           metavar: str | None = None, choices: Sequence[str] | None = None,
+           command_default: Any = MISSING) -> Any:
+    """A dataclass field that is also a command-line option. ``command_default``: the command's
+    default where the field has none (WorkerConfig's dsn is required; the command's is '',
+    libpq's PG* variables)."""
+    metadata = {"help": help, "metavar": metavar, "choices": tuple(choices) if choices else None,
+                "command_default": command_default}
+    return field(default=default, default_factory=default_factory, metadata=metadata)
+
+
+def _default_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+@dataclass
+class WorkerConfig:
+    dsn: str = option("PostgreSQL connection string or URI; empty: libpq's PG* variables", command_default="")
+    batch_size: int = option("events per claim", 500)
+    concurrency: int = option("batches in flight at once", 4)
+    lease: float = option("seconds a claimed batch is leased; at least twice --publish-timeout", 30.0)
+    poll_interval: float = option("fallback poll when no notification comes, seconds", 30.0)
+    poll_only: bool = option("no LISTEN and no session locks: poll every --poll-interval (for PgBouncer in "
+                             "transaction mode)", False)
+    publish_timeout: float = option("seconds a batch has for its publishes (JetStream acks): a run's event still "
+                                    "unacked then fails, the rest of its run is released", 10.0)
+    name: str = option("worker name recorded in locked_by", default_factory=_default_name)
+    summary_interval: float = option("seconds between summary log lines", 60.0)
+    # Workers take turns through the advisory lock inside outbox_maintain(): one of many does the work.
+    maintenance_interval: float = option("run outbox_maintain() at start and every this many seconds; 0: never "
+                                         "(one worker of many does it, under an advisory lock)", 3600.0)
+
+    def validate(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError("batch size must be at least 1")
+        if self.concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        if self.poll_interval <= 0:
+            raise ValueError("poll interval must be positive")
+        if self.publish_timeout <= 0:
+            raise ValueError("publish timeout must be positive")
+        if self.lease < 2 * self.publish_timeout:
+            # A batch's leases are extended while it is published, but one publish (one event,
+            # or a whole NATS batch) is bounded by the publish timeout only: a lease shorter than
+            # twice that leaves no room for the extension and the report around it.
+            raise ValueError(
+                f"lease ({self.lease:g}s) must be at least twice the publish timeout ({self.publish_timeout:g}s): "
+                "a batch has to be reported before its lease can expire")
