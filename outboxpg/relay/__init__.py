@@ -1,9 +1,12 @@
 """The relay: what ``outboxpg-worker`` runs. Claims events, hands them to a publisher, reports
 the outcomes back; every decision about an event is made by the SQL functions it calls.
 
-- worker: the Worker (its loop and the idle protocol) and WorkerConfig
-- wakeup: the LISTEN connection and the wakeup lock an idle worker holds
+- worker: the Worker, its loop and the idle protocol; config: WorkerConfig, the worker's options
+- gateway: every statement the worker sends while it runs, on its connection pool
+- stats: the running totals, the metrics and the log lines about outcomes, one call per event
+  of the loop; metrics: the Prometheus metrics themselves
+- maintenance: outbox_maintain() on a schedule; wakeup: the LISTEN connection and the wakeup lock
 - publishers: the publisher protocol and adapters for plain functions; nats_publisher: NATS JetStream
 - streams: which JetStream streams capture the outbox's subjects; pooler: the transaction-pooler probe
-- metrics: the Prometheus metrics
+- backoff: the one pause schedule of reconnects and retries
 """

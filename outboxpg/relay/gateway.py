@@ -1,0 +1,167 @@
+"""The worker's SQL gateway: every statement the relay sends while it runs, on a pool of its own.
+The decisions are the SQL functions' (order, retries, dead letters, fencing by lease token);
+this module only calls them and hands back what they return.
+
+The start-up checks of ``outboxpg-worker`` (outboxpg.cli.outboxpg_worker), the wakeup lock and
+the LISTEN connection (wakeup.py) send their own few statements on connections of their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+from psycopg.adapt import Buffer, Loader
+from psycopg_pool import AsyncConnectionPool
+
+from outboxpg.errors import first_line
+from outboxpg.events import CLAIM_COLUMNS
+from outboxpg.relay.backoff import next_delay
+from outboxpg.relay.config import WorkerConfig
+from outboxpg.relay.wakeup import CONNECT_OPTIONS
+
+__all__ = ["Gateway", "RawJsonLoader", "Reported"]
+
+log = logging.getLogger("outboxpg.worker")
+
+_CLAIM = f"SELECT {CLAIM_COLUMNS} FROM outbox_claim(%s, %s, %s)"
+_COMPLETE = "SELECT outbox_complete(%s::bigint[], %s)"
+_FAIL = "SELECT outbox_fail(%s, %s, %s, %s)"
+_RELEASE = "SELECT outbox_release(%s::bigint[], %s)"
+_EXTEND = "SELECT outbox_extend(%s::bigint[], %s, %s)"
+_SLEEP_FOR = "SELECT extract(epoch FROM outbox_next_wakeup() - clock_timestamp())::float8"
+_MAINTAIN = "SELECT action, partition, detail FROM outbox_maintain()"
+
+_REPORT_ATTEMPTS = 5
+
+# What a report changed: (events completed, the state outbox_fail returned for each failure in
+# order ('pending', 'dead', or None for a lease lost), events released).
+Reported = tuple[int, list[str | None], int]
+
+
+class RawJsonLoader(Loader):
+    """Load json/jsonb as the bytes PostgreSQL sent: the worker forwards payloads, it never
+    needs to parse them."""
+
+    def load(self, data: Buffer) -> bytes:
+        return bytes(data)
+
+
+def id_array(ids: Sequence[int]) -> str:
+    """The ids as one bigint[] literal, joined in C: psycopg's list dumper would visit each
+    element in Python, for the same text on the wire."""
+    return "{" + ",".join(map(str, ids)) + "}"
+
+
+class Gateway:
+    def __init__(self, cfg: WorkerConfig, application_name: str) -> None:
+        self.cfg = cfg
+        self.application_name = application_name
+        self._pool: AsyncConnectionPool | None = None
+
+    @property
+    def pool(self) -> AsyncConnectionPool:
+        assert self._pool is not None, "Gateway.open() first"
+        return self._pool
+
+    async def open(self) -> None:
+        """Create the pool (in the running event loop) and start connecting, without waiting."""
+        cfg = self.cfg
+        self._pool = AsyncConnectionPool(
+            cfg.dsn, min_size=1, max_size=cfg.concurrency + 2, open=False, timeout=10,
+            kwargs={"autocommit": True, "fallback_application_name": self.application_name, **CONNECT_OPTIONS,
+                    **_poll_only_options(cfg)},
+            configure=self._configure,
+            name="outboxpg-worker")
+        await self._pool.open(wait=False)
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+    async def _configure(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        conn.adapters.register_loader("jsonb", RawJsonLoader)
+        conn.adapters.register_loader("json", RawJsonLoader)
+        if not self.cfg.poll_only:
+            # Claims and reports commit without waiting for the WAL flush (about 2 ms a commit on
+            # this kind of disk, on every event's path). What a server crash can lose is a lease
+            # or a "published" mark, never an event: the event is then published again with the
+            # same msg_id, and JetStream drops the duplicate. Not done in --poll-only mode, where
+            # a pooler in transaction mode would carry a session SET over to other clients.
+            await conn.execute("SET synchronous_commit = off")
+
+    async def claim(self, batch_size: int, lease: timedelta, name: str) -> list[tuple[Any, ...]]:
+        """outbox_claim's rows (CLAIM_COLUMNS, jsonb as raw bytes); psycopg.Error passes through."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(_CLAIM, (batch_size, lease, name), prepare=True)
+            return await cur.fetchall()
+
+    async def extend(self, ids: str, token: Any, lease: timedelta) -> int:
+        """outbox_extend: how many of ``ids`` (an id_array literal) are still held under ``token``."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(_EXTEND, (ids, token, lease))   # rare: not prepared
+            row = await cur.fetchone()
+        assert row is not None
+        return int(row[0])
+
+    async def report(self, ok: Sequence[int], token: Any, failed: Sequence[tuple[int, str, bool]],
+                     released: Sequence[int]) -> Reported | None:
+        """Complete ``ok``, fail each (id, error text, permanent) of ``failed``, release
+        ``released``, all under ``token``; tried up to five times on database errors, then None
+        (logged: the leases will expire and the events be retried)."""
+        ok_ids = id_array(ok)
+        delay = 0.0
+        for attempt in range(_REPORT_ATTEMPTS):
+            try:
+                async with self.pool.connection() as conn:
+                    if not failed:
+                        # The usual case: one statement, no pipeline to set up.
+                        cur = await conn.execute(_COMPLETE, (ok_ids, token), prepare=True)
+                        return (await cur.fetchone())[0], [], 0  # type: ignore[index]
+                    # Any order is fine for the SQL: each call touches only its own ids.
+                    async with conn.pipeline():
+                        done_cur = await conn.execute(_COMPLETE, (ok_ids, token), prepare=True) if ok else None
+                        fail_curs = [await conn.execute(_FAIL, (event_id, token, text, permanent), prepare=True)
+                                     for event_id, text, permanent in failed]
+                        release_cur = (await conn.execute(_RELEASE, (id_array(released), token), prepare=True)
+                                       if released else None)
+                    completed = (await done_cur.fetchone())[0] if done_cur else 0  # type: ignore[index]
+                    states = [(await c.fetchone())[0] for c in fail_curs]  # type: ignore[index]
+                    handed_back = (await release_cur.fetchone())[0] if release_cur else 0  # type: ignore[index]
+                    return completed, states, handed_back
+            except psycopg.Error as exc:
+                log.warning("event=db_error during=report attempt=%d error=%r", attempt + 1, first_line(exc))
+                if attempt == _REPORT_ATTEMPTS - 1:
+                    break
+                # Other pooled connections may be dead too (a server restart, killed backends):
+                # have the pool check its idle ones before the next try. 0.1 + 0.2 + 0.4 + 0.8 s
+                # stays well inside the lease, which is at least twice the publish timeout.
+                with contextlib.suppress(Exception):
+                    await self.pool.check()
+                delay = next_delay(delay)
+                await asyncio.sleep(delay)
+        return None
+
+    async def seconds_to_next_wakeup(self) -> float | None:
+        """Until the next retry or lease expiry (outbox_next_wakeup), None: nothing scheduled."""
+        async with self.pool.connection() as conn:
+            row = await (await conn.execute(_SLEEP_FOR)).fetchone()
+        return row[0] if row else None
+
+    async def maintain(self) -> list[tuple[str, str | None, str | None]]:
+        """outbox_maintain()'s (action, partition, detail) rows."""
+        async with self.pool.connection() as conn:
+            return await (await conn.execute(_MAINTAIN)).fetchall()
+
+
+def _poll_only_options(cfg: WorkerConfig) -> dict[str, Any]:
+    """Connection options for the pool. --poll-only is for transaction poolers (PgBouncer
+    pool_mode=transaction), which run each transaction on whatever server connection is free: a
+    statement prepared on one is missing on the next ("prepared statement "_pg3_0" does not
+    exist") or already there under another client's name ("already exists"). prepare_threshold
+    None prepares nothing, whatever a call's prepare=True says: each call is parsed again."""
+    return {"prepare_threshold": None} if cfg.poll_only else {}
