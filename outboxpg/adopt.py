@@ -73,7 +73,8 @@ SELECT 'type ' || t.typname,
                  CASE WHEN t.typnotnull THEN 'NOT NULL' END, 'DEFAULT ' || pg_get_expr(t.typdefaultbin, 0),
                  (SELECT string_agg(co.conname || ' ' || pg_get_constraintdef(co.oid), ', ' ORDER BY co.conname)
                     FROM pg_constraint co WHERE co.contypid = t.oid),
-                 (SELECT string_agg(e.enumlabel, ', ' ORDER BY e.enumsortorder) FROM pg_enum e WHERE e.enumtypid = t.oid))
+                 (SELECT string_agg(e.enumlabel, ', ' ORDER BY e.enumsortorder)
+                    FROM pg_enum e WHERE e.enumtypid = t.oid))
   FROM pg_type t, s
  WHERE t.typnamespace = s.oid AND t.typtype IN ('d', 'e')
 """
@@ -119,7 +120,7 @@ def check_install(dsn: str) -> AdoptCheck:
         for _, text in files:
             # Each file sets search_path to current_schema() first: the scratch schema.
             conn.execute(sql.SQL("SET LOCAL search_path = {}, pg_temp").format(sql.Identifier(scratch)))
-            conn.execute(text)  # type: ignore[arg-type] - the file's own SQL, several statements
+            conn.execute(text)  # the file's own SQL, several statements
             prints.append(fingerprint(conn, scratch))
         conn.rollback()
     # Objects of others in the same schema (the application's tables, yoyo's own) do not count:

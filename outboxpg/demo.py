@@ -19,6 +19,7 @@ from datetime import timedelta
 
 import nats
 import psycopg
+from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
 
 from outboxpg import enqueue, schema
@@ -84,11 +85,11 @@ async def _flow(dsn: str, nats_url: str, events: int, aggregates: int, rate: flo
     clock = LatencyClock()
     latencies = clock.latencies
     received: list[str] = []
-    sample: list[nats.aio.msg.Msg] = []
+    sample: list[Msg] = []
     nc = await nats.connect(nats_url)
     js = nc.jetstream()
 
-    async def on_message(msg: nats.aio.msg.Msg) -> None:
+    async def on_message(msg: Msg) -> None:
         msg_id = (msg.headers or {}).get("Nats-Msg-Id", "")
         received.append(msg_id)
         clock.received(msg_id)
@@ -112,7 +113,8 @@ async def _flow(dsn: str, nats_url: str, events: int, aggregates: int, rate: flo
                 order_id = f"order-{order:04d}"
                 async with producer.transaction():
                     await producer.execute(
-                        "INSERT INTO orders VALUES (%s, %s, %s) ON CONFLICT (id) DO UPDATE SET status = EXCLUDED.status",
+                        "INSERT INTO orders VALUES (%s, %s, %s) "
+                        "ON CONFLICT (id) DO UPDATE SET status = EXCLUDED.status",
                         (order_id, step, rng.randrange(5, 500)))
                     msg_id = str(uuid.uuid4())  # known here, so the consumer can time this event
                     await enqueue(producer, "order", order_id, step, {"order": order_id, "status": step}, msg_id=msg_id)

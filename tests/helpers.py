@@ -163,7 +163,7 @@ class Listener:
         self.conn.close()
         self.poke.close()
 
-    def __enter__(self) -> "Listener":
+    def __enter__(self) -> Listener:
         return self
 
     def __exit__(self, *exc: object) -> None:

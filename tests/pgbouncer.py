@@ -106,7 +106,7 @@ class PgBouncer:
             rows = [dict(zip(names, r)) for r in cur.fetchall()]
         return {int(r["remote_pid"]) for r in rows if r["database"] == dbname}
 
-    def start(self) -> "PgBouncer":
+    def start(self) -> PgBouncer:
         kwargs: dict[str, object] = {}
         if self._as_root:
             pw = pwd.getpwnam(self._run_as)
@@ -141,7 +141,7 @@ class PgBouncer:
         self.proc = None
         shutil.rmtree(self._base, ignore_errors=True)
 
-    def __enter__(self) -> "PgBouncer":
+    def __enter__(self) -> PgBouncer:
         return self.start()
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,

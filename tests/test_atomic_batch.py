@@ -11,13 +11,13 @@ from typing import Any
 
 import nats
 import pytest
-from nats.js.api import StreamConfig
-
 from jetstream import NatsProxy, StreamHandle, make_stream
-from outboxpg.events import NotSent, OutboxEvent, PermanentError
-from outboxpg.relay.nats_publisher import NatsPublisher, ensure_stream
+from nats.js.api import StreamConfig
 from test_nats_publisher import event
 from test_worker_runs import assert_in_order_once, start, states, stream_ids, until_published, write
+
+from outboxpg.events import NotSent, OutboxEvent, PermanentError
+from outboxpg.relay.nats_publisher import NatsPublisher, ensure_stream
 
 
 async def stored(stream: StreamHandle) -> list[dict[str, str]]:

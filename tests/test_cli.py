@@ -23,10 +23,10 @@ from typing import Any
 import orjson
 import psycopg
 import pytest
+from helpers import claim, complete, fail, insert
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from helpers import claim, complete, fail, insert
 from outboxpg import schema
 
 CLI = [sys.executable, "-m", "outboxpg.cli"]

@@ -13,13 +13,13 @@ from typing import Any
 
 import psycopg
 import pytest
-from psycopg.conninfo import conninfo_to_dict
-
 from helpers import claim, fail, insert, make_due, release
-from outboxpg.events import OutboxEvent
-from outboxpg.worker import Worker, WorkerConfig
+from psycopg.conninfo import conninfo_to_dict
 from test_cli import one_line_error, run, run_all
 from test_privileges import Login, login_roles
+
+from outboxpg.events import OutboxEvent
+from outboxpg.worker import Worker, WorkerConfig
 
 Conn = psycopg.Connection[Any]
 

@@ -5,18 +5,17 @@ earlier event of its aggregate, and an open transaction holds back only the aggr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import threading
 import time
 
 import psycopg
+from test_worker import start, wait_until
 
-import contextlib
-
-from outboxpg import enqueue, enqueue_many, Event
+from outboxpg import Event, enqueue, enqueue_many
 from outboxpg.events import OutboxEvent
 from outboxpg.relay.publishers import FunctionPublisher
-from test_worker import start, wait_until
 
 
 def claim_ids(conn: psycopg.Connection) -> list[int]:

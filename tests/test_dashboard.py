@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-
 from helpers import insert
-from outboxpg.embedded import free_port
 from test_worker_config import Proc
+
+from outboxpg.embedded import free_port
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "docs" / "grafana-dashboard.json"
 # Labels Prometheus adds to every scraped series, and the buckets' own.

@@ -16,9 +16,9 @@ from typing import Any
 import orjson
 import psycopg
 import pytest
+from hostile import INJECTIONS
 from psycopg.rows import dict_row
 
-from hostile import INJECTIONS
 from outboxpg import Event, cli, enqueue, enqueue_many
 
 Conn = psycopg.Connection[Any]
@@ -103,9 +103,9 @@ def test_names_that_are_not_subject_tokens_are_refused(conn: Conn, canary: Conn)
 
 
 def test_functions_store_worker_names_errors_and_reasons_verbatim(conn: Conn, canary: Conn) -> None:
-    for i, v in enumerate(INJECTIONS):
+    for i, _ in enumerate(INJECTIONS):
         enqueue(conn, "fn", str(i), "e", {})
-    for i, v in enumerate(INJECTIONS):
+    for v in INJECTIONS:
         # One claim per worker name: each takes the oldest due event.
         (row,) = claim_all_one(conn, v)
         assert conn.execute("SELECT locked_by FROM outbox WHERE id = %s", (row["id"],)).fetchone() == (v,)

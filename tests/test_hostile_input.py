@@ -24,12 +24,12 @@ from typing import Any
 import hypothesis
 import psycopg
 import pytest
+from hostile import CONSTRAINTS, INJECTIONS, Spec, hostile_text, same_json, specs, verdict
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from psycopg import errors
 from psycopg.rows import dict_row
 
-from hostile import CONSTRAINTS, INJECTIONS, Spec, hostile_text, same_json, specs, verdict
 from outboxpg import Event, enqueue, enqueue_many
 from outboxpg.producer import encode_payload
 
@@ -119,7 +119,7 @@ def check_case(conn: Conn, spec: Spec, error: BaseException | None, kept_same_tx
         expected_neighbours.update(NEIGHBOURS_IN_BATCH)
     assert set(by_key) == expected_neighbours, "a neighbour was lost, or a failed batch left some of its rows"
     for key, r in by_key.items():
-        assert r["payload"] == '{"n": "%s"}' % key[1] and r["event_type"] == "neighbour"
+        assert r["payload"] == f'{{"n": "{key[1]}"}}' and r["event_type"] == "neighbour"
     if error is None:
         assert len(hostile) == 1, "the stored event was not claimed"
         (h,) = hostile

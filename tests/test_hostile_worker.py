@@ -18,9 +18,9 @@ from typing import Any
 import nats
 import psycopg
 import pytest
+from jetstream import StreamHandle, make_stream, read_stream
 from nats.js.api import StreamConfig
 
-from jetstream import StreamHandle, make_stream, read_stream
 from outboxpg import enqueue
 from outboxpg.relay.nats_publisher import NatsPublisher
 from outboxpg.worker import Worker, WorkerConfig
@@ -180,7 +180,7 @@ async def test_a_subject_in_the_jetstream_api_is_never_published(dsn: str, conn:
     (fdd8d94); if it ever got in again, the stream must still be whole."""
     conn.execute("UPDATE outbox_settings SET max_attempts = 2")
     stream: StreamHandle = await make_stream(nats_server.url)
-    for n in range(3):
+    for _ in range(3):
         await stream.js.publish(f"{stream.prefix}.before", b"{}")
     for subject in (f"$JS.API.STREAM.PURGE.{stream.name}", f"$JS.API.STREAM.DELETE.{stream.name}", "$SYS.REQ.x"):
         with pytest.raises(psycopg.errors.CheckViolation, match="outbox_subject_is_valid_nats_subject"):

@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import subprocess
 import uuid
-from typing import Any
 
 import psycopg
-from psycopg import sql
-
 from helpers import psql_args, psql_env
-from outboxpg import schema
+from psycopg import sql
 from test_cli import one_line_error, run
 from test_privileges import login_roles
+
+from outboxpg import schema
 
 STEPS = schema.step_ids()
 

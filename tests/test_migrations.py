@@ -10,8 +10,8 @@ from typing import Any
 
 import psycopg
 import pytest
-
 from helpers import psql_args, psql_env
+
 from outboxpg import schema
 
 # What a database holds of the outbox, for comparing installs (yoyo's own tables and the

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import nats
 import nats.js.errors
 import orjson
 import pytest
-
 from jetstream import make_stream
+
 from outboxpg.events import OutboxEvent, PermanentError
 from outboxpg.relay.nats_publisher import NatsPublisher
 
@@ -22,7 +22,7 @@ from outboxpg.relay.nats_publisher import NatsPublisher
 def event(i: int, subject: str, **kw: Any) -> OutboxEvent:
     fields: dict[str, Any] = dict(id=i, subject=subject, aggregate_type="order", aggregate_id=str(i),
                                   event_type="created", payload=b'{"i": %d}' % i, headers={},
-                                  msg_id=f"m-{uuid.uuid4()}", attempt=0, created_at=datetime.now(timezone.utc))
+                                  msg_id=f"m-{uuid.uuid4()}", attempt=0, created_at=datetime.now(UTC))
     fields.update(kw)
     return OutboxEvent(**fields)
 

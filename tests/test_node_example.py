@@ -12,16 +12,14 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
 import psycopg
 import pytest
-from psycopg.conninfo import conninfo_to_dict
-
 from helpers import insert
+from psycopg.conninfo import conninfo_to_dict
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "node"
 Conn = psycopg.Connection[Any]

@@ -15,12 +15,12 @@ from typing import Any
 
 import psycopg
 import pytest
-
 from jetstream import make_stream, read_stream
+from pgbouncer import PgBouncer, find_pgbouncer
+
 from outboxpg import Event, enqueue_many
 from outboxpg.embedded import free_port
 from outboxpg.relay.pooler import behind_transaction_pooler
-from pgbouncer import PgBouncer, find_pgbouncer
 
 WORKER = str(Path(sys.executable).parent / "outboxpg-worker")
 

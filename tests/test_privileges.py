@@ -25,11 +25,11 @@ from typing import Any
 
 import psycopg
 import pytest
-from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
-
 from helpers import Listener, claim, complete, fail, psql_args, psql_env, release
 from jetstream import make_stream, read_stream
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+
 from outboxpg import Event, enqueue, enqueue_many, schema
 from outboxpg.embedded import EmbeddedPostgres
 from outboxpg.events import OutboxEvent

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import orjson
 import psycopg
 import pytest
+from helpers import Listener, claim, connect, event, events
 from psycopg import errors
 
 import outboxpg
-from helpers import Listener, claim, connect, event, events
 from outboxpg import Event, enqueue, enqueue_many
 
 Conn = psycopg.Connection[Any]
@@ -70,7 +70,7 @@ def test_enqueue_never_commits(tx: Conn, conn: Conn) -> None:
 
 
 def test_enqueue_dict_payload_through_orjson(tx: Conn, conn: Conn) -> None:
-    payload = {"total": 42.5, "when": datetime(2024, 5, 1, 12, 0, tzinfo=timezone.utc),
+    payload = {"total": 42.5, "when": datetime(2024, 5, 1, 12, 0, tzinfo=UTC),
                "id": uuid.UUID("12345678-1234-5678-1234-567812345678"), "text": "naïve ✓ \"quoted\" \\ \t\n",
                "nested": {"list": [1, None, True]}}
     i = enqueue(tx, "order", "1", "created", payload)

@@ -19,15 +19,15 @@ import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
-
 from helpers import discard, insert, requeue
 from jetstream import NatsProxy, make_stream, read_stream
+
 from outboxpg import Event, enqueue_many
 from outboxpg.embedded import free_port
 from outboxpg.events import NotSent, OutboxEvent, PermanentError
@@ -181,7 +181,7 @@ async def test_a_sync_call_over_the_timeout_stops_its_batch_and_nothing_is_calle
 
     def ev(i: int, agg: str) -> OutboxEvent:
         return OutboxEvent(id=i, subject="t.order.x", aggregate_type="order", aggregate_id=agg, event_type="x",
-                           payload=b"{}", headers={}, msg_id=f"m{i}", attempt=1, created_at=datetime.now(timezone.utc))
+                           payload=b"{}", headers={}, msg_id=f"m{i}", attempt=1, created_at=datetime.now(UTC))
 
     pub = FunctionPublisher(publish, timeout=0.3)
     t0 = time.monotonic()
@@ -254,7 +254,7 @@ def header_block(headers: dict[str, str]) -> int:
 def sized_event(i: int, subject: str, payload_len: int, headers: dict[str, str]) -> OutboxEvent:
     return OutboxEvent(id=i, subject=subject, aggregate_type="order", aggregate_id=f"a{i}", event_type="created",
                        payload=b"x" * payload_len, headers=headers, msg_id=f"size-{uuid.uuid4()}", attempt=1,
-                       created_at=datetime.now(timezone.utc))
+                       created_at=datetime.now(UTC))
 
 
 def wire_headers(event: OutboxEvent) -> dict[str, str]:

@@ -38,10 +38,10 @@ from typing import Any
 
 import psycopg
 import pytest
+from test_migrations import _OWN, CATALOG
 from yoyo import get_backend, read_migrations
 
 from outboxpg import schema
-from test_migrations import _OWN, CATALOG
 
 ROOT = Path(__file__).resolve().parent.parent
 MIGRATIONS = ROOT / "migrations"

@@ -148,7 +148,7 @@ def render(conn: psycopg.Connection[Any]) -> str:
             out += _sql(f[2])
         elif name in shown:
             out += [f"Its function, `{name}`: above, under {shown[name]}.", ""]
-    for proname, signature, definition, comment, *_ in trigger_functions.values():
+    for proname, signature, definition, _comment, *_ in trigger_functions.values():
         out += [f"### {proname} (a trigger function no trigger uses)", "", f"`{signature}`. "
                 f"{_history(proname, fsteps)}", ""] + _sql(definition)
 

@@ -16,9 +16,23 @@ from typing import Any
 
 import psycopg
 import pytest
-
-from helpers import (WAKEUP_LOCK, Background, Listener, claim, complete, connect, event, fail, insert, insert_series, release, set_settings,
-                     states, wait_until, waiting_for_advisory_lock)
+from helpers import (
+    WAKEUP_LOCK,
+    Background,
+    Listener,
+    claim,
+    complete,
+    connect,
+    event,
+    fail,
+    insert,
+    insert_series,
+    release,
+    set_settings,
+    states,
+    wait_until,
+    waiting_for_advisory_lock,
+)
 
 Conn = psycopg.Connection[Any]
 

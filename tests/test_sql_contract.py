@@ -13,10 +13,22 @@ from typing import Any
 
 import psycopg
 import pytest
+from helpers import (
+    claim,
+    complete,
+    discard,
+    event,
+    fail,
+    insert,
+    insert_series,
+    make_due,
+    release,
+    requeue,
+    server_now,
+    set_settings,
+    states,
+)
 from psycopg import errors
-
-from helpers import (claim, complete, discard, event, fail, insert, insert_series, make_due, release, requeue,
-                     server_now, set_settings, states)
 
 Conn = psycopg.Connection[Any]
 
@@ -191,7 +203,7 @@ def test_complete_marks_published(conn: Conn) -> None:
 
 def test_complete_with_wrong_token_changes_nothing(conn: Conn) -> None:
     ids = insert_series(conn, ["a", "b"])
-    token = claim(conn, 10)[0]["lease_token"]
+    claim(conn, 10)
     before = [event(conn, i) for i in ids]
     assert complete(conn, ids, uuid.uuid4()) == 0
     assert [event(conn, i) for i in ids] == before

@@ -10,7 +10,6 @@ from typing import Any
 
 import psycopg
 import pytest
-
 from helpers import claim, complete, insert_series, set_settings, states
 
 Conn = psycopg.Connection[Any]

@@ -12,11 +12,11 @@ from typing import Any
 
 import psycopg
 import pytest
-from psycopg.rows import dict_row
-
 from helpers import claim, complete, fail, insert, psql_args, psql_env
-from outboxpg import locks
+from psycopg.rows import dict_row
 from test_cli import build_dataset, last_claim_at, operator_dsn, producing_transaction  # noqa: F401 (a fixture)
+
+from outboxpg import locks
 
 SQL_DIR = Path(__file__).resolve().parent.parent / "sql"
 FILES = ("health", "leases", "failures", "dead_letters", "partitions", "repair")
@@ -124,7 +124,7 @@ def test_every_file_runs_on_an_empty_outbox(dsn: str) -> None:
 def test_every_file_runs_as_an_outbox_operator_login(operator_dsn: str, conn: psycopg.Connection[Any]) -> None:
     """An operator may read the events' metadata but not their payloads: no file needs more."""
     build_dataset(conn)
-    for name, (code, out, err) in zip(FILES, run_files(operator_dsn, *((name,) for name in FILES))):
+    for name, (code, _out, err) in zip(FILES, run_files(operator_dsn, *((name,) for name in FILES))):
         assert code == 0 and "ERROR" not in err, (name, err)
 
 
@@ -379,8 +379,8 @@ def test_health_sql_names_the_open_transaction_that_holds_events_back(dsn: str, 
                          rf"events newer than id {horizon}$", out, re.M), out
 
         def why(i: int) -> str:
-            m = re.search(rf"^\s*{i} \| order .*$", out, re.M)
-            assert m, (i, out)
+            m = re.search(rf"^\s*{i} \| order .*$", out, re.M)  # noqa: B023 - called in this iteration only
+            assert m, (i, out)  # noqa: B023
             return m.group(0)
 
         assert re.search(rf"\| held back by open transaction pid {pid} \(open 00:00:0\d, idle in transaction\): "

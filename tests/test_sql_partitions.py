@@ -3,14 +3,26 @@ partitions dropped whole only when every event in them is finished."""
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
+from helpers import (
+    Background,
+    claim,
+    complete,
+    discard,
+    event,
+    events,
+    fail,
+    insert,
+    insert_series,
+    release,
+    set_settings,
+    states,
+)
 from psycopg.rows import dict_row
 
-from helpers import (Background, claim, complete, discard, event, events, fail, insert, insert_series, release,
-                     set_settings, states)
 from outboxpg.locks import MAINTENANCE_LOCK
 
 Conn = psycopg.Connection[Any]
@@ -36,7 +48,7 @@ def day_start(conn: Conn, days_from_now: int) -> datetime:
 
 
 def name_for(start: datetime) -> str:
-    return "outbox_p" + start.astimezone(timezone.utc).strftime("%Y%m%dT%H%M%S")
+    return "outbox_p" + start.astimezone(UTC).strftime("%Y%m%dT%H%M%S")
 
 
 def at_day(days: int, hour: int = 12) -> str:

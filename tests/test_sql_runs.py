@@ -12,11 +12,9 @@ from typing import Any
 
 import psycopg
 import pytest
+from helpers import claim, complete, event, fail, insert_series, make_due, release, requeue, set_settings, states
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-
-from helpers import (claim, complete, event, fail, insert_series, make_due, release, requeue, set_settings,
-                     states)
 
 Conn = psycopg.Connection[Any]
 

@@ -16,14 +16,14 @@ from typing import Any
 import nats
 import psycopg
 import pytest
-
 from helpers import insert, set_settings
 from jetstream import make_stream
-from outboxpg.embedded import EmbeddedNats
 from test_cli import run
 from test_cli_operator import _fail_times
-from test_privileges import Login, login_roles
+from test_privileges import login_roles
 from test_worker_config import Proc
+
+from outboxpg.embedded import EmbeddedNats
 
 Conn = psycopg.Connection[Any]
 NO_STREAM = "RuntimeError: no JetStream stream captures this subject (no responders)"

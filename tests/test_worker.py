@@ -9,9 +9,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import psycopg
-import pytest
-
 from jetstream import make_stream, read_stream
+
 from outboxpg import Event, enqueue, enqueue_many
 from outboxpg.events import OutboxEvent
 from outboxpg.locks import WAKEUP_LOCK
@@ -293,7 +292,6 @@ async def test_nats_outage_of_10s_under_load_delivers_everything_without_busy_lo
 
 async def make_stream_reader(url: str, name: str, prefix: str) -> Any:
     import nats
-
     from jetstream import StreamHandle
 
     nc = await nats.connect(url)

@@ -25,13 +25,13 @@ from typing import Any
 
 import psycopg
 import pytest
+from jetstream import make_stream
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
+from test_privileges import login_roles
 
-from jetstream import make_stream
 from outboxpg import enqueue
 from outboxpg.embedded import EmbeddedPostgres, find_nats_server, free_port
-from test_privileges import login_roles
 
 WORKER = str(Path(sys.executable).parent / "outboxpg-worker")
 SECRET = "S3cr3t-pw-never-shown"

@@ -6,6 +6,7 @@ import asyncio
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
+from test_worker import _eq, count_in, start, wait_until
 
 from outboxpg import enqueue
 from outboxpg.embedded import free_port
@@ -14,7 +15,6 @@ from outboxpg.locks import MAINTENANCE_LOCK
 from outboxpg.relay.metrics import WorkerMetrics
 from outboxpg.relay.publishers import FunctionPublisher
 from outboxpg.worker import Worker, WorkerConfig
-from test_worker import count_in, start, wait_until, _eq
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -11,9 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-import pytest
-
 from jetstream import StreamHandle, make_stream, read_stream
+
 from outboxpg import Event, enqueue_many
 
 WORKER = str(Path(sys.executable).parent / "outboxpg-worker")

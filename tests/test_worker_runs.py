@@ -15,8 +15,8 @@ from typing import Any
 import nats
 import psycopg
 import pytest
-
 from jetstream import NatsProxy, StreamHandle, make_stream, read_stream
+
 from outboxpg import enqueue
 from outboxpg.events import OutboxEvent
 from outboxpg.relay.nats_publisher import NatsPublisher

@@ -564,16 +564,18 @@ async def check(dsn: str, nats_url: str, ledger: Ledger, faults: list[FaultRecor
         inv.append((name, ok, detail))
 
     lost = [m for m in committed if m not in stream_ids]
-    invariant("every committed event is in the stream", not lost, f"{len(lost)} missing" + (f", e.g. {lost[:3]}" if lost else ""))
+    invariant("every committed event is in the stream", not lost,
+              f"{len(lost)} missing" + (f", e.g. {lost[:3]}" if lost else ""))
     ghosts = [m for m in rolled_back if m in stream_ids or m in db]
-    invariant("no rolled-back event in stream or outbox", not ghosts, f"{len(ghosts)} found" + (f", e.g. {ghosts[:3]}" if ghosts else ""))
+    invariant("no rolled-back event in stream or outbox", not ghosts,
+              f"{len(ghosts)} found" + (f", e.g. {ghosts[:3]}" if ghosts else ""))
     strangers = [m for m in stream_ids if m not in committed]
     invariant("stream holds only committed events", not strangers, f"{len(strangers)} unknown msg_ids")
     dups = {m: n for m, n in stream_ids.items() if n > 1}
     invariant("each msg_id exactly once in the stream", not dups, f"{len(dups)} msg_ids stored more than once")
     last: dict[str, tuple[int, int]] = {}
     disorder = []
-    for seq, msg_id, oid, agg, _ in msgs:
+    for seq, _msg_id, oid, agg, _ in msgs:
         if agg in last and oid <= last[agg][0]:
             disorder.append((agg, last[agg], (oid, seq)))
         last[agg] = (oid, seq)
@@ -634,9 +636,12 @@ async def check(dsn: str, nats_url: str, ledger: Ledger, faults: list[FaultRecor
     w(f"{'duplicates dropped by JetStream (PubAck dup)':44s} {dup_acks:>10d}")
     w(f"{'hand-outs beyond the first (sum attempts-1)':44s} {handouts - len(rows):>10d}")
     w(f"{'publishes failed on purpose (flaky publisher)':44s} {injected_fail:>10d}")
-    w(f"{'latency commit->stream p50 / p99 / max (s)':44s} {_pct(lat, .5):>6.3f} / {_pct(lat, .99):.3f} / {max(lat, default=0):.3f}")
-    w(f"{'worker restarts / unexpected worker exits':44s} {sum(workers.spawns) - len(workers.spawns):>10d} / {len(unexpected_exits)}")
-    w(f"{'worker log: Traceback / ERROR / lease_lost':44s} {worker_errors['Traceback']:>6d} / {worker_errors['level=ERROR']} / {worker_errors['event=lease_lost']}")
+    w(f"{'latency commit->stream p50 / p99 / max (s)':44s} {_pct(lat, .5):>6.3f} / {_pct(lat, .99):.3f} / "
+      f"{max(lat, default=0):.3f}")
+    w(f"{'worker restarts / unexpected worker exits':44s} {sum(workers.spawns) - len(workers.spawns):>10d} / "
+      f"{len(unexpected_exits)}")
+    w(f"{'worker log: Traceback / ERROR / lease_lost':44s} {worker_errors['Traceback']:>6d} / "
+      f"{worker_errors['level=ERROR']} / {worker_errors['event=lease_lost']}")
     w("-" * 78)
     w("recovery: seconds until every event committed before the fault was injected is published")
     w(f"{'fault':22s} {'count':>5s} {'after lifted: median':>21s} {'max':>6s} "

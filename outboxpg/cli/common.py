@@ -13,11 +13,10 @@ from urllib.parse import quote, unquote
 
 import orjson
 import psycopg
-
 from psycopg.conninfo import conninfo_to_dict
 
 from outboxpg import schema
-from outboxpg.errors import EXIT_CONNECT, EXIT_FAILED, EXIT_SCHEMA, CliError, first_line
+from outboxpg.errors import EXIT_CONNECT, EXIT_SCHEMA, CliError, first_line
 
 DSN_HELP = "libpq connection string or URI (default: $OUTBOXPG_DSN, else libpq's PG* variables)"
 

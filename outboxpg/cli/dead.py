@@ -17,8 +17,9 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
 
-from outboxpg.cli.common import CliError, add_dsn, confirm, open_outbox, print_json
+from outboxpg.cli.common import add_dsn, confirm, open_outbox, print_json
 from outboxpg.cli.render import one_line, pairs, table
+from outboxpg.errors import CliError
 
 # Columns of outbox that dead show leaves out: what the partial indexes select on (0002), no
 # information beyond state.

@@ -59,7 +59,7 @@ def _default(f: dataclasses.Field[Any]) -> Any:
         return f.metadata["command_default"]
     if f.default is not dataclasses.MISSING:
         return f.default
-    if f.default_factory is not dataclasses.MISSING:
+    if callable(f.default_factory):
         return f.default_factory()
     return None
 

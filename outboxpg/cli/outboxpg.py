@@ -23,12 +23,23 @@ from collections.abc import Sequence
 import psycopg
 
 from outboxpg import schema
-from outboxpg.errors import describe
-from outboxpg.cli import dead as cli_dead, status as cli_status
-from outboxpg.cli.common import (EXIT_CONNECT, EXIT_FAILED, EXIT_SCHEMA, CliError, add_dsn, connect,
-                                 describe_connection_error, first_line, not_installed, package_version,
-                                 permission_hint, redact, resolve_dsn, restore_double_dash, secrets_of,
-                                 where_am_i, where_text)
+from outboxpg.cli import dead as cli_dead
+from outboxpg.cli import status as cli_status
+from outboxpg.cli.common import (
+    add_dsn,
+    connect,
+    describe_connection_error,
+    not_installed,
+    package_version,
+    permission_hint,
+    redact,
+    resolve_dsn,
+    restore_double_dash,
+    secrets_of,
+    where_am_i,
+    where_text,
+)
+from outboxpg.errors import EXIT_CONNECT, EXIT_FAILED, EXIT_SCHEMA, CliError, describe, first_line
 
 __all__ = ["CliError", "build_parser", "main"]
 
@@ -71,7 +82,8 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 def _adopt(dsn: str, where: str, rec: schema.Recorded) -> int:
     if not rec.installed:
-        raise CliError(f"nothing to adopt: {f'the outbox schema is not installed in {where}: run outboxpg migrate --dsn ...'}", EXIT_SCHEMA)
+        raise CliError(f"nothing to adopt: the outbox schema is not installed in {where}: "
+                       "run outboxpg migrate --dsn ...", EXIT_SCHEMA)
     if not rec.hand_installed:
         ours = len(rec.applied & set(schema.step_ids()))
         print(f"nothing to adopt: yoyo records {ours} of the {len(schema.step_ids())} steps already "

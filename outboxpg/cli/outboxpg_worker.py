@@ -31,16 +31,29 @@ from urllib.parse import unquote, urlsplit
 
 import psycopg
 
+from outboxpg.cli.common import (
+    describe_connection_error,
+    package_version,
+    parse_dsn,
+    redact,
+    restore_double_dash,
+    secrets_of,
+)
 from outboxpg.cli.options import OneLineParser, add_options, from_args
-from outboxpg.cli.common import (EXIT_CONNECT, EXIT_FAILED, EXIT_SCHEMA, CliError, describe_connection_error,
-                                 package_version, parse_dsn, redact, restore_double_dash, secrets_of)
-from outboxpg.errors import EXIT_USAGE, describe, first_line
-from outboxpg.relay.pooler import POOLER_HINT, behind_transaction_pooler
-from outboxpg.relay.streams import (MAX_SUBJECTS, SUBJECTS_SQL, Subject, explicit_to_add, missing_text, uncaptured,
-                              under_prefix)
-from outboxpg.relay.config import WorkerConfig, option
-from outboxpg.relay.worker import Worker, application_name
+from outboxpg.errors import EXIT_CONNECT, EXIT_FAILED, EXIT_SCHEMA, EXIT_USAGE, CliError, describe, first_line
 from outboxpg.relay.backoff import next_delay
+from outboxpg.relay.config import WorkerConfig, option
+from outboxpg.relay.pooler import POOLER_HINT, behind_transaction_pooler
+from outboxpg.relay.streams import (
+    MAX_SUBJECTS,
+    SUBJECTS_SQL,
+    Subject,
+    explicit_to_add,
+    missing_text,
+    uncaptured,
+    under_prefix,
+)
+from outboxpg.relay.worker import Worker, application_name
 
 log = logging.getLogger("outboxpg.worker")
 
@@ -197,7 +210,8 @@ def _serve_metrics(args: argparse.Namespace, cfg: WorkerConfig) -> Any:
         metrics.serve(args.metrics_port, args.metrics_addr)
     except OSError as exc:   # EADDRINUSE, EADDRNOTAVAIL, EACCES, an unresolvable name (gaierror)
         reason = (exc.strerror or first_line(exc)).lower() if exc.strerror or str(exc) else type(exc).__name__
-        raise CliError(f"cannot serve metrics on {args.metrics_addr}:{args.metrics_port}: {reason}", EXIT_USAGE) from None
+        raise CliError(f"cannot serve metrics on {args.metrics_addr}:{args.metrics_port}: {reason}",
+                       EXIT_USAGE) from None
     log.info("event=metrics_serving addr=%s port=%d", args.metrics_addr, args.metrics_port)
     return metrics
 
@@ -230,7 +244,7 @@ async def _wait_for_nats(servers: list[str], stopping: asyncio.Event) -> bool:
         seen: list[Exception] = []
 
         async def on_error(exc: Exception) -> None:
-            seen.append(exc)
+            seen.append(exc)  # noqa: B023 - this try's list: the probe connection is this try's too
 
         try:
             nc = await nats.connect(servers, connect_timeout=2, allow_reconnect=False, max_reconnect_attempts=1,

@@ -13,9 +13,9 @@ import psycopg
 from psycopg.rows import dict_row
 
 from outboxpg.cli.common import add_dsn, open_outbox, print_json, where_am_i, where_text
+from outboxpg.cli.render import age, jsonable, one_line, pairs, table
 from outboxpg.errors import describe
 from outboxpg.relay.streams import MAX_SUBJECTS, SUBJECTS_SQL, Subject, missing_text
-from outboxpg.cli.render import age, jsonable, one_line, pairs, table
 
 STATES = ("pending", "processing", "published", "dead", "discarded")
 
@@ -41,7 +41,8 @@ SELECT min(split_part(last_error, E'\n', 1))                      AS reason,
        array_agg(DISTINCT event_type::text ORDER BY event_type::text) AS event_types,
        (array_agg(id ORDER BY id))[1:20]                          AS ids,
        -- where they go (resolved as the claim does): names the subject a "no responders" lacks
-       (array_agg(DISTINCT coalesce(subject::text, s.subject_prefix || '.' || aggregate_type || '.' || event_type)))[1:5]
+       (array_agg(DISTINCT coalesce(subject::text,
+                                    s.subject_prefix || '.' || aggregate_type || '.' || event_type)))[1:5]
                                                                   AS subjects
   FROM outbox CROSS JOIN (SELECT subject_prefix FROM outbox_settings) s
  WHERE unfinished

@@ -94,7 +94,6 @@ import re
 import uuid
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
 from urllib.parse import urlsplit
 
 import nats
@@ -654,7 +653,7 @@ def parse_servers(urls: str | Sequence[str]) -> list[str]:
         url = part
         try:
             u = urlsplit(url)
-            u.port   # a port that is not a number 0-65535 raises here
+            _ = u.port   # a port that is not a number 0-65535 raises here
         except ValueError as exc:
             raise ValueError(f"malformed NATS URL {shown!r}: {exc}") from None
         if u.scheme.lower() not in _SCHEMES:

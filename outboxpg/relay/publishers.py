@@ -70,7 +70,7 @@ class FunctionPublisher:
     def __init__(self, fn: Callable[[OutboxEvent], Any], timeout: float = 10.0) -> None:
         self.fn = fn
         self.timeout = timeout
-        self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+        self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))  # noqa: B004 - an object whose __call__ is async
 
     async def publish_batch(self, events: Sequence[OutboxEvent]) -> Sequence[Outcome]:
         if self.is_async:

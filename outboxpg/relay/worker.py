@@ -33,7 +33,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Sequence
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -332,7 +332,7 @@ class Worker:
 
     async def _report(self, events: Sequence[OutboxEvent], outcomes: Sequence[BaseException | None],
                       token: Any) -> None:
-        acked_at = datetime.now(timezone.utc)
+        acked_at = datetime.now(UTC)
         failed: list[tuple[OutboxEvent, BaseException]] = []
         released: list[int] = []
         delivered: Sequence[OutboxEvent]
