@@ -199,13 +199,20 @@ def producer(idx: int, dsn: str, ledger: Ledger, stop: threading.Event, seed: in
         conn.close()
 
 
+def _row(conn: psycopg.Connection[Any], query: str, params: tuple[Any, ...] = ()) -> tuple[Any, ...]:
+    """The one row ``query`` returns."""
+    row: tuple[Any, ...] | None = conn.execute(query, params).fetchone()
+    assert row is not None, query
+    return row
+
+
 def _resolve(dsn: str, bid: str, stop: threading.Event) -> bool | None:
     """Did the transaction that wrote business row ``bid`` commit? Asks until PostgreSQL answers (60 s)."""
     end = time.monotonic() + 60
     while time.monotonic() < end:
         try:
             with psycopg.connect(dsn, application_name=PRODUCER_APP, connect_timeout=3, autocommit=True) as c:
-                return c.execute("SELECT EXISTS (SELECT 1 FROM soak_business WHERE id = %s)", (bid,)).fetchone()[0]
+                return bool(_row(c, "SELECT EXISTS (SELECT 1 FROM soak_business WHERE id = %s)", (bid,))[0])
         except psycopg.Error:
             time.sleep(0.3)
     return None
@@ -372,8 +379,8 @@ def catch_mid_batch(proc: subprocess.Popen[bytes], name: str, admin_dsn: str, li
         with psycopg.connect(admin_dsn, autocommit=True, application_name="soak-chaos", connect_timeout=3) as c:
             while True:
                 proc.send_signal(signal.SIGSTOP)
-                held = c.execute("SELECT count(*) FROM outbox WHERE state = 'processing' AND locked_by = %s "
-                                 "AND locked_until > now()", (name,)).fetchone()[0]
+                held = int(_row(c, "SELECT count(*) FROM outbox WHERE state = 'processing' AND locked_by = %s "
+                                   "AND locked_until > now()", (name,))[0])
                 if held or time.monotonic() > end:
                     return held
                 proc.send_signal(signal.SIGCONT)
@@ -413,8 +420,8 @@ def inject(kind: str, rng: random.Random, workers: Workers, pg: Any, ns: Any, ad
     elif kind == "pg_terminate":
         with psycopg.connect(admin_dsn, autocommit=True, application_name="soak-chaos") as c:
             rec.armed = True
-            n = c.execute("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                          "WHERE application_name = %s", (WORKER_APP,)).fetchone()[0]
+            n = _row(c, "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                        "WHERE application_name = %s", (WORKER_APP,))[0]
         rec.detail = f"{n} worker connections"
     elif kind.startswith("pg_restart_"):
         t0 = time.monotonic()
@@ -507,9 +514,9 @@ def _drain(dsn: str, committed: int, limit: float) -> tuple[bool, float]:
     t0 = time.monotonic()
     with psycopg.connect(dsn, autocommit=True) as c:
         while time.monotonic() - t0 < limit:
-            published, unfinished = c.execute(
-                "SELECT count(*) FILTER (WHERE state = 'published'), "
-                "count(*) FILTER (WHERE state IN ('pending', 'processing', 'dead')) FROM outbox").fetchone()
+            published, unfinished = _row(
+                c, "SELECT count(*) FILTER (WHERE state = 'published'), "
+                   "count(*) FILTER (WHERE state IN ('pending', 'processing', 'dead')) FROM outbox")
             if unfinished == 0 and published >= committed:
                 return True, time.monotonic() - t0
             time.sleep(0.25)
@@ -520,7 +527,7 @@ def _drain(dsn: str, committed: int, limit: float) -> tuple[bool, float]:
 # The checker
 
 
-async def read_all(nats_url: str) -> list[tuple[int, str, int, str, datetime]]:
+async def read_all(nats_url: str) -> list[tuple[int, str, int, str, datetime | None]]:
     """(seq, msg_id, outbox id, aggregate, stream timestamp) of every message, in stream order."""
     import nats
 
@@ -528,10 +535,11 @@ async def read_all(nats_url: str) -> list[tuple[int, str, int, str, datetime]]:
     try:
         js = nc.jetstream()
         info = await js.stream_info(STREAM)
-        out = []
+        out: list[tuple[int, str, int, str, datetime | None]] = []
         for seq in range(info.state.first_seq, info.state.last_seq + 1):
             m = await js.get_msg(STREAM, seq)
             h = m.headers or {}
+            assert m.seq is not None
             out.append((m.seq, h["Nats-Msg-Id"], int(h["Outbox-Id"]),
                         f'{h["Outbox-Aggregate-Type"]}/{h["Outbox-Aggregate-Id"]}', m.time))
         return out
@@ -552,7 +560,7 @@ async def check(dsn: str, nats_url: str, ledger: Ledger, faults: list[FaultRecor
     with psycopg.connect(dsn, autocommit=True) as c:
         rows = c.execute("SELECT msg_id, id, aggregate_type || '/' || aggregate_id, state::text, attempts "
                          "FROM outbox").fetchall()
-        business = c.execute("SELECT count(*), coalesce(sum(events), 0) FROM soak_business").fetchone()
+        business = _row(c, "SELECT count(*), coalesce(sum(events), 0) FROM soak_business")
     db = {r[0]: r for r in rows}
     committed, rolled_back = ledger.committed, ledger.rolled_back
     stream_ids = Counter(m[1] for m in msgs)
@@ -602,18 +610,18 @@ async def check(dsn: str, nats_url: str, ledger: Ledger, faults: list[FaultRecor
             injected_fail += line.startswith("fail ")
             dup_acks += line.startswith("dup ")
     handouts = sum(r[4] for r in rows)
-    worker_errors = Counter()
-    for f in workdir.glob("w*.log"):
-        text = f.read_text(errors="replace")
+    worker_errors: Counter[str] = Counter()
+    for log_file in workdir.glob("w*.log"):
+        text = log_file.read_text(errors="replace")
         worker_errors["Traceback"] += text.count("Traceback")
         worker_errors["level=ERROR"] += text.count("level=ERROR")
         worker_errors["event=lease_lost"] += text.count("event=lease_lost")
     unexpected_exits = [e for e in workers.exits if not e[3]]
     by_kind: dict[str, list[FaultRecord]] = defaultdict(list)
-    for f in faults:
-        by_kind[f.kind].append(f)
+    for fault in faults:
+        by_kind[fault.kind].append(fault)
 
-    lines = []
+    lines: list[str] = []
     w = lines.append
     w("")
     w("=" * 78)
