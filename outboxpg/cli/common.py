@@ -168,26 +168,14 @@ def connect(dsn: str) -> psycopg.Connection[Any]:
     return conn
 
 
-def step_ids() -> list[str]:
-    """The migration steps this version of outboxpg ships, in order."""
-    return sorted(p.name.removesuffix(".sql") for p in schema.migrations_dir().glob("[0-9]*.sql")
-                  if not p.name.endswith(".rollback.sql"))
-
-
 def require_schema(conn: psycopg.Connection[Any]) -> None:
     """Refuse (exit 3) a database without the outbox schema, or with an older one than ours."""
     # yoyo's bookkeeping, when this role may read it (an outbox_operator login may not).
-    row = conn.execute("SELECT to_regclass('outbox') IS NOT NULL, "
-                       "       coalesce(has_table_privilege(to_regclass('_yoyo_migration'), 'SELECT'), false)"
-                       ).fetchone()
-    assert row is not None
-    installed, has_yoyo = row
-    if not installed:
+    rec = schema.recorded(conn)
+    if not rec.installed:
         raise CliError(not_installed(where_am_i(conn)), EXIT_SCHEMA)
-    ours = step_ids()
-    applied: set[str] = set()
-    if has_yoyo:
-        applied = {r[0] for r in conn.execute("SELECT migration_id FROM _yoyo_migration").fetchall()}
+    ours = schema.step_ids()
+    applied = rec.applied
     if applied & set(ours):
         missing = [s for s in ours if s not in applied]
         if missing:
