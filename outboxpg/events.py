@@ -12,7 +12,8 @@ import orjson
 # Publishers raise or return these; they are importable from here as they always were.
 from outboxpg.errors import NotSent, PermanentError
 
-__all__ = ["OutboxEvent", "PermanentError", "NotSent", "CLAIM_COLUMNS", "event_from_row", "runs_of"]
+__all__ = ["OutboxEvent", "PermanentError", "NotSent", "CLAIM_COLUMNS", "CLAIM_COLUMN_NAMES", "LEASE_TOKEN",
+           "event_from_row", "runs_of"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,9 +36,12 @@ class OutboxEvent:
         return orjson.loads(self.payload)
 
 
-# The columns of outbox_claim() the worker reads, in this order.
-CLAIM_COLUMNS = ("id, subject, aggregate_type, aggregate_id, event_type, payload, headers, "
-                 "msg_id, attempts, created_at, lease_token")
+# The columns of outbox_claim() the worker reads, in this order. Rows are read by position (this
+# runs for every event), at the positions named here.
+CLAIM_COLUMN_NAMES = ("id", "subject", "aggregate_type", "aggregate_id", "event_type", "payload", "headers",
+                      "msg_id", "attempts", "created_at", "lease_token")
+CLAIM_COLUMNS = ", ".join(CLAIM_COLUMN_NAMES)
+LEASE_TOKEN = CLAIM_COLUMN_NAMES.index("lease_token")
 
 _EMPTY = b"{}"
 
@@ -47,6 +51,7 @@ _EMPTY = b"{}"
 _FIELDS = ("id", "subject", "aggregate_type", "aggregate_id", "event_type", "payload", "headers", "msg_id",
            "attempt", "created_at")
 assert tuple(f.name for f in fields(OutboxEvent)) == _FIELDS, "event_from_row must set every field"
+assert CLAIM_COLUMN_NAMES[:len(_FIELDS)] == _FIELDS[:8] + ("attempts", "created_at"), "event_from_row reads by position"
 (_set_id, _set_subject, _set_aggregate_type, _set_aggregate_id, _set_event_type, _set_payload, _set_headers,
  _set_msg_id, _set_attempt, _set_created_at) = (OutboxEvent.__dict__[name].__set__ for name in _FIELDS)
 _new = object.__new__

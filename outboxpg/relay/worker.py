@@ -39,7 +39,7 @@ from typing import Any
 import psycopg
 
 from outboxpg.errors import PermanentError, describe, first_line
-from outboxpg.events import OutboxEvent, event_from_row, runs_of
+from outboxpg.events import LEASE_TOKEN, OutboxEvent, event_from_row, runs_of
 from outboxpg.relay.backoff import next_delay
 from outboxpg.relay.config import WorkerConfig
 from outboxpg.relay.gateway import Gateway, RawJsonLoader, id_array
@@ -280,7 +280,7 @@ class Worker:
         return rows
 
     async def _deliver(self, rows: list[tuple[Any, ...]]) -> None:
-        token = rows[0][10]
+        token = rows[0][LEASE_TOKEN]
         events = [event_from_row(row) for row in rows]
         started = time.monotonic()
         # Most batches are reported long before this fires: then it costs a timer, nothing more.
