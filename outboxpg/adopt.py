@@ -23,7 +23,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from outboxpg.schema import migrations_dir
+from outboxpg.schema import step_paths
 
 __all__ = ["AdoptCheck", "check_install", "fingerprint"]
 
@@ -94,8 +94,7 @@ def fingerprint(conn: psycopg.Connection[Any], schema: str) -> dict[str, str]:
 
 
 def _step_files() -> list[tuple[str, str]]:
-    return [(p.name.removesuffix(".sql"), p.read_text(encoding="utf-8"))
-            for p in sorted(migrations_dir().glob("[0-9]*.sql")) if not p.name.endswith(".rollback.sql")]
+    return [(p.name.removesuffix(".sql"), p.read_text(encoding="utf-8")) for p in step_paths()]
 
 
 def _differences(want: dict[str, str], have: dict[str, str], limit: int = 5) -> list[str]:

@@ -16,8 +16,8 @@ from yoyo import get_backend, read_migrations
 
 from outboxpg.errors import HandInstalled
 
-__all__ = ["HandInstalled", "MigrationStep", "migrations_dir", "yoyo_uri", "migrate", "rollback", "pending",
-           "recorded", "adopt", "install_sql"]
+__all__ = ["HandInstalled", "MigrationStep", "migrations_dir", "step_ids", "step_paths", "yoyo_uri", "migrate",
+           "rollback", "pending", "recorded", "adopt", "install_sql"]
 
 # Called with each NOTICE or WARNING the server sends while steps are applied or rolled back
 # (0012's rollback says which roles it keeps, and why).
@@ -64,10 +64,14 @@ def _steps(dsn: str, on_notice: OnNotice | None = None):  # type: ignore[no-unty
     return backend, read_migrations(str(migrations_dir()))
 
 
+def step_paths() -> list[Path]:
+    """The files of the migration steps this version of outboxpg ships, in order (no rollbacks)."""
+    return sorted(p for p in migrations_dir().glob("[0-9]*.sql") if not p.name.endswith(".rollback.sql"))
+
+
 def step_ids() -> list[str]:
     """The migration steps this version of outboxpg ships, in order."""
-    return sorted(p.name.removesuffix(".sql") for p in migrations_dir().glob("[0-9]*.sql")
-                  if not p.name.endswith(".rollback.sql"))
+    return [p.name.removesuffix(".sql") for p in step_paths()]
 
 
 @dataclass(frozen=True)
@@ -164,9 +168,7 @@ def install_sql() -> str:
     """
     parts = ["-- outboxpg install script: the files of migrations/ in order, in one transaction.",
              "\\set ON_ERROR_STOP on", "BEGIN;"]
-    for path in sorted(migrations_dir().glob("[0-9]*.sql")):
-        if path.name.endswith(".rollback.sql"):
-            continue
+    for path in step_paths():
         parts.append(f"\n-- ==== {path.name} ====")
         parts.append(_DEPENDS.sub("", path.read_text(encoding="utf-8")).rstrip())
     parts.append("COMMIT;")
