@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 import uuid
@@ -14,6 +15,7 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import dict_row
 
 from outboxpg.locks import WAKEUP_LOCK  # noqa: F401 (the tests import it from here)
+from outboxpg.worker import Worker
 
 
 def connect(dsn: str, autocommit: bool = True, lock_timeout: str = "10s") -> psycopg.Connection[Any]:
@@ -222,3 +224,15 @@ def psql_env(dsn: str) -> dict[str, str]:
         env["PGPASSWORD"] = str(p["password"])
     env["PGOPTIONS"] = "--client-min-messages=warning"
     return env
+
+
+class Running:
+    """A Worker running in a task of the test's event loop, stopped (and awaited) by stop()."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.task = asyncio.create_task(worker.run())
+
+    async def stop(self) -> None:
+        self.worker.stop()
+        await asyncio.wait_for(self.task, 30)

@@ -25,7 +25,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import discard, insert, requeue
+from helpers import Running, discard, insert, requeue
 from jetstream import NatsProxy, make_stream, read_stream
 
 from outboxpg import Event, enqueue_many
@@ -54,16 +54,6 @@ async def until(pred: Callable[[], bool] | Callable[[], Awaitable[bool]], timeou
 
 def state(conn: Conn, i: int) -> str:
     return conn.execute("SELECT state::text FROM outbox WHERE id = %s", (i,)).fetchone()[0]
-
-
-class Running:
-    def __init__(self, worker: Worker) -> None:
-        self.worker = worker
-        self.task = asyncio.create_task(worker.run())
-
-    async def stop(self) -> None:
-        self.worker.stop()
-        await asyncio.wait_for(self.task, 30)
 
 
 # -- requeue and discard wake idle workers ------------------------------------------------------

@@ -15,6 +15,7 @@ from typing import Any
 import nats
 import psycopg
 import pytest
+from helpers import Running
 from jetstream import NatsProxy, StreamHandle, make_stream, read_stream
 
 from outboxpg import enqueue
@@ -40,16 +41,6 @@ async def until_published(conn: psycopg.Connection[Any], n: int, timeout: float)
     async def done() -> bool:
         return conn.execute("SELECT count(*) FROM outbox WHERE state = 'published'").fetchone()[0] >= n
     await wait_until(done, timeout, f"{n} events published")
-
-
-class Running:
-    def __init__(self, worker: Worker) -> None:
-        self.worker = worker
-        self.task = asyncio.create_task(worker.run())
-
-    async def stop(self) -> None:
-        self.worker.stop()
-        await asyncio.wait_for(self.task, 30)
 
 
 def start(dsn: str, publisher: Any, **config: Any) -> Running:
