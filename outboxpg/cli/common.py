@@ -7,8 +7,8 @@ import argparse
 import os
 import re
 import sys
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 from urllib.parse import quote, unquote
 
 import orjson
@@ -21,6 +21,8 @@ from outboxpg.errors import EXIT_CONNECT, EXIT_SCHEMA, CliError, first_line
 DSN_HELP = "libpq connection string or URI (default: $OUTBOXPG_DSN, else libpq's PG* variables)"
 
 NOT_INSTALLED = "the outbox schema is not installed in this database: run outboxpg migrate --dsn ..."
+
+N = TypeVar("N", int, float)
 
 # The login and database of the last connect(): messages about them name them.
 SESSION: dict[str, Any] = {}
@@ -73,6 +75,21 @@ def package_version() -> str:
 
 def add_dsn(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dsn", help=DSN_HELP)
+
+
+def number_type(kind: Callable[[str], N], not_one: str, ok: Callable[[N], bool],
+                out_of_range: str | None = None) -> Callable[[str], N]:
+    """An argparse ``type=``: the text read as ``kind``; ``not_one`` (or ``out_of_range``
+    when the number is there but ``ok`` refuses it) is the error, ``{!r}`` the text."""
+    def parse(text: str) -> N:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(not_one.format(text)) from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError((out_of_range or not_one).format(text))
+        return value
+    return parse
 
 
 def restore_double_dash(args: argparse.Namespace, names: Iterable[str]) -> None:

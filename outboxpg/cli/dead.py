@@ -17,7 +17,7 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
 
-from outboxpg.cli.common import add_dsn, confirm, open_outbox, print_json
+from outboxpg.cli.common import add_dsn, confirm, number_type, open_outbox, print_json
 from outboxpg.cli.render import one_line, pairs, table
 from outboxpg.errors import CliError
 
@@ -30,24 +30,8 @@ LIST_COLUMNS = ("id, dead_at, attempts, aggregate_type, aggregate_id, event_type
                 "created_at, msg_id")
 
 
-def _event_id(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an event id: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"not an event id: {text!r}")
-    return value
-
-
-def _max_bytes(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of bytes: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 (all) or more: {text!r}")
-    return value
+_event_id = number_type(int, "not an event id: {!r}", lambda v: v >= 1)
+_max_bytes = number_type(int, "not a number of bytes: {!r}", lambda v: v >= 0, "must be 0 (all) or more: {!r}")
 
 
 def _add_filters(p: argparse.ArgumentParser) -> None:

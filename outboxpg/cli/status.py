@@ -12,7 +12,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from outboxpg.cli.common import add_dsn, open_outbox, print_json, where_am_i, where_text
+from outboxpg.cli.common import add_dsn, number_type, open_outbox, print_json, where_am_i, where_text
 from outboxpg.cli.render import age, jsonable, one_line, pairs, table
 from outboxpg.errors import describe
 from outboxpg.relay.streams import MAX_SUBJECTS, SUBJECTS_SQL, Subject, missing_text
@@ -54,14 +54,8 @@ SELECT min(split_part(last_error, E'\n', 1))                      AS reason,
 """
 
 
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text!r}")
-    return value
+_positive_seconds = number_type(float, "not a number of seconds: {!r}", lambda v: v > 0,
+                                "must be more than 0 seconds, got {!r}")
 
 
 def register(sub: Any) -> None:
