@@ -32,6 +32,7 @@ from urllib.parse import unquote, urlsplit
 import psycopg
 
 from outboxpg.cli.common import (
+    NOT_INSTALLED,
     describe_connection_error,
     package_version,
     parse_dsn,
@@ -155,8 +156,7 @@ async def _check_database(cfg: WorkerConfig) -> tuple[str, timedelta, list[Subje
         functions = _FUNCTIONS + (() if cfg.poll_only else _IDLE_FUNCTIONS)
         rows = await (await conn.execute(_CHECK_FUNCTIONS, (list(functions),))).fetchall()
         if not rows[0][1]:
-            raise CliError("the outbox schema is not installed in this database: run outboxpg migrate --dsn ...",
-                           EXIT_SCHEMA)
+            raise CliError(NOT_INSTALLED, EXIT_SCHEMA)
         missing = [f for f, exists, _ in rows if not exists]
         if missing:
             raise CliError(f"the outbox schema is not up to date ({missing[0]} is missing): "
