@@ -108,6 +108,7 @@ from nats.js.api import StreamConfig
 from outboxpg.errors import NotSent, PermanentError, describe
 from outboxpg.events import OutboxEvent, runs_of
 from outboxpg.relay.backoff import next_delay
+from outboxpg.relay.streams import stream_for
 
 __all__ = ["NatsPublisher", "check_stream", "ensure_stream", "parse_servers", "supports_atomic_batch"]
 
@@ -692,9 +693,8 @@ def supports_atomic_batch(nc: Client) -> bool:
 
 async def check_stream(js: JetStreamContext, subject: str, needed_window: timedelta) -> list[str]:
     """Problems with the stream that would capture ``subject``, as human-readable lines."""
-    try:
-        name = await js.find_stream_name_by_subject(subject)
-    except nats.js.errors.NotFoundError:
+    name = await stream_for(js, subject)
+    if name is None:
         return [f"no JetStream stream captures {subject!r}: every publish will fail until one does "
                 f"(create one, e.g. with --ensure-stream NAME)"]
     info = await js.stream_info(name)
