@@ -90,3 +90,13 @@ def runs_of(events: Sequence[OutboxEvent]) -> list[list[int]]:
         else:
             group.append(i)
     return list(groups.values())
+
+
+def not_sent_after(events: Sequence[OutboxEvent], positions: Sequence[int], failed_id: int,
+                   outcomes: list[Any]) -> None:
+    """The outcome of the events at ``positions`` (the rest of a run after its failed event
+    ``failed_id``): NotSent, one instance for them all."""
+    if positions:
+        skipped = NotSent(f"not sent: event {failed_id} of its aggregate failed before it")
+        for i in positions:
+            outcomes[i] = skipped

@@ -106,7 +106,7 @@ from nats.js import JetStreamContext
 from nats.js.api import StreamConfig
 
 from outboxpg.errors import NotSent, PermanentError, describe
-from outboxpg.events import OutboxEvent, runs_of
+from outboxpg.events import OutboxEvent, not_sent_after, runs_of
 from outboxpg.relay.backoff import next_delay
 from outboxpg.relay.streams import stream_for
 
@@ -608,11 +608,7 @@ class NatsPublisher:
         if outcome is not None:
             outcomes = batch.outcomes
             outcomes[positions[run.next]] = outcome
-            if run.next + 1 < len(positions):
-                not_sent = NotSent(f"not sent: event {batch.events[positions[run.next]].id} of its aggregate "
-                                   "failed before it")
-                for i in positions[run.next + 1:]:
-                    outcomes[i] = not_sent
+            not_sent_after(batch.events, positions[run.next + 1:], batch.events[positions[run.next]].id, outcomes)
         batch.open -= 1
         if batch.open == 0 and not batch.done.done():
             batch.done.set_result(None)

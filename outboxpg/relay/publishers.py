@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from outboxpg.errors import NotSent, PermanentError, PublisherNotFound, describe
-from outboxpg.events import OutboxEvent, runs_of
+from outboxpg.events import OutboxEvent, not_sent_after, runs_of
 
 __all__ = ["Publisher", "FunctionPublisher", "NotSent", "PermanentError", "PublisherNotFound", "as_publisher",
            "load_publisher", "print_event", "runs_of"]
@@ -87,7 +87,7 @@ class FunctionPublisher:
             if loop.time() >= deadline:
                 # Out of time before this call started: not tried, handed back without an attempt.
                 outcomes[i] = NotSent("not sent: the batch ran out of time first")
-                _not_sent(events, run[n + 1:], events[i].id, outcomes)
+                not_sent_after(events, run[n + 1:], events[i].id, outcomes)
                 return
             outcome: Outcome = None
             try:
@@ -101,7 +101,7 @@ class FunctionPublisher:
                 outcome = exc if isinstance(exc, Exception) else RuntimeError(repr(exc))
             if outcome is not None:
                 outcomes[i] = outcome
-                _not_sent(events, run[n + 1:], events[i].id, outcomes)
+                not_sent_after(events, run[n + 1:], events[i].id, outcomes)
                 return
 
     async def _publish_sync(self, events: Sequence[OutboxEvent]) -> list[Outcome]:
@@ -184,13 +184,6 @@ class _SyncBatch:
 def _set_done(done: asyncio.Future[None]) -> None:
     if not done.done():
         done.set_result(None)
-
-
-def _not_sent(events: Sequence[OutboxEvent], positions: list[int], failed_id: int, outcomes: list[Outcome]) -> None:
-    if positions:
-        skipped = NotSent(f"not sent: event {failed_id} of its aggregate failed before it")
-        for i in positions:
-            outcomes[i] = skipped
 
 
 def as_publisher(obj: Any) -> Any:
