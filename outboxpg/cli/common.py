@@ -53,12 +53,14 @@ def permission_hint(exc: psycopg.Error) -> str:
 # For databases installed by hand with psql (no yoyo bookkeeping): the objects the commands use.
 # The newest first: the first one missing says how far behind the install is.
 _REQUIRED_OBJECTS = (
-    ("view outbox_health", "SELECT to_regclass('outbox_health')"),
-    ("function outbox_maintain(boolean)", "SELECT to_regprocedure('outbox_maintain(boolean)')"),
-    ("function outbox_discard(bigint[], text)", "SELECT to_regprocedure('outbox_discard(bigint[],text)')"),
-    ("function outbox_requeue(bigint[])", "SELECT to_regprocedure('outbox_requeue(bigint[])')"),
-    ("view outbox_dead_letters", "SELECT to_regclass('outbox_dead_letters')"),
+    ("view outbox_health", "to_regclass('outbox_health')"),
+    ("function outbox_maintain(boolean)", "to_regprocedure('outbox_maintain(boolean)')"),
+    ("function outbox_discard(bigint[], text)", "to_regprocedure('outbox_discard(bigint[],text)')"),
+    ("function outbox_requeue(bigint[])", "to_regprocedure('outbox_requeue(bigint[])')"),
+    ("view outbox_dead_letters", "to_regclass('outbox_dead_letters')"),
 )
+# All of them in one statement, one round trip.
+_REQUIRED_SQL = "SELECT " + ", ".join(f"{lookup} IS NOT NULL" for _, lookup in _REQUIRED_OBJECTS)
 
 
 def package_version() -> str:
@@ -202,9 +204,10 @@ def require_schema(conn: psycopg.Connection[Any]) -> None:
         return
     # Installed by hand (psql), without yoyo's bookkeeping (or it is not readable): look for
     # the objects we use.
-    for name, query in _REQUIRED_OBJECTS:
-        found = conn.execute(query).fetchone()
-        if found is None or found[0] is None:
+    found = conn.execute(_REQUIRED_SQL).fetchone()
+    assert found is not None
+    for (name, _), there in zip(_REQUIRED_OBJECTS, found):
+        if not there:
             raise CliError(f"the outbox schema is not up to date ({name} is missing): run outboxpg migrate "
                            "--dsn ... (or apply the newer files of migrations/ with psql)", EXIT_SCHEMA)
 
