@@ -234,7 +234,10 @@ def test_worker_connections_name_the_worker_in_pg_stat_activity(conn: Conn, runn
     assert "outboxpg-worker relay-7" in names, names
     assert set(names) <= {"outboxpg-worker relay-7", "outboxpg-worker relay-7 (listen)",
                           "outboxpg-worker relay-7 (wakeup lock)"}, names
-    # The lock a DBA wonders about is held by the connection named for it.
+    # The lock a DBA wonders about is held by the connection named for it. The worker lets it go
+    # while it claims (a maintenance pass, a wakeup): wait until it is idle and holds it again.
+    wait_for(conn, "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
+                   "WHERE l.locktype = 'advisory' AND l.granted AND a.datname = current_database()", 1)
     held = conn.execute("SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
                         "WHERE l.locktype = 'advisory' AND l.granted AND a.datname = current_database()").fetchall()
     assert held == [("outboxpg-worker relay-7 (wakeup lock)",)], held
