@@ -73,6 +73,37 @@ def test_horizon_is_read_from_the_statement_start_of_each_insert(dsn, conn):
     assert claim_ids(conn) == [1, 7]  # slow/a and slow/b, one run
 
 
+def test_a_sequence_reset_without_is_called_holds_back_more_never_less(dsn, conn):
+    """setval(..., false) (a restore does it) leaves the sequence with no last id: the horizon of
+    the statement that follows is 0 (0020 reads it with pg_sequence_last_value), so everything
+    its transaction may commit is held back, as with a sequence never used."""
+    conn.execute("SELECT setval('outbox_id_seq', 100, false)")
+    with psycopg.connect(dsn) as slow:
+        first = enqueue(slow, "order", "7", "created", {})      # id 100, not committed
+        later = enqueue(conn, "order", "7", "paid", {})         # id 101, committed
+        other = enqueue(conn, "order", "8", "created", {})
+        assert (first, later, other) == (100, 101, 102)
+        assert conn.execute("SELECT outbox_commit_horizon()").fetchone()[0] == 0
+        assert claim_ids(conn) == [other]
+        slow.commit()
+    assert claim_ids(conn) == [first, later]
+
+
+def test_settings_are_read_once_per_transaction(dsn, conn):
+    """The guard's settings are read at a transaction's first event (0020), so a transaction
+    that writes in several statements names its aggregates by one limit throughout."""
+    conn.execute("UPDATE outbox_settings SET commit_order_max_aggregates = 2")
+    with psycopg.connect(dsn) as slow:
+        enqueue(slow, "order", "a", "x", {})
+        conn.execute("UPDATE outbox_settings SET commit_order_max_aggregates = 16")
+        enqueue(slow, "order", "b", "x", {})
+        enqueue(slow, "order", "c", "x", {})                     # a third: past the limit of 2
+        held = conn.execute("SELECT aggregates, all_newer FROM outbox_open_producers() WHERE pid = %s",
+                            (slow.info.backend_pid,)).fetchone()
+        assert held == (2, True)
+        slow.rollback()
+
+
 def test_older_events_of_a_held_aggregate_still_flow(dsn, conn):
     """An open transaction holds back its aggregates only above its own horizon: what was
     committed before it started inserting cannot be preceded by it."""
