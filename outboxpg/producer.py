@@ -13,6 +13,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Awaitable, Iterable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, overload
 
 import orjson
@@ -34,6 +35,8 @@ class Event:
     subject: str | None = None
     headers: Mapping[str, str] | None = field(default=None)
     msg_id: str | None = None
+    #: Not handed out before this time (a timezone-aware datetime); None: at once.
+    deliver_at: datetime | None = None
 
 
 def encode_payload(payload: Payload) -> str:
@@ -64,10 +67,17 @@ def _encode_headers(headers: Mapping[str, str] | None) -> str | None:
 
 
 _INSERT_ONE = sql.SQL(
-    "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, subject, headers, msg_id) "
-    "VALUES (%s, %s, %s, %s::jsonb, %s, coalesce(%s::jsonb, '{}'), coalesce(%s, gen_random_uuid()::text)) "
-    "RETURNING id"
+    "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, subject, headers, msg_id, deliver_at) "
+    "VALUES (%s, %s, %s, %s::jsonb, %s, coalesce(%s::jsonb, '{}'), coalesce(%s, gen_random_uuid()::text), "
+    "%s::timestamptz) RETURNING id"
 )
+
+
+def _deliver_at(value: datetime | None) -> datetime | None:
+    """A naive datetime would be read in the session's time zone, which the caller may not know."""
+    if value is not None and (not isinstance(value, datetime) or value.utcoffset() is None):
+        raise TypeError(f"deliver_at must be a timezone-aware datetime, not {value!r}")
+    return value
 
 
 def _one_params(event: Event) -> tuple[Any, ...]:
@@ -79,27 +89,32 @@ def _one_params(event: Event) -> tuple[Any, ...]:
         event.subject,
         _encode_headers(event.headers),
         event.msg_id,
+        _deliver_at(event.deliver_at),
     )
 
 
 @overload
 def enqueue(conn: Connection[Any], aggregate_type: str, aggregate_id: str, event_type: str,
             payload: Payload, *, subject: str | None = ..., headers: Mapping[str, str] | None = ...,
-            msg_id: str | None = ...) -> int: ...
+            msg_id: str | None = ..., deliver_at: datetime | None = ...) -> int: ...
 @overload
 def enqueue(conn: AsyncConnection[Any], aggregate_type: str, aggregate_id: str, event_type: str,
             payload: Payload, *, subject: str | None = ..., headers: Mapping[str, str] | None = ...,
-            msg_id: str | None = ...) -> Awaitable[int]: ...
+            msg_id: str | None = ..., deliver_at: datetime | None = ...) -> Awaitable[int]: ...
 
 
 def enqueue(conn: Connection[Any] | AsyncConnection[Any], aggregate_type: str, aggregate_id: str,
             event_type: str, payload: Payload, *, subject: str | None = None,
-            headers: Mapping[str, str] | None = None, msg_id: str | None = None) -> int | Awaitable[int]:
+            headers: Mapping[str, str] | None = None, msg_id: str | None = None,
+            deliver_at: datetime | None = None) -> int | Awaitable[int]:
     """Write one event in the connection's current transaction; returns its id.
 
-    On an ``AsyncConnection`` it returns an awaitable: ``await enqueue(aconn, ...)``.
+    ``deliver_at`` (timezone-aware): the event is not handed out before it; later events of its
+    aggregate wait behind it. On an ``AsyncConnection`` it returns an awaitable:
+    ``await enqueue(aconn, ...)``.
     """
-    params = _one_params(Event(aggregate_type, aggregate_id, event_type, payload, subject, headers, msg_id))
+    params = _one_params(Event(aggregate_type, aggregate_id, event_type, payload, subject, headers, msg_id,
+                               deliver_at))
     if isinstance(conn, AsyncConnection):
         return _enqueue_async(conn, params)
     row = conn.execute(_INSERT_ONE, params).fetchone()
@@ -126,8 +141,10 @@ def _copy_plan(events: Iterable[Event | Mapping[str, Any]]) -> tuple[sql.Compose
     with_subject = any(e.subject is not None for e in batch)
     with_headers = any(e.headers is not None for e in batch)
     with_msg_id = any(e.msg_id is not None for e in batch)
+    with_deliver_at = any(e.deliver_at is not None for e in batch)
     columns = ["aggregate_type", "aggregate_id", "event_type", "payload"]
     columns += ["subject"] * with_subject + ["headers"] * with_headers + ["msg_id"] * with_msg_id
+    columns += ["deliver_at"] * with_deliver_at
     rows = []
     for e in batch:
         row: list[Any] = [_key("aggregate_type", e.aggregate_type), _key("aggregate_id", e.aggregate_id),
@@ -138,6 +155,8 @@ def _copy_plan(events: Iterable[Event | Mapping[str, Any]]) -> tuple[sql.Compose
             row.append(_encode_headers(e.headers) or "{}")
         if with_msg_id:
             row.append(e.msg_id if e.msg_id is not None else str(uuid.uuid4()))
+        if with_deliver_at:
+            row.append(_deliver_at(e.deliver_at))
         rows.append(tuple(row))
     stmt = sql.SQL("COPY outbox ({}) FROM STDIN").format(sql.SQL(", ").join(map(sql.Identifier, columns)))
     return stmt, rows

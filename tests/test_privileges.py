@@ -53,6 +53,7 @@ EXECUTE = {
     "outbox_maintain(boolean)": {"outbox_worker", "outbox_operator"},
     "outbox_requeue(bigint[])": {"outbox_operator"},
     "outbox_discard(bigint[],text)": {"outbox_operator"},
+    "outbox_cancel(bigint[])": {"outbox_producer", "outbox_operator"},   # 0021: applications cancel what they wrote
     "outbox_health_row()": {"outbox_worker", "outbox_operator"},   # behind the outbox_health view
     "outbox_retry_delay(integer,interval,interval)": set(),   # only called inside claim / fail
     "outbox_commit_horizon()": set(),                         # only called inside claim
@@ -76,7 +77,7 @@ SECURITY_DEFINER = {"outbox_claim(integer,interval,text)", "outbox_complete(bigi
                     "outbox_fail(bigint,uuid,text,boolean)", "outbox_release(bigint[],uuid)",
                     "outbox_extend(bigint[],uuid,interval)",
                     "outbox_next_wakeup()", "outbox_maintain(boolean)", "outbox_requeue(bigint[])",
-                    "outbox_discard(bigint[],text)", "outbox_health_row()",
+                    "outbox_discard(bigint[],text)", "outbox_cancel(bigint[])", "outbox_health_row()",
                     "outbox_open_producers()",   # reads other roles' sessions in pg_stat_activity
                     "outbox_unfinished_subjects(integer)"}   # reads the table for a worker
 # Who may read each view.
@@ -85,7 +86,7 @@ VIEWS = {"outbox_stats": {"outbox_operator"}, "outbox_dead_letters": {"outbox_op
 OUTBOX_COLUMNS = {"id", "created_at", "aggregate_type", "aggregate_id", "event_type", "payload", "headers", "subject",
                   "msg_id", "state", "attempts", "next_attempt_at", "locked_by", "claimed_at", "locked_until",
                   "lease_token", "last_error", "published_at", "dead_at", "discarded_at", "discard_reason",
-                  "in_flow", "unfinished"}
+                  "in_flow", "unfinished", "deliver_at"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -200,7 +201,7 @@ def test_table_and_view_privileges(conn: psycopg.Connection[Any]) -> None:
             "AND has_column_privilege(%s, attrelid, attnum, %s)", (table, role, priv)).fetchall()}
 
     assert columns("outbox_producer", "outbox", "INSERT") == {
-        "aggregate_type", "aggregate_id", "event_type", "payload", "subject", "headers", "msg_id"}
+        "aggregate_type", "aggregate_id", "event_type", "payload", "subject", "headers", "msg_id", "deliver_at"}
     assert columns("outbox_producer", "outbox", "SELECT") == {"id"}
     assert columns("outbox_worker", "outbox", "SELECT") == set()
     assert columns("outbox_operator", "outbox", "SELECT") == OUTBOX_COLUMNS - {"payload", "headers"}

@@ -277,6 +277,7 @@ FUNCTIONS: dict[str, tuple[bool, tuple[str, ...]]] = {
     "outbox_maintain(boolean)": (DEFINER, ("lock_timeout=1s", *PATH)),
     "outbox_requeue(bigint[])": (DEFINER, PATH),
     "outbox_discard(bigint[],text)": (DEFINER, PATH),
+    "outbox_cancel(bigint[])": (DEFINER, PATH),                   # 0021: producers and operators
     "outbox_open_producers()": (DEFINER, PATH),
     "outbox_unfinished_subjects(integer)": (DEFINER, ("jit=off", *PATH)),
 }
