@@ -18,6 +18,8 @@ from typing import Any, overload
 import orjson
 from psycopg import AsyncConnection, Connection, sql
 
+from outboxpg import statements
+
 __all__ = ["Event", "enqueue", "enqueue_many", "encode_payload"]
 
 Payload = Mapping[str, Any] | list[Any] | bytes | bytearray | memoryview | str
@@ -63,13 +65,6 @@ def _encode_headers(headers: Mapping[str, str] | None) -> str | None:
     return None if headers is None else orjson.dumps(dict(headers)).decode("utf-8")
 
 
-_INSERT_ONE = sql.SQL(
-    "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, subject, headers, msg_id) "
-    "VALUES (%s, %s, %s, %s::jsonb, %s, coalesce(%s::jsonb, '{}'), coalesce(%s, gen_random_uuid()::text)) "
-    "RETURNING id"
-)
-
-
 def _one_params(event: Event) -> tuple[Any, ...]:
     return (
         _key("aggregate_type", event.aggregate_type),
@@ -102,13 +97,13 @@ def enqueue(conn: Connection[Any] | AsyncConnection[Any], aggregate_type: str, a
     params = _one_params(Event(aggregate_type, aggregate_id, event_type, payload, subject, headers, msg_id))
     if isinstance(conn, AsyncConnection):
         return _enqueue_async(conn, params)
-    row = conn.execute(_INSERT_ONE, params).fetchone()
+    row = conn.execute(statements.INSERT_EVENT, params).fetchone()
     assert row is not None
     return int(row[0])
 
 
 async def _enqueue_async(conn: AsyncConnection[Any], params: tuple[Any, ...]) -> int:
-    cur = await conn.execute(_INSERT_ONE, params)
+    cur = await conn.execute(statements.INSERT_EVENT, params)
     row = await cur.fetchone()
     assert row is not None
     return int(row[0])
@@ -139,7 +134,7 @@ def _copy_plan(events: Iterable[Event | Mapping[str, Any]]) -> tuple[sql.Compose
         if with_msg_id:
             row.append(e.msg_id if e.msg_id is not None else str(uuid.uuid4()))
         rows.append(tuple(row))
-    stmt = sql.SQL("COPY outbox ({}) FROM STDIN").format(sql.SQL(", ").join(map(sql.Identifier, columns)))
+    stmt = statements.COPY_EVENTS.format(sql.SQL(", ").join(map(sql.Identifier, columns)))
     return stmt, rows
 
 

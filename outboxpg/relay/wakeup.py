@@ -14,7 +14,9 @@ import logging
 from typing import Any
 
 import psycopg
+from psycopg import sql
 
+from outboxpg import statements
 from outboxpg.errors import first_line
 from outboxpg.relay.backoff import next_delay
 
@@ -58,7 +60,7 @@ class Listener:
                 delay = next_delay(delay)
                 continue
             try:
-                await conn.execute(f"LISTEN {self.channel}")
+                await conn.execute(statements.LISTEN.format(sql.Identifier(self.channel)))
                 self.up = True
                 delay = 0.1
                 if not first:
@@ -101,7 +103,7 @@ class IdleLock:
         """Queue for the lock; True once it is granted, False if ``wake`` was set first (the
         request is then withdrawn). From the moment we queue, producers NOTIFY."""
         conn = await self._connection()
-        request = asyncio.ensure_future(conn.execute("SELECT outbox_worker_idle()"))
+        request = asyncio.ensure_future(conn.execute(statements.WORKER_IDLE))
         woken = asyncio.ensure_future(wake.wait())
         try:
             await asyncio.wait({request, woken}, return_when=asyncio.FIRST_COMPLETED)
@@ -153,7 +155,7 @@ class IdleLock:
         conn = self.conn
         try:
             if conn is not None and not conn.closed:
-                await conn.execute("SELECT outbox_worker_busy()")
+                await conn.execute(statements.WORKER_BUSY)
         except psycopg.Error:
             # The connection is gone, and the session lock with it.
             await self.close()
