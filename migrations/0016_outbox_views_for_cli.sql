@@ -13,6 +13,8 @@
 --    that does not select held_back does not run it (the view is flattened into the query and
 --    an unused column is never computed). The column is added last: CREATE OR REPLACE VIEW may
 --    only add columns at the end, and keeps the view's owner, grants and comment.
+--    The dead letters themselves are now found the same way (0007's view read every partition
+--    whole for them, published events included).
 --
 -- 2. outbox_failing: events failing right now (failed at least once, not delivered yet: pending
 --    and waiting for their retry, or leased again for one), grouped by their last error's first
@@ -33,7 +35,9 @@ SELECT d.id, d.aggregate_type, d.aggregate_id, d.event_type, d.subject, d.attemp
          WHERE h.aggregate_type = d.aggregate_type AND h.aggregate_id = d.aggregate_id AND h.id > d.id
            AND h.unfinished AND h.state IN ('pending', 'processing')) AS held_back
   FROM outbox d
- WHERE d.state = 'dead';
+ WHERE d.state = 'dead'
+   AND d.unfinished;   -- implied by the state test; named so that dead letters are found in the
+                       -- partial index of unfinished events, not by reading the published bulk
 
 COMMENT ON COLUMN outbox_dead_letters.held_back IS
     'Later events of the same aggregate waiting behind this dead one (pending or leased); delivered in order once it is requeued or discarded.';

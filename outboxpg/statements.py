@@ -43,6 +43,17 @@ MAINTAIN = "SELECT * FROM outbox_maintain(%s)"
 SINCE = ("SELECT %s::timestamptz", "SELECT now() - %s::interval")
 DEAD_LIST_COLUMNS = ("id, dead_at, attempts, aggregate_type, aggregate_id, event_type, subject, last_error, "
                      "created_at, msg_id")
+# The filters of outboxpg dead (list, and requeue/discard --all-matching), joined by AND.
+FILTER_EQUALS = sql.SQL("{} = %s")          # {}: the column, event_type, aggregate_type or aggregate_id
+FILTER_DEAD_SINCE = sql.SQL("dead_at >= %s")
+LIMIT = sql.SQL("{} LIMIT %s")
+
+
+def where(conditions: list[sql.Composable]) -> sql.Composed:
+    """'WHERE a AND b', or 'WHERE true' without conditions."""
+    return sql.SQL("WHERE {}").format(sql.SQL(" AND ").join(conditions) if conditions else sql.SQL("true"))
+
+
 # {} is a WHERE clause of fixed fragments (outboxpg.cli.dead._where), its values parameters.
 DEAD_COUNT = sql.SQL("SELECT count(*) AS n FROM outbox_dead_letters {}")
 DEAD_LIST = sql.SQL("SELECT " + DEAD_LIST_COLUMNS + " FROM outbox_dead_letters {} ORDER BY dead_at DESC, id DESC")
@@ -160,7 +171,9 @@ BACKEND_PID = "SELECT pg_backend_pid()"
 
 # -- the worker's wakeup connection and metrics (outboxpg.relay.wakeup, .metrics) ---------------
 
-LISTEN = sql.SQL("LISTEN {}")
+# The channel 0003's insert trigger and 0007's repair functions notify while a worker is idle.
+CHANNEL = "outbox"
+LISTEN = "LISTEN outbox"
 WORKER_IDLE = "SELECT outbox_worker_idle()"
 WORKER_BUSY = "SELECT outbox_worker_busy()"
 # outbox_health: cheap, and readable by the outbox_worker role (the table is not).

@@ -62,3 +62,18 @@ def test_outbox_failing_groups_failures_by_reason(conn: psycopg.Connection[Any])
         ("no ack for event 17", 2, ids[:2], 1, 0), ("(no responders)", 1, ids[2:], 1, 0)]
     assert failing[0]["subjects"] == ["outbox.order.created"]
     assert failing[0]["event_types"] == ["created"]
+
+
+def test_dead_letters_and_held_back_never_read_the_published_bulk(conn: psycopg.Connection[Any]) -> None:
+    """Dead letters and held_back are looked up in the partial index of unfinished events
+    (outbox_unfinished_by_aggregate_idx, on each partition), whatever the published bulk."""
+    conn.execute("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, state, published_at) "
+                 "SELECT 'order', 'a', 'created', '{}', 'published', now() FROM generate_series(1, 20000)")
+    dead = _dead(conn, "a")
+    insert(conn, aggregate_id="a")
+    (part,) = conn.execute("SELECT tableoid::regclass::text FROM outbox WHERE id = %s", (dead,)).fetchone()
+    conn.execute("ANALYZE outbox")
+    plan = "\n".join(r[0] for r in conn.execute("EXPLAIN SELECT id, held_back FROM outbox_dead_letters"))
+    assert f"Seq Scan on {part} " not in plan, plan
+    assert plan.count(f" on {part} ") == 2 and "aggregate_type_aggregate_id_id_idx" in plan, plan
+    assert conn.execute("SELECT id, held_back FROM outbox_dead_letters").fetchall() == [(dead, 1)]

@@ -108,13 +108,12 @@ def _where(conn: psycopg.Connection[Any], args: argparse.Namespace) -> tuple[sql
                          ("aggregate_id", "aggregate_id")):
         value = getattr(args, attr)
         if value is not None:
-            conds.append(sql.SQL("{} = %s").format(sql.Identifier(column)))
+            conds.append(statements.FILTER_EQUALS.format(sql.Identifier(column)))
             params.append(value)
     if args.since is not None:
-        conds.append(sql.SQL("dead_at >= %s"))
+        conds.append(statements.FILTER_DEAD_SINCE)
         params.append(_since(conn, args.since))
-    where = sql.SQL(" AND ").join(conds) if conds else sql.SQL("true")
-    return sql.SQL("WHERE {}").format(where), params
+    return statements.where(conds), params
 
 
 # -- list and show --------------------------------------------------------------------------
@@ -128,7 +127,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         total = int(total_row["n"]) if total_row else 0
         query = statements.DEAD_LIST.format(where)
         if args.limit:
-            query = sql.SQL("{} LIMIT %s").format(query)
+            query = statements.LIMIT.format(query)
             params = [*params, args.limit]
         rows = cur.execute(query, params).fetchall()
     if args.json:

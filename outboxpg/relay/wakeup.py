@@ -14,7 +14,6 @@ import logging
 from typing import Any
 
 import psycopg
-from psycopg import sql
 
 from outboxpg import statements
 from outboxpg.errors import first_line
@@ -31,19 +30,19 @@ CONNECT_OPTIONS: dict[str, Any] = {"keepalives": 1, "keepalives_idle": 4, "keepa
 
 
 class Listener:
-    """LISTENs on ``channel`` and sets ``wake`` on every notification.
+    """LISTENs on channel 'outbox' (the one the insert trigger and the repair functions notify)
+    and sets ``wake`` on every notification.
 
     Supervised: when the connection drops (server restart, killed backend, network cut) it
     reconnects with backoff, re-LISTENs, and sets ``wake`` so the worker claims at once: a
     notification sent while we were away is lost, the events are not.
     """
 
-    def __init__(self, dsn: str, wake: asyncio.Event, channel: str = "outbox",
-                 application_name: str = "outboxpg-worker (listen)") -> None:
+    def __init__(self, dsn: str, wake: asyncio.Event, application_name: str = "outboxpg-worker (listen)") -> None:
         self.dsn = dsn
         self.application_name = application_name
         self.wake = wake
-        self.channel = channel
+        self.channel = statements.CHANNEL
         self.up = False
         self.reconnects = 0
 
@@ -60,7 +59,7 @@ class Listener:
                 delay = next_delay(delay)
                 continue
             try:
-                await conn.execute(statements.LISTEN.format(sql.Identifier(self.channel)))
+                await conn.execute(statements.LISTEN)
                 self.up = True
                 delay = 0.1
                 if not first:
