@@ -1,6 +1,9 @@
 """``outboxpg dead``: list, show, requeue and discard dead letters.
 
-Filters travel as query parameters only; the SQL text is built from fixed fragments.
+It reads the view outbox_dead_letters (held_back: what a dead letter holds back) and calls
+outbox_requeue / outbox_discard; the table only for one event's every column (show), the state of
+ids that are not dead, and the row locks of a repair. Filters travel as query parameters only;
+the SQL text is built from the fixed fragments of outboxpg/statements.py.
 """
 
 from __future__ import annotations
