@@ -23,6 +23,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from outboxpg import statements
 from outboxpg.schema import step_paths
 
 __all__ = ["AdoptCheck", "check_install", "fingerprint"]
@@ -35,59 +36,14 @@ class AdoptCheck:
     differences: list[str]           # against the full install, when it does not match it
 
 
-# One row per object, as text that does not depend on the schema's name (search_path is the
-# schema while it runs, so names in it print unqualified). Partitions and their indexes and
-# cloned triggers are left out.
-_FINGERPRINT = """
-WITH s AS (SELECT %(schema)s::regnamespace AS oid),
-rel AS (SELECT c.* FROM pg_class c, s WHERE c.relnamespace = s.oid AND NOT c.relispartition
-          AND c.relkind IN ('r', 'p', 'v', 'm', 'S', 'i', 'I', 'c', 'f'))
-SELECT 'relation ' || relname, relkind::text FROM rel
-UNION ALL
-SELECT 'column ' || rel.relname || '.' || a.attname,
-       concat_ws(' ', format_type(a.atttypid, a.atttypmod), CASE WHEN a.attnotnull THEN 'NOT NULL' END,
-                 CASE WHEN a.attgenerated <> '' THEN 'GENERATED ' || a.attgenerated::text END,
-                 'DEFAULT ' || pg_get_expr(d.adbin, d.adrelid))
-  FROM rel JOIN pg_attribute a ON a.attrelid = rel.oid AND a.attnum > 0 AND NOT a.attisdropped
-  LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
- WHERE rel.relkind IN ('r', 'p', 'v', 'm', 'c', 'f')
-UNION ALL
-SELECT 'constraint ' || rel.relname || '.' || co.conname, pg_get_constraintdef(co.oid)
-  FROM rel JOIN pg_constraint co ON co.conrelid = rel.oid
-UNION ALL
-SELECT 'index ' || i.relname, pg_get_indexdef(i.oid) FROM rel i WHERE i.relkind IN ('i', 'I')
-UNION ALL
-SELECT 'view ' || relname, pg_get_viewdef(oid) FROM rel WHERE relkind IN ('v', 'm')
-UNION ALL
-SELECT 'trigger ' || rel.relname || '.' || t.tgname, pg_get_triggerdef(t.oid)
-  FROM rel JOIN pg_trigger t ON t.tgrelid = rel.oid AND NOT t.tgisinternal
-UNION ALL
-SELECT 'function ' || p.proname || '(' || pg_get_function_identity_arguments(p.oid) || ')',
-       concat_ws(' | ', p.prokind::text, pg_get_function_result(p.oid), l.lanname, p.provolatile::text,
-                 CASE WHEN p.prosecdef THEN 'SECURITY DEFINER' END, CASE WHEN p.proisstrict THEN 'STRICT' END,
-                 p.prorows::text, array_to_string(p.proconfig, ', '), md5(p.prosrc))
-  FROM pg_proc p JOIN pg_language l ON l.oid = p.prolang, s WHERE p.pronamespace = s.oid
-UNION ALL
-SELECT 'type ' || t.typname,
-       concat_ws(' ', t.typtype::text, CASE WHEN t.typtype = 'd' THEN format_type(t.typbasetype, t.typtypmod) END,
-                 CASE WHEN t.typnotnull THEN 'NOT NULL' END, 'DEFAULT ' || pg_get_expr(t.typdefaultbin, 0),
-                 (SELECT string_agg(co.conname || ' ' || pg_get_constraintdef(co.oid), ', ' ORDER BY co.conname)
-                    FROM pg_constraint co WHERE co.contypid = t.oid),
-                 (SELECT string_agg(e.enumlabel, ', ' ORDER BY e.enumsortorder)
-                    FROM pg_enum e WHERE e.enumtypid = t.oid))
-  FROM pg_type t, s
- WHERE t.typnamespace = s.oid AND t.typtype IN ('d', 'e')
-"""
-
-
 def fingerprint(conn: psycopg.Connection[Any], schema: str) -> dict[str, str]:
-    """The objects of ``schema`` (see _FINGERPRINT), run inside the caller's transaction."""
-    conn.execute(sql.SQL("SET LOCAL search_path = {}, pg_temp").format(sql.Identifier(schema)))
-    rows = conn.execute(_FINGERPRINT, {"schema": schema}).fetchall()
+    """The objects of ``schema`` (see statements.FINGERPRINT), run inside the caller's transaction."""
+    conn.execute(statements.SET_LOCAL_SEARCH_PATH.format(sql.Identifier(schema)))
+    rows = conn.execute(statements.FINGERPRINT, {"schema": schema}).fetchall()
     # The functions pin their search_path to the schema they were installed in, and some
     # definitions (pg_get_indexdef) name it whatever the search_path.
     pinned = re.compile(rf"search_path=(\"?){re.escape(schema)}\1(?=,|$)")
-    quoted = conn.execute("SELECT quote_ident(%s)", (schema,)).fetchone()[0]  # type: ignore[index]
+    quoted = conn.execute(statements.QUOTE_IDENT, (schema,)).fetchone()[0]  # type: ignore[index]
     qualified = re.compile(rf"(?<![\w\"]){re.escape(quoted)}\.")
     return {name: qualified.sub("<schema>.", pinned.sub("search_path=<schema>", definition or ""))
             for name, definition in rows}
@@ -109,16 +65,16 @@ def check_install(dsn: str) -> AdoptCheck:
     files = _step_files()
     scratch = f"outboxpg_adopt_{secrets.token_hex(4)}"
     with psycopg.connect(dsn, fallback_application_name="outboxpg") as conn:
-        row = conn.execute("SELECT current_schema()").fetchone()
+        row = conn.execute(statements.CURRENT_SCHEMA).fetchone()
         if row is None or row[0] is None:
             raise RuntimeError("no schema on the search_path to check")
         target = row[0]
         have = fingerprint(conn, target)
-        conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(scratch)))
+        conn.execute(statements.CREATE_SCHEMA.format(sql.Identifier(scratch)))
         prints: list[dict[str, str]] = []
         for _, text in files:
             # Each file sets search_path to current_schema() first: the scratch schema.
-            conn.execute(sql.SQL("SET LOCAL search_path = {}, pg_temp").format(sql.Identifier(scratch)))
+            conn.execute(statements.SET_LOCAL_SEARCH_PATH.format(sql.Identifier(scratch)))
             conn.execute(text)  # the file's own SQL, several statements
             prints.append(fingerprint(conn, scratch))
         conn.rollback()

@@ -22,7 +22,7 @@ import psycopg
 from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
 
-from outboxpg import enqueue, schema
+from outboxpg import enqueue, schema, statements
 from outboxpg.embedded import EmbeddedNats, EmbeddedPostgres
 from outboxpg.relay.nats_publisher import NatsPublisher, ensure_stream, supports_atomic_batch
 from outboxpg.relay.worker import Worker, WorkerConfig
@@ -71,7 +71,7 @@ def run_demo(events: int = 2000, aggregates: int = 50, rate: float = 500.0) -> i
 
 async def _flow(dsn: str, nats_url: str, events: int, aggregates: int, rate: float) -> int:
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
-        await conn.execute("CREATE TABLE orders (id text PRIMARY KEY, status text NOT NULL, amount numeric NOT NULL)")
+        await conn.execute(statements.DEMO_CREATE_ORDERS)
 
     publisher = NatsPublisher(nats_url)
     await publisher.start()
@@ -112,10 +112,7 @@ async def _flow(dsn: str, nats_url: str, events: int, aggregates: int, rate: flo
                 step_of[order] += 1
                 order_id = f"order-{order:04d}"
                 async with producer.transaction():
-                    await producer.execute(
-                        "INSERT INTO orders VALUES (%s, %s, %s) "
-                        "ON CONFLICT (id) DO UPDATE SET status = EXCLUDED.status",
-                        (order_id, step, rng.randrange(5, 500)))
+                    await producer.execute(statements.DEMO_UPSERT_ORDER, (order_id, step, rng.randrange(5, 500)))
                     msg_id = str(uuid.uuid4())  # known here, so the consumer can time this event
                     await enqueue(producer, "order", order_id, step, {"order": order_id, "status": step}, msg_id=msg_id)
                     clock.committing(msg_id)   # the block's end sends COMMIT: the event may arrive before it returns
@@ -147,10 +144,10 @@ async def _flow(dsn: str, nats_url: str, events: int, aggregates: int, rate: flo
     await nc.close()
 
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
-        cur = await conn.execute("SELECT * FROM outbox_stats")
+        cur = await conn.execute(statements.STATS)
         names = [d.name for d in cur.description or []]
         row = await cur.fetchone()
-    say("\nSELECT * FROM outbox_stats;")
+    say(f"\n{statements.STATS};")
     for name, value in zip(names, row or ()):
         say(f"  {name:20s} {value}")
     if sample:

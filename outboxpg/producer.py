@@ -19,6 +19,8 @@ from typing import Any, overload
 import orjson
 from psycopg import AsyncConnection, Connection, sql
 
+from outboxpg import statements
+
 __all__ = ["Event", "enqueue", "enqueue_many", "encode_payload"]
 
 Payload = Mapping[str, Any] | list[Any] | bytes | bytearray | memoryview | str
@@ -66,13 +68,6 @@ def _encode_headers(headers: Mapping[str, str] | None) -> str | None:
     return None if headers is None else orjson.dumps(dict(headers)).decode("utf-8")
 
 
-_INSERT_ONE = sql.SQL(
-    "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, subject, headers, msg_id, deliver_at) "
-    "VALUES (%s, %s, %s, %s::jsonb, %s, coalesce(%s::jsonb, '{}'), coalesce(%s, gen_random_uuid()::text), "
-    "%s::timestamptz) RETURNING id"
-)
-
-
 def _deliver_at(value: datetime | None) -> datetime | None:
     """A naive datetime would be read in the session's time zone, which the caller may not know."""
     if value is not None and (not isinstance(value, datetime) or value.utcoffset() is None):
@@ -117,13 +112,13 @@ def enqueue(conn: Connection[Any] | AsyncConnection[Any], aggregate_type: str, a
                                deliver_at))
     if isinstance(conn, AsyncConnection):
         return _enqueue_async(conn, params)
-    row = conn.execute(_INSERT_ONE, params).fetchone()
+    row = conn.execute(statements.INSERT_EVENT, params).fetchone()
     assert row is not None
     return int(row[0])
 
 
 async def _enqueue_async(conn: AsyncConnection[Any], params: tuple[Any, ...]) -> int:
-    cur = await conn.execute(_INSERT_ONE, params)
+    cur = await conn.execute(statements.INSERT_EVENT, params)
     row = await cur.fetchone()
     assert row is not None
     return int(row[0])
@@ -158,7 +153,7 @@ def _copy_plan(events: Iterable[Event | Mapping[str, Any]]) -> tuple[sql.Compose
         if with_deliver_at:
             row.append(_deliver_at(e.deliver_at))
         rows.append(tuple(row))
-    stmt = sql.SQL("COPY outbox ({}) FROM STDIN").format(sql.SQL(", ").join(map(sql.Identifier, columns)))
+    stmt = statements.COPY_EVENTS.format(sql.SQL(", ").join(map(sql.Identifier, columns)))
     return stmt, rows
 
 

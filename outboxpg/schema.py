@@ -14,6 +14,7 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 from yoyo import get_backend, read_migrations
 
+from outboxpg import statements
 from outboxpg.errors import HandInstalled
 
 __all__ = ["HandInstalled", "MigrationStep", "migrations_dir", "step_ids", "step_paths", "yoyo_uri", "migrate",
@@ -87,14 +88,12 @@ class Recorded:
 
 def recorded(conn: psycopg.Connection[Any]) -> Recorded:
     """What is installed and what yoyo recorded, read only (no lock, nothing created)."""
-    row = conn.execute("SELECT to_regclass('outbox_settings') IS NOT NULL, "
-                       "       coalesce(has_table_privilege(to_regclass('_yoyo_migration'), 'SELECT'), false)"
-                       ).fetchone()
+    row = conn.execute(statements.INSTALLED).fetchone()
     assert row is not None
     installed, bookkeeping = row
     applied: frozenset[str] = frozenset()
     if bookkeeping:
-        applied = frozenset(r[0] for r in conn.execute("SELECT migration_id FROM _yoyo_migration").fetchall())
+        applied = frozenset(r[0] for r in conn.execute(statements.APPLIED_STEPS).fetchall())
     return Recorded(installed, bookkeeping, applied)
 
 

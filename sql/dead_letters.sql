@@ -2,8 +2,8 @@
 --
 --   psql -X -v ON_ERROR_STOP=1 -d yourdb -f sql/dead_letters.sql    (or \i sql/dead_letters.sql)
 --
--- Shows, read-only (dead and held-back events are found through the partial index of unfinished
--- events, never by reading published ones):
+-- Shows, read-only, from the view outbox_dead_letters (dead and held-back events are found through
+-- the partial index of unfinished events, never by reading published ones):
 --   1. dead letters per (event_type, aggregate_type): how many, how many aggregates they block,
 --      the first and last death, and the error of the newest one;
 --   2. per aggregate type: the later events held back behind a dead one of their aggregate (they
@@ -25,16 +25,14 @@ SELECT event_type,
  ORDER BY count(*) DESC, event_type, aggregate_type;
 
 \echo '== events held back behind a dead letter of their aggregate'
+-- held_back (0016): the pending and leased events after a dead letter in its aggregate. The
+-- aggregate's first dead letter is the one that holds back all of them: counted once, from it.
 SELECT d.aggregate_type,
-       count(DISTINCT d.aggregate_id) AS blocked_aggregates,
-       count(h.id)                    AS held_back_events
-  FROM (SELECT DISTINCT ON (aggregate_type, aggregate_id) aggregate_type, aggregate_id, id
+       count(*)                  AS blocked_aggregates,
+       sum(d.held_back)::bigint  AS held_back_events
+  FROM (SELECT DISTINCT ON (aggregate_type, aggregate_id) aggregate_type, aggregate_id, held_back
           FROM outbox_dead_letters
          ORDER BY aggregate_type, aggregate_id, id) d
-  LEFT JOIN outbox h
-         ON h.aggregate_type = d.aggregate_type AND h.aggregate_id = d.aggregate_id
-        -- unfinished: implied by the state test; named so that outbox_unfinished_by_aggregate_idx is used
-        AND h.id > d.id AND h.unfinished AND h.state IN ('pending', 'processing')
  GROUP BY d.aggregate_type
  ORDER BY d.aggregate_type;
 

@@ -30,7 +30,7 @@ from jetstream import make_stream, read_stream
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from outboxpg import Event, enqueue, enqueue_many, schema
+from outboxpg import Event, enqueue, enqueue_many, schema, sql_api
 from outboxpg.embedded import EmbeddedPostgres
 from outboxpg.events import OutboxEvent
 from outboxpg.relay.publishers import FunctionPublisher
@@ -39,49 +39,19 @@ from outboxpg.worker import Worker, WorkerConfig
 GROUPS = ("outbox_producer", "outbox_worker", "outbox_operator")
 Denied = psycopg.errors.InsufficientPrivilege
 
-# Who may EXECUTE each outbox function. Every function of the schema must be listed: a later
-# migration that adds one has to decide who may call it (functions are PUBLIC by default).
-EXECUTE = {
-    "outbox_claim(integer,interval,text)": {"outbox_worker"},
-    "outbox_complete(bigint[],uuid)": {"outbox_worker"},
-    "outbox_fail(bigint,uuid,text,boolean)": {"outbox_worker"},
-    "outbox_release(bigint[],uuid)": {"outbox_worker"},
-    "outbox_extend(bigint[],uuid,interval)": {"outbox_worker"},   # 0014
-    "outbox_next_wakeup()": {"outbox_worker"},
-    "outbox_worker_idle()": {"outbox_worker"},
-    "outbox_worker_busy()": {"outbox_worker"},
-    "outbox_maintain(boolean)": {"outbox_worker", "outbox_operator"},
-    "outbox_requeue(bigint[])": {"outbox_operator"},
-    "outbox_discard(bigint[],text)": {"outbox_operator"},
-    "outbox_cancel(bigint[])": {"outbox_producer", "outbox_operator"},   # 0021: applications cancel what they wrote
-    "outbox_health_row()": {"outbox_worker", "outbox_operator"},   # behind the outbox_health view
-    "outbox_retry_delay(integer,interval,interval)": set(),   # only called inside claim / fail
-    "outbox_commit_horizon()": set(),                         # only called inside claim
-    "outbox_commit_guard()": set(),                           # inside claim and outbox_health_row
-    "outbox_take_in(bigint,bigint,integer)": set(),           # inside claim
-    "outbox_refresh_heads(text[],text[])": set(),             # inside the report and repair functions
-    # the insert trigger names each aggregate by it; sql/health.sql matches producers' locks with it
-    "outbox_aggregate_key(text,text)": {"outbox_producer", "outbox_operator"},
-    "outbox_open_producers()": {"outbox_worker", "outbox_operator"},   # status, sql/health.sql
-    # 0015: the worker's start-up stream check and outboxpg status --nats-url
-    "outbox_unfinished_subjects(integer)": {"outbox_worker", "outbox_operator"},
-}
+# Who may EXECUTE each outbox function, and which run as their owner (SECURITY DEFINER): the
+# one list of the SQL API, outboxpg/sql_api.py (tests/test_sql_api.py checks that it lists every
+# function of the schema). A later migration that adds a function has to decide there who may
+# call it (functions are PUBLIC by default).
+EXECUTE = {f.signature: set(f.callers) for f in sql_api.FUNCTIONS if not f.trigger}
 # Trigger functions: they fire as the inserting producer without any EXECUTE grant, and cannot be
 # called directly (so PUBLIC's EXECUTE on one that a later step created means nothing).
-TRIGGER_FUNCTIONS = {"outbox_wake_workers()",      # 0003: NOTIFY idle workers
-                     "outbox_hold_horizon()",      # 0013: the commit-order guard
-                     "outbox_assign_id()",         # 0013: an aggregate's lock before its event's id
-                     "outbox_forget_deleted()"}    # 0005: rows deleted by hand take their heads along
+TRIGGER_FUNCTIONS = {f.signature for f in sql_api.FUNCTIONS if f.trigger}
 # The functions that run as their owner (they read or write the tables for their caller).
-SECURITY_DEFINER = {"outbox_claim(integer,interval,text)", "outbox_complete(bigint[],uuid)",
-                    "outbox_fail(bigint,uuid,text,boolean)", "outbox_release(bigint[],uuid)",
-                    "outbox_extend(bigint[],uuid,interval)",
-                    "outbox_next_wakeup()", "outbox_maintain(boolean)", "outbox_requeue(bigint[])",
-                    "outbox_discard(bigint[],text)", "outbox_cancel(bigint[])", "outbox_health_row()",
-                    "outbox_open_producers()",   # reads other roles' sessions in pg_stat_activity
-                    "outbox_unfinished_subjects(integer)"}   # reads the table for a worker
+SECURITY_DEFINER = {f.signature for f in sql_api.FUNCTIONS if f.definer}
 # Who may read each view.
 VIEWS = {"outbox_stats": {"outbox_operator"}, "outbox_dead_letters": {"outbox_operator"},
+         "outbox_failing": {"outbox_operator"},   # 0016
          "outbox_partitions": {"outbox_operator"}, "outbox_health": {"outbox_worker", "outbox_operator"}}
 OUTBOX_COLUMNS = {"id", "created_at", "aggregate_type", "aggregate_id", "event_type", "payload", "headers", "subject",
                   "msg_id", "state", "attempts", "next_attempt_at", "locked_by", "claimed_at", "locked_until",

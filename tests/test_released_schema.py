@@ -14,7 +14,7 @@ by name and signature) can notice. So:
   * a step's `-- depends:` header names (directly or through the steps it names) every earlier
     step whose objects its SQL uses, and only earlier steps: yoyo orders and rolls back by those
     headers, psql and `outboxpg sql` by the file order, and both orders must work.
-  * SECURITY DEFINER and the SET clauses of every outbox_* function are pinned in FUNCTIONS below:
+  * SECURITY DEFINER and the SET clauses of every outbox_* function are pinned in outboxpg/sql_api.py:
     CREATE OR REPLACE FUNCTION resets what it does not restate, so a new step that forgets one
     fails here (and the table says what to restate).
   * a database installed from each release (its files, read from git), with events in every
@@ -41,7 +41,7 @@ import pytest
 from test_migrations import _OWN, CATALOG
 from yoyo import get_backend, read_migrations
 
-from outboxpg import schema
+from outboxpg import schema, sql_api
 
 ROOT = Path(__file__).resolve().parent.parent
 MIGRATIONS = ROOT / "migrations"
@@ -240,47 +240,10 @@ def test_depends_headers_name_what_each_step_uses() -> None:
 # -- SECURITY DEFINER and SET clauses of every function ------------------------------------------
 
 # Every outbox_* function of a fresh install: does it run as its owner (SECURITY DEFINER), and its
-# SET clauses (pg_proc.proconfig; <schema> is the install schema). A new step's CREATE OR REPLACE
-# FUNCTION resets both unless it restates them; a new function is added here on purpose.
-PATH = ("search_path=<schema>, pg_temp",)     # SET search_path FROM CURRENT: this schema, pg_temp last (0012)
-# The claim path's plans, pinned (0005, outbox_claim's header says why each).
-PLANNER = ("plan_cache_mode=force_generic_plan", "enable_seqscan=off", "enable_bitmapscan=off", "enable_hashjoin=off",
-           "enable_mergejoin=off", "enable_material=off", "jit=off")
-# Index lookups of the idle path and the health row (0010, 0011).
-LOOKUP = ("enable_seqscan=off", "max_parallel_workers_per_gather=0", "jit=off")
-DEFINER, INVOKER = True, False
-FUNCTIONS: dict[str, tuple[bool, tuple[str, ...]]] = {
-    # inlined SQL functions: schema-qualified or built-ins only, no search_path
-    "outbox_aggregate_key(text,text)": (INVOKER, ()),
-    "outbox_retry_delay(integer,interval,interval)": (INVOKER, ()),
-    # triggers: run as the role that writes the table
-    "outbox_wake_workers()": (INVOKER, PATH),
-    "outbox_forget_deleted()": (INVOKER, PATH),
-    "outbox_hold_horizon()": (INVOKER, PATH),
-    "outbox_assign_id()": (INVOKER, PATH),
-    # helpers only the SECURITY DEFINER functions call (PUBLIC's EXECUTE revoked)
-    "outbox_commit_guard()": (INVOKER, PATH),
-    "outbox_commit_horizon()": (INVOKER, PATH),
-    "outbox_take_in(bigint,bigint,integer)": (INVOKER, (*PLANNER, "enable_sort=off", *PATH)),
-    "outbox_refresh_heads(text[],text[])": (INVOKER, (*PLANNER, *PATH)),
-    # the wakeup protocol: advisory locks and LISTEN only, no table
-    "outbox_worker_idle()": (INVOKER, PATH),
-    "outbox_worker_busy()": (INVOKER, PATH),
-    # what workers and operators call: as the owner (they have no rights on the tables)
-    "outbox_claim(integer,interval,text)": (DEFINER, (*PLANNER, *PATH)),
-    "outbox_complete(bigint[],uuid)": (DEFINER, (*PLANNER, *PATH)),
-    "outbox_fail(bigint,uuid,text,boolean)": (DEFINER, (*PLANNER, *PATH)),
-    "outbox_release(bigint[],uuid)": (DEFINER, (*PLANNER, *PATH)),
-    "outbox_extend(bigint[],uuid,interval)": (DEFINER, (*PLANNER, *PATH)),
-    "outbox_next_wakeup()": (DEFINER, (*LOOKUP, *PATH)),
-    "outbox_health_row()": (DEFINER, (*LOOKUP, *PATH)),
-    "outbox_maintain(boolean)": (DEFINER, ("lock_timeout=1s", *PATH)),
-    "outbox_requeue(bigint[])": (DEFINER, PATH),
-    "outbox_discard(bigint[],text)": (DEFINER, PATH),
-    "outbox_cancel(bigint[])": (DEFINER, PATH),                   # 0021: producers and operators
-    "outbox_open_producers()": (DEFINER, PATH),
-    "outbox_unfinished_subjects(integer)": (DEFINER, ("jit=off", *PATH)),
-}
+# SET clauses (pg_proc.proconfig; <schema> is the install schema), from the one list of the SQL API
+# (outboxpg/sql_api.py). A new step's CREATE OR REPLACE FUNCTION resets both unless it restates
+# them; a new function is added there on purpose.
+FUNCTIONS: dict[str, tuple[bool, tuple[str, ...]]] = {f.signature: (f.definer, f.settings) for f in sql_api.FUNCTIONS}
 
 
 def test_every_function_keeps_its_security_and_settings(conn: psycopg.Connection[Any]) -> None:
@@ -298,7 +261,7 @@ def test_every_function_keeps_its_security_and_settings(conn: psycopg.Connection
     gone = sorted(FUNCTIONS.keys() - have.keys())
     assert not new and not gone, (
         f"functions made {sorted(new)} or dropped {gone}: state each new one's SECURITY DEFINER and SET clauses "
-        "in FUNCTIONS, as a fresh install has them now: "
+        "in outboxpg/sql_api.py, as a fresh install has them now: "
         + "; ".join(f"{sig!r}: ({definer}, {config!r})," for sig, (definer, config) in sorted(new.items())))
     def text(attrs: tuple[bool, tuple[str, ...]]) -> str:
         return f"{'SECURITY DEFINER' if attrs[0] else 'SECURITY INVOKER'} SET {', '.join(attrs[1]) or '(none)'}"

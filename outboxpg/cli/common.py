@@ -15,7 +15,7 @@ import orjson
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
-from outboxpg import schema
+from outboxpg import schema, statements
 from outboxpg.errors import EXIT_CONNECT, EXIT_SCHEMA, CliError, first_line
 
 DSN_HELP = "libpq connection string or URI (default: $OUTBOXPG_DSN, else libpq's PG* variables)"
@@ -49,18 +49,6 @@ def permission_hint(exc: psycopg.Error) -> str:
     what = f"{verb} {m.group(2)}" if m else "do this"
     return (f"role '{user}' may not {what} ({text}): log in as a member of outbox_operator "
             f"(GRANT outbox_operator TO \"{user}\"; see docs/privileges.md)")
-
-# For databases installed by hand with psql (no yoyo bookkeeping): the objects the commands use.
-# The newest first: the first one missing says how far behind the install is.
-_REQUIRED_OBJECTS = (
-    ("view outbox_health", "to_regclass('outbox_health')"),
-    ("function outbox_maintain(boolean)", "to_regprocedure('outbox_maintain(boolean)')"),
-    ("function outbox_discard(bigint[], text)", "to_regprocedure('outbox_discard(bigint[],text)')"),
-    ("function outbox_requeue(bigint[])", "to_regprocedure('outbox_requeue(bigint[])')"),
-    ("view outbox_dead_letters", "to_regclass('outbox_dead_letters')"),
-)
-# All of them in one statement, one round trip.
-_REQUIRED_SQL = "SELECT " + ", ".join(f"{lookup} IS NOT NULL" for _, lookup in _REQUIRED_OBJECTS)
 
 
 def package_version() -> str:
@@ -203,10 +191,10 @@ def require_schema(conn: psycopg.Connection[Any]) -> None:
                            EXIT_SCHEMA)
         return
     # Installed by hand (psql), without yoyo's bookkeeping (or it is not readable): look for
-    # the objects we use.
-    found = conn.execute(_REQUIRED_SQL).fetchone()
+    # the objects we use (statements.REQUIRED_OBJECTS, the newest first).
+    found = conn.execute(statements.REQUIRED).fetchone()
     assert found is not None
-    for (name, _), there in zip(_REQUIRED_OBJECTS, found):
+    for (name, _), there in zip(statements.REQUIRED_OBJECTS, found):
         if not there:
             raise CliError(f"the outbox schema is not up to date ({name} is missing): run outboxpg migrate "
                            "--dsn ... (or apply the newer files of migrations/ with psql)", EXIT_SCHEMA)

@@ -1,6 +1,9 @@
 """``outboxpg dead``: list, show, requeue and discard dead letters.
 
-Filters travel as query parameters only; the SQL text is built from fixed fragments.
+It reads the view outbox_dead_letters (held_back: what a dead letter holds back) and calls
+outbox_requeue / outbox_discard; the table only for one event's every column (show), the state of
+ids that are not dead, and the row locks of a repair. Filters travel as query parameters only;
+the SQL text is built from the fixed fragments of outboxpg/statements.py.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
 
+from outboxpg import statements
 from outboxpg.cli.common import add_dsn, confirm, number_type, open_outbox, print_json
 from outboxpg.cli.render import one_line, pairs, table
 from outboxpg.errors import CliError
@@ -25,10 +29,6 @@ from outboxpg.errors import CliError
 # information beyond state.
 INTERNAL_COLUMNS = ("in_flow", "unfinished")
 DEFAULT_MAX_BYTES = 4096
-
-LIST_COLUMNS = ("id, dead_at, attempts, aggregate_type, aggregate_id, event_type, subject, last_error, "
-                "created_at, msg_id")
-
 
 _event_id = number_type(int, "not an event id: {!r}", lambda v: v >= 1)
 _max_bytes = number_type(int, "not a number of bytes: {!r}", lambda v: v >= 0, "must be 0 (all) or more: {!r}")
@@ -93,7 +93,7 @@ def _has_filters(args: argparse.Namespace) -> bool:
 
 def _since(conn: psycopg.Connection[Any], text: str) -> Any:
     """--since as a timestamptz: a timestamp, else an interval ago (PostgreSQL reads both)."""
-    for query in ("SELECT %s::timestamptz", "SELECT now() - %s::interval"):
+    for query in statements.SINCE:
         try:
             with conn.transaction():
                 row = conn.execute(query, (text,)).fetchone()
@@ -111,13 +111,12 @@ def _where(conn: psycopg.Connection[Any], args: argparse.Namespace) -> tuple[sql
                          ("aggregate_id", "aggregate_id")):
         value = getattr(args, attr)
         if value is not None:
-            conds.append(sql.SQL("{} = %s").format(sql.Identifier(column)))
+            conds.append(statements.FILTER_EQUALS.format(sql.Identifier(column)))
             params.append(value)
     if args.since is not None:
-        conds.append(sql.SQL("dead_at >= %s"))
+        conds.append(statements.FILTER_DEAD_SINCE)
         params.append(_since(conn, args.since))
-    where = sql.SQL(" AND ").join(conds) if conds else sql.SQL("true")
-    return sql.SQL("WHERE {}").format(where), params
+    return statements.where(conds), params
 
 
 # -- list and show --------------------------------------------------------------------------
@@ -127,13 +126,11 @@ def cmd_list(args: argparse.Namespace) -> int:
         raise CliError("--limit must be 0 (all) or more")
     with open_outbox(args) as conn, conn.cursor(row_factory=dict_row) as cur:
         where, params = _where(conn, args)
-        total_row = cur.execute(sql.SQL("SELECT count(*) AS n FROM outbox_dead_letters {}").format(where),
-                                params).fetchone()
+        total_row = cur.execute(statements.DEAD_COUNT.format(where), params).fetchone()
         total = int(total_row["n"]) if total_row else 0
-        query = sql.SQL("SELECT {} FROM outbox_dead_letters {} ORDER BY dead_at DESC, id DESC").format(
-            sql.SQL(LIST_COLUMNS), where)
+        query = statements.DEAD_LIST.format(where)
         if args.limit:
-            query = sql.SQL("{} LIMIT %s").format(query)
+            query = statements.LIMIT.format(query)
             params = [*params, args.limit]
         rows = cur.execute(query, params).fetchall()
     if args.json:
@@ -158,32 +155,23 @@ def cmd_list(args: argparse.Namespace) -> int:
 def cmd_show(args: argparse.Namespace) -> int:
     with open_outbox(args) as conn, conn.cursor(row_factory=dict_row) as cur:
         # Every column this role may read: an outbox_operator login may not read payload and headers.
-        readable = [r["attname"] for r in cur.execute(
-            "SELECT attname::text AS attname FROM pg_attribute WHERE attrelid = 'outbox'::regclass AND attnum > 0 "
-            "AND NOT attisdropped AND has_column_privilege('outbox'::regclass, attnum, 'SELECT') ORDER BY attnum"
-        ).fetchall() if r["attname"] not in INTERNAL_COLUMNS]
+        readable = [r["attname"] for r in cur.execute(statements.READABLE_COLUMNS).fetchall()
+                    if r["attname"] not in INTERNAL_COLUMNS]
         hidden = [c for c in ("payload", "headers") if c not in readable]
         # The payload as the JSON text stored (jsonb's output): its size, and where to cut it.
-        row = cur.execute(sql.SQL("SELECT {} FROM outbox o WHERE o.id = %s ORDER BY o.created_at LIMIT 1").format(
-            sql.SQL(", ").join(sql.SQL("o.payload::text AS payload") if c == "payload" else sql.Identifier("o", c)
+        # (no view holds every column of an event in any state: this reads the table)
+        row = cur.execute(statements.EVENT.format(
+            sql.SQL(", ").join(statements.EVENT_PAYLOAD_TEXT if c == "payload" else sql.Identifier("o", c)
                                for c in readable)), (args.id,)).fetchone()
         if row is None:
             raise CliError(f"no event with id {args.id}")
         if "payload" in row:
             _cut_payload(row, args.max_bytes)
-        # (from the ranges: reading tableoid needs a right on the whole table)
-        part = cur.execute("SELECT coalesce((SELECT partition FROM outbox_partitions WHERE NOT is_default "
-                           "AND range_start <= %(t)s AND %(t)s < range_end), "
-                           "(SELECT partition FROM outbox_partitions WHERE is_default)) AS p",
-                           {"t": row["created_at"]}).fetchone()
+        part = cur.execute(statements.PARTITION_OF, {"t": row["created_at"]}).fetchone()
         row["partition"] = part["p"] if part else None
-        # "unfinished" adds nothing to the state test; it lets the planner use
-        # outbox_unfinished_by_aggregate_idx, whose predicate it is.
-        held = cur.execute(
-            "SELECT count(*) AS n FROM outbox WHERE aggregate_type = %s AND aggregate_id = %s AND id > %s "
-            "AND unfinished AND state IN ('pending', 'processing')",
-            (row["aggregate_type"], row["aggregate_id"], row["id"])).fetchone()
-        row["held_back_behind_it"] = int(held["n"]) if held and row["state"] == "dead" else 0
+        # outbox_dead_letters.held_back (0016); none (0) when the event is not dead (any more).
+        held = cur.execute(statements.HELD_BACK, (row["id"],)).fetchone() if row["state"] == "dead" else None
+        row["held_back_behind_it"] = int(held["held_back"]) if held else 0
     if args.json:
         print_json({**row, "not_readable": hidden})
         return 0
@@ -241,17 +229,14 @@ def _targets(conn: psycopg.Connection[Any], args: argparse.Namespace) -> tuple[l
     with conn.cursor(row_factory=dict_row) as cur:
         if args.ids:
             ids = sorted(set(args.ids))
-            rows = cur.execute("SELECT id, aggregate_type, event_type FROM outbox_dead_letters "
-                               "WHERE id = ANY (%s) ORDER BY id", (ids,)).fetchall()
+            rows = cur.execute(statements.DEAD_BY_ID, (ids,)).fetchall()
             dead = {r["id"] for r in rows}
             others = {r["id"]: r["state"] for r in cur.execute(
-                "SELECT id, state::text AS state FROM outbox WHERE id = ANY (%s)",
-                ([i for i in ids if i not in dead],)).fetchall()}
+                statements.STATE_BY_ID, ([i for i in ids if i not in dead],)).fetchall()}
             notes = [f"{i} ({others[i]})" if i in others else f"{i} (no such event)" for i in ids if i not in dead]
             return rows, notes
         where, params = _where(conn, args)
-        rows = cur.execute(sql.SQL("SELECT id, aggregate_type, event_type FROM outbox_dead_letters {} "
-                                   "ORDER BY id").format(where), params).fetchall()
+        rows = cur.execute(statements.DEAD_MATCHING.format(where), params).fetchall()
         return rows, []
 
 
@@ -286,14 +271,14 @@ def _act(args: argparse.Namespace, verb: str, past: str) -> int:
             # so a discard never catches an event that just went back to pending. Locking rows
             # needs an UPDATE right, which an outbox_operator login has not (it changes events only
             # through the repair functions): it then acts on those still dead a moment ago.
-            lock = conn.execute("SELECT has_any_column_privilege('outbox'::regclass, 'UPDATE')").fetchone()
+            lock = conn.execute(statements.MAY_LOCK).fetchone()
             locked = [r[0] for r in conn.execute(
-                sql.SQL("SELECT id FROM outbox WHERE id = ANY (%s) AND state = 'dead' ORDER BY id {}").format(
-                    sql.SQL("FOR UPDATE" if lock and lock[0] else "")), (ids,)).fetchall()]
+                statements.STILL_DEAD.format(statements.FOR_UPDATE if lock and lock[0] else sql.SQL("")),
+                (ids,)).fetchall()]
             if verb == "requeue":
-                done_row = conn.execute("SELECT outbox_requeue(%s::bigint[])", (locked,)).fetchone()
+                done_row = conn.execute(statements.REQUEUE, (locked,)).fetchone()
             else:
-                done_row = conn.execute("SELECT outbox_discard(%s::bigint[], %s)", (locked, args.reason)).fetchone()
+                done_row = conn.execute(statements.DISCARD, (locked, args.reason)).fetchone()
         done = int(done_row[0]) if done_row else 0
     print(f"{past} {done} event{'s' if done != 1 else ''}: {_id_list(locked)}")
     if done < len(ids):

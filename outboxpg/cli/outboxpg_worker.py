@@ -31,6 +31,7 @@ from urllib.parse import unquote, urlsplit
 
 import psycopg
 
+from outboxpg import sql_api, statements
 from outboxpg.cli.common import (
     NOT_INSTALLED,
     describe_connection_error,
@@ -47,7 +48,6 @@ from outboxpg.relay.config import WorkerConfig, option
 from outboxpg.relay.pooler import POOLER_HINT, behind_transaction_pooler
 from outboxpg.relay.streams import (
     MAX_SUBJECTS,
-    SUBJECTS_SQL,
     Subject,
     explicit_to_add,
     missing_text,
@@ -121,26 +121,6 @@ async def _stream_setup(args: argparse.Namespace, publisher: Any, cfg: WorkerCon
         log.warning("event=stream_check problem=%r", problem)
 
 
-# What the worker calls, by the signature to_regprocedure() reads.
-_FUNCTIONS = ("outbox_claim(integer,interval,text)", "outbox_complete(bigint[],uuid)",
-              "outbox_fail(bigint,uuid,text,boolean)", "outbox_release(bigint[],uuid)",
-              "outbox_extend(bigint[],uuid,interval)", "outbox_next_wakeup()",
-              "outbox_unfinished_subjects(integer)")
-_IDLE_FUNCTIONS = ("outbox_worker_idle()", "outbox_worker_busy()")   # not in --poll-only mode
-
-_CHECK_FUNCTIONS = """
-SELECT f, to_regprocedure(f) IS NOT NULL,
-       coalesce(has_function_privilege(to_regprocedure(f), 'EXECUTE'), false)
-  FROM unnest(%s::text[]) AS f
-"""
-_CHECK_SETTINGS = """
-SELECT to_regclass('outbox_settings') IS NOT NULL
-       AND has_column_privilege(to_regclass('outbox_settings'), 'subject_prefix', 'SELECT')
-       AND has_column_privilege(to_regclass('outbox_settings'), 'backoff_cap', 'SELECT'),
-       current_user::text
-"""
-
-
 async def _check_database(cfg: WorkerConfig) -> tuple[str, timedelta, list[Subject]]:
     """Fail fast, in one line, on what no retry can fix: a wrong DSN or an unreachable server
     (exit 2), a database without the schema or with an older one (3), a login that may not run
@@ -153,8 +133,8 @@ async def _check_database(cfg: WorkerConfig) -> tuple[str, timedelta, list[Subje
     except psycopg.Error as exc:
         raise CliError(describe_connection_error(exc), EXIT_CONNECT) from None
     async with conn:
-        functions = _FUNCTIONS + (() if cfg.poll_only else _IDLE_FUNCTIONS)
-        rows = await (await conn.execute(_CHECK_FUNCTIONS, (list(functions),))).fetchall()
+        functions = sql_api.WORKER_CALLS + (() if cfg.poll_only else sql_api.IDLE_CALLS)
+        rows = await (await conn.execute(statements.CHECK_FUNCTIONS, ([f.signature for f in functions],))).fetchall()
         if not rows[0][1]:
             raise CliError(NOT_INSTALLED, EXIT_SCHEMA)
         missing = [f for f, exists, _ in rows if not exists]
@@ -162,7 +142,7 @@ async def _check_database(cfg: WorkerConfig) -> tuple[str, timedelta, list[Subje
             raise CliError(f"the outbox schema is not up to date ({missing[0]} is missing): "
                            "run outboxpg migrate --dsn ...", EXIT_SCHEMA)
         not_executable = [f.split("(")[0] for f, _, may in rows if not may]
-        row = await (await conn.execute(_CHECK_SETTINGS)).fetchone()
+        row = await (await conn.execute(statements.CHECK_SETTINGS)).fetchone()
         assert row is not None
         may_read, user = row
         denied = [f"execute {', '.join(not_executable)}"] if not_executable else []
@@ -171,12 +151,12 @@ async def _check_database(cfg: WorkerConfig) -> tuple[str, timedelta, list[Subje
         if denied:
             raise CliError(f"role {user!r} may not {' nor '.join(denied)}: make it a member of outbox_worker "
                            f"(GRANT outbox_worker TO \"{user}\"; see docs/privileges.md)", EXIT_FAILED)
-        settings = await (await conn.execute("SELECT subject_prefix, backoff_cap FROM outbox_settings")).fetchone()
+        settings = await (await conn.execute(statements.WORKER_SETTINGS)).fetchone()
         assert settings is not None
         # The LISTEN and the wakeup lock need sessions of their own (see outboxpg/relay/pooler.py).
         if not cfg.poll_only and await behind_transaction_pooler(cfg.dsn):
             raise CliError(POOLER_HINT, EXIT_CONNECT)
-        rows = await (await conn.execute(SUBJECTS_SQL, (MAX_SUBJECTS,))).fetchall()
+        rows = await (await conn.execute(statements.UNFINISHED_SUBJECTS, (MAX_SUBJECTS,))).fetchall()
         return settings[0], settings[1], [Subject(*row) for row in rows]
 
 

@@ -12,10 +12,11 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
+from outboxpg import statements
 from outboxpg.cli.common import add_dsn, number_type, open_outbox, print_json, where_am_i, where_text
 from outboxpg.cli.render import age, jsonable, one_line, pairs, table
 from outboxpg.errors import describe
-from outboxpg.relay.streams import MAX_SUBJECTS, SUBJECTS_SQL, Subject, missing_text
+from outboxpg.relay.streams import MAX_SUBJECTS, Subject, missing_text
 
 STATES = ("pending", "processing", "published", "dead", "discarded")
 
@@ -25,33 +26,6 @@ NO_STREAM = "(no responders)"
 # A reason that has failed an event this many attempts in a row is not a passing hiccup: an
 # attention line says so (the events die after max_attempts).
 RECURRING_ATTEMPTS = 3
-
-# Events failing right now: failed at least once and not delivered yet (pending, waiting for
-# their retry; or leased again for one), grouped by their last error's first line with the digits
-# masked, so that "no ack for event 17" and "... 18" are one reason. Like outbox_health it reads
-# only the unfinished events (WHERE unfinished: the partial indexes of 0002), never the published
-# bulk, and only columns an outbox_operator may read.
-_FAILING = """
-SELECT min(split_part(last_error, E'\n', 1))                      AS reason,
-       count(*)                                                   AS events,
-       min(attempts)                                              AS min_attempts,
-       max(attempts)                                              AS max_attempts,
-       count(*) FILTER (WHERE state = 'processing')               AS retrying_now,
-       min(next_attempt_at) FILTER (WHERE state = 'pending')      AS next_retry_at,
-       array_agg(DISTINCT event_type::text ORDER BY event_type::text) AS event_types,
-       (array_agg(id ORDER BY id))[1:20]                          AS ids,
-       -- where they go (resolved as the claim does): names the subject a "no responders" lacks
-       (array_agg(DISTINCT coalesce(subject::text,
-                                    s.subject_prefix || '.' || aggregate_type || '.' || event_type)))[1:5]
-                                                                  AS subjects
-  FROM outbox CROSS JOIN (SELECT subject_prefix FROM outbox_settings) s
- WHERE unfinished
-   AND last_error IS NOT NULL
-   AND ((state = 'pending' AND attempts > 0) OR (state = 'processing' AND attempts > 1))
- GROUP BY regexp_replace(split_part(last_error, E'\n', 1), '[0-9]+', 'N', 'g')
- ORDER BY count(*) DESC, max(attempts) DESC, 1
- LIMIT 20
-"""
 
 
 _positive_seconds = number_type(float, "not a number of seconds: {!r}", lambda v: v > 0,
@@ -111,7 +85,7 @@ async def _uncaptured(url: str, subjects: list[Subject]) -> list[Subject]:
 
 def _check_subjects(conn: psycopg.Connection[Any], url: str) -> dict[str, Any]:
     """Which subjects of the unfinished events no JetStream stream captures (--nats-url)."""
-    subjects = [Subject(*row) for row in conn.execute(SUBJECTS_SQL, (MAX_SUBJECTS,)).fetchall()]
+    subjects = [Subject(*row) for row in conn.execute(statements.UNFINISHED_SUBJECTS, (MAX_SUBJECTS,)).fetchall()]
     try:
         missing = asyncio.run(_uncaptured(url, subjects)) if subjects else []
     except Exception as exc:  # noqa: BLE001 - unreachable, refused, no JetStream...
@@ -121,24 +95,23 @@ def _check_subjects(conn: psycopg.Connection[Any], url: str) -> dict[str, Any]:
 
 def _snapshot(conn: psycopg.Connection[Any], with_states: bool, nats_url: str | None = None) -> dict[str, Any]:
     with conn.cursor(row_factory=dict_row) as cur:
-        health = cur.execute("SELECT now() AS checked_at, * FROM outbox_health").fetchone()
+        health = cur.execute(statements.HEALTH).fetchone()
         assert health is not None
         producers: list[dict[str, Any]] = []
         if health["open_producers"]:
-            # Who holds what back (0013), the oldest first; any of them may have ended meanwhile.
-            producers = cur.execute(
-                "SELECT pid, xact_age, state, held_above, aggregates, all_newer FROM outbox_open_producers() "
-                "ORDER BY xact_age DESC NULLS LAST, held_above").fetchall()
-        failing = cur.execute(_FAILING).fetchall()
-        settings = cur.execute("SELECT max_attempts FROM outbox_settings").fetchone()
+            # Who holds what back (0013); any of them may have ended meanwhile.
+            producers = cur.execute(statements.OPEN_PRODUCERS).fetchall()
+        # Events failing now (outbox_failing): like outbox_health, it reads only unfinished events.
+        failing = cur.execute(statements.FAILING).fetchall()
+        settings = cur.execute(statements.MAX_ATTEMPTS).fetchone()
         max_attempts = settings["max_attempts"] if settings else None
         for f in failing:
             f["recurring"] = f["max_attempts"] >= RECURRING_ATTEMPTS
         states: dict[str, int] | None = None
         if with_states:
-            counts = {r["state"]: r["n"] for r in
-                      cur.execute("SELECT state::text AS state, count(*) AS n FROM outbox GROUP BY 1").fetchall()}
-            states = {s: int(counts.get(s, 0)) for s in STATES}
+            counts = cur.execute(statements.STATE_COUNTS).fetchone()   # outbox_stats
+            assert counts is not None
+            states = {s: int(counts[s]) for s in STATES}
     subjects = _check_subjects(conn, nats_url) if nats_url else None
     checked_at = health.pop("checked_at")
     return {"database": where_am_i(conn), "checked_at": checked_at, "health": health, "producers": producers,
@@ -314,7 +287,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_maintain(args: argparse.Namespace) -> int:
     with open_outbox(args) as conn, conn.cursor(row_factory=dict_row) as cur:
-        rows = cur.execute("SELECT * FROM outbox_maintain(%s)", (args.dry_run,)).fetchall()
+        rows = cur.execute(statements.MAINTAIN, (args.dry_run,)).fetchall()
     if args.json:
         print_json({"dry_run": args.dry_run, "actions": rows})
         return 0

@@ -2,7 +2,8 @@
 the outcomes back; every decision about an event is made by the SQL functions it calls.
 
 - worker: the Worker, its loop and the idle protocol; config: WorkerConfig, the worker's options
-- gateway: every statement the worker sends while it runs, on its connection pool
+- gateway: every statement the worker sends while it runs, on its connection pool (the few of
+  its start-up checks, wakeup connection and metrics sample are in outboxpg/statements.py)
 - stats: the running totals, the metrics and the log lines about outcomes, one call per event
   of the loop; metrics: the Prometheus metrics themselves
 - maintenance: outbox_maintain() on a schedule; wakeup: the LISTEN connection and the wakeup lock

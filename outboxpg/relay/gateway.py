@@ -3,7 +3,8 @@ The decisions are the SQL functions' (order, retries, dead letters, fencing by l
 this module only calls them and hands back what they return.
 
 The start-up checks of ``outboxpg-worker`` (outboxpg.cli.outboxpg_worker), the wakeup lock and
-the LISTEN connection (wakeup.py) send their own few statements on connections of their own.
+the LISTEN connection (wakeup.py) send their own few statements on connections of their own;
+those, like every other statement of the package, are in outboxpg/statements.py.
 """
 
 from __future__ import annotations

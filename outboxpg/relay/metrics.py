@@ -17,6 +17,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from outboxpg import statements
+
 __all__ = ["WorkerMetrics"]
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
@@ -42,9 +44,7 @@ class _DatabaseGauges(Collector):
                 with psycopg.connect(self.dsn, autocommit=True, connect_timeout=5,
                                      fallback_application_name=self.application_name) as conn:
                     # outbox_health: cheap, and readable by the outbox_worker role (the table is not).
-                    row = conn.execute(
-                        "SELECT backlog, dead, coalesce(extract(epoch FROM oldest_pending_age), 0)"
-                        "  FROM outbox_health").fetchone()
+                    row = conn.execute(statements.HEALTH_GAUGES).fetchone()
             except psycopg.Error:
                 return self._values
             assert row is not None

@@ -28,6 +28,7 @@ from typing import Any
 
 import psycopg
 
+from outboxpg import statements
 from outboxpg.relay.wakeup import CONNECT_OPTIONS
 
 __all__ = ["POOLER_HINT", "behind_transaction_pooler"]
@@ -35,9 +36,6 @@ __all__ = ["POOLER_HINT", "behind_transaction_pooler"]
 POOLER_HINT = ("the database connection goes through a transaction pooler (e.g. PgBouncer pool_mode=transaction), "
                "which drops the LISTEN and leaks the wakeup lock: run the worker with --poll-only "
                "(or connect it to PostgreSQL directly or through a session pool)")
-
-_PID = "SELECT pg_backend_pid()"
-
 
 async def behind_transaction_pooler(dsn: str) -> bool:
     """True when connections to ``dsn`` do not keep one server session across transactions.
@@ -64,6 +62,6 @@ async def behind_transaction_pooler(dsn: str) -> bool:
 
 
 async def _pid(conn: psycopg.AsyncConnection[Any]) -> int:
-    row = await (await conn.execute(_PID)).fetchone()
+    row = await (await conn.execute(statements.BACKEND_PID)).fetchone()
     assert row is not None
     return int(row[0])

@@ -18,12 +18,11 @@ from dataclasses import dataclass
 import nats.js.errors
 from nats.js import JetStreamContext
 
-__all__ = ["MAX_SUBJECTS", "SUBJECTS_SQL", "Subject", "explicit_to_add", "missing_text", "stream_for", "uncaptured",
+__all__ = ["MAX_SUBJECTS", "Subject", "explicit_to_add", "missing_text", "stream_for", "uncaptured",
            "under_prefix"]
 
 # The most used subjects first; an outbox with more distinct subjects than this is checked on these.
 MAX_SUBJECTS = 100
-SUBJECTS_SQL = "SELECT subject, explicit, events FROM outbox_unfinished_subjects(%s)"
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import Any
 
 import psycopg
 
+from outboxpg import statements
 from outboxpg.errors import first_line
 from outboxpg.relay.backoff import next_delay
 
@@ -29,19 +30,19 @@ CONNECT_OPTIONS: dict[str, Any] = {"keepalives": 1, "keepalives_idle": 4, "keepa
 
 
 class Listener:
-    """LISTENs on ``channel`` and sets ``wake`` on every notification.
+    """LISTENs on channel 'outbox' (the one the insert trigger and the repair functions notify)
+    and sets ``wake`` on every notification.
 
     Supervised: when the connection drops (server restart, killed backend, network cut) it
     reconnects with backoff, re-LISTENs, and sets ``wake`` so the worker claims at once: a
     notification sent while we were away is lost, the events are not.
     """
 
-    def __init__(self, dsn: str, wake: asyncio.Event, channel: str = "outbox",
-                 application_name: str = "outboxpg-worker (listen)") -> None:
+    def __init__(self, dsn: str, wake: asyncio.Event, application_name: str = "outboxpg-worker (listen)") -> None:
         self.dsn = dsn
         self.application_name = application_name
         self.wake = wake
-        self.channel = channel
+        self.channel = statements.CHANNEL
         self.up = False
         self.reconnects = 0
 
@@ -58,7 +59,7 @@ class Listener:
                 delay = next_delay(delay)
                 continue
             try:
-                await conn.execute(f"LISTEN {self.channel}")
+                await conn.execute(statements.LISTEN)
                 self.up = True
                 delay = 0.1
                 if not first:
@@ -101,7 +102,7 @@ class IdleLock:
         """Queue for the lock; True once it is granted, False if ``wake`` was set first (the
         request is then withdrawn). From the moment we queue, producers NOTIFY."""
         conn = await self._connection()
-        request = asyncio.ensure_future(conn.execute("SELECT outbox_worker_idle()"))
+        request = asyncio.ensure_future(conn.execute(statements.WORKER_IDLE))
         woken = asyncio.ensure_future(wake.wait())
         try:
             await asyncio.wait({request, woken}, return_when=asyncio.FIRST_COMPLETED)
@@ -153,7 +154,7 @@ class IdleLock:
         conn = self.conn
         try:
             if conn is not None and not conn.closed:
-                await conn.execute("SELECT outbox_worker_busy()")
+                await conn.execute(statements.WORKER_BUSY)
         except psycopg.Error:
             # The connection is gone, and the session lock with it.
             await self.close()

@@ -1,0 +1,114 @@
+"""The SQL API as Python sees it: every ``outbox_*`` function of a fresh install, once.
+
+Each function is listed with its exact argument types (as ``regprocedure`` prints them, which is
+what ``to_regprocedure()`` reads), who may call it (the group roles of 0012), whether it runs as
+its owner (SECURITY DEFINER) and its SET clauses. tests/test_sql_api.py checks the list against
+``pg_proc`` of a fresh install, both ways: a step that adds a function, drops one or changes its
+arguments fails there until the function is listed here. Whatever else needs a list of
+signatures takes it from here: the worker's start-up check (``WORKER_CALLS``), the command
+line's schema check (``OPERATOR_CALLS``), the privilege and released-schema tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["SqlFunction", "FUNCTIONS", "WORKER_CALLS", "IDLE_CALLS", "OPERATOR_CALLS", "by_signature",
+           "PRODUCER", "WORKER", "OPERATOR"]
+
+# The group roles (0012_outbox_privileges).
+PRODUCER, WORKER, OPERATOR = "outbox_producer", "outbox_worker", "outbox_operator"
+
+# SET clauses as pg_proc.proconfig holds them; <schema> stands for the install schema.
+PATH = ("search_path=<schema>, pg_temp",)     # SET search_path FROM CURRENT: this schema, pg_temp last (0012)
+# The claim path's plans, pinned (0005, outbox_claim's header says why each).
+PLANNER = ("plan_cache_mode=force_generic_plan", "enable_seqscan=off", "enable_bitmapscan=off",
+           "enable_hashjoin=off", "enable_mergejoin=off", "enable_material=off", "jit=off")
+# Index lookups of the idle path and the health row (0010, 0011).
+LOOKUP = ("enable_seqscan=off", "max_parallel_workers_per_gather=0", "jit=off")
+
+
+@dataclass(frozen=True)
+class SqlFunction:
+    name: str
+    args: tuple[str, ...] = ()
+    callers: frozenset[str] = frozenset()   # group roles granted EXECUTE (nobody else may call it)
+    definer: bool = False                   # SECURITY DEFINER: runs as the owner of the schema
+    settings: tuple[str, ...] = ()          # its SET clauses
+    trigger: bool = False                   # a trigger function: fires, is never called
+
+    @property
+    def signature(self) -> str:
+        """'outbox_claim(integer,interval,text)': as regprocedure prints it and to_regprocedure reads it."""
+        return f"{self.name}({','.join(self.args)})"
+
+    def __str__(self) -> str:
+        return self.signature
+
+
+def _f(name: str, *args: str, callers: tuple[str, ...] = (), definer: bool = False,
+       settings: tuple[str, ...] = PATH, trigger: bool = False) -> SqlFunction:
+    return SqlFunction(name, args, frozenset(callers), definer, settings, trigger)
+
+
+# -- what the worker calls (as the owner: a worker has no rights on the tables) -----------------
+CLAIM = _f("outbox_claim", "integer", "interval", "text", callers=(WORKER,), definer=True,
+           settings=(*PLANNER, *PATH))
+COMPLETE = _f("outbox_complete", "bigint[]", "uuid", callers=(WORKER,), definer=True, settings=(*PLANNER, *PATH))
+FAIL = _f("outbox_fail", "bigint", "uuid", "text", "boolean", callers=(WORKER,), definer=True,
+          settings=(*PLANNER, *PATH))
+RELEASE = _f("outbox_release", "bigint[]", "uuid", callers=(WORKER,), definer=True, settings=(*PLANNER, *PATH))
+EXTEND = _f("outbox_extend", "bigint[]", "uuid", "interval", callers=(WORKER,), definer=True,   # 0014
+            settings=(*PLANNER, *PATH))
+NEXT_WAKEUP = _f("outbox_next_wakeup", callers=(WORKER,), definer=True, settings=(*LOOKUP, *PATH))
+# 0015: the worker's start-up stream check and outboxpg status --nats-url
+UNFINISHED_SUBJECTS = _f("outbox_unfinished_subjects", "integer", callers=(WORKER, OPERATOR), definer=True,
+                         settings=("jit=off", *PATH))
+# the wakeup protocol: advisory locks and LISTEN only, no table
+WORKER_IDLE = _f("outbox_worker_idle", callers=(WORKER,))
+WORKER_BUSY = _f("outbox_worker_busy", callers=(WORKER,))
+# -- workers and operators ----------------------------------------------------------------------
+MAINTAIN = _f("outbox_maintain", "boolean", callers=(WORKER, OPERATOR), definer=True,
+              settings=("lock_timeout=1s", *PATH))
+HEALTH_ROW = _f("outbox_health_row", callers=(WORKER, OPERATOR), definer=True,   # behind the outbox_health view
+                settings=(*LOOKUP, *PATH))
+# status, sql/health.sql (reads other roles' sessions in pg_stat_activity)
+OPEN_PRODUCERS = _f("outbox_open_producers", callers=(WORKER, OPERATOR), definer=True)
+# -- operators: the repairs ---------------------------------------------------------------------
+REQUEUE = _f("outbox_requeue", "bigint[]", callers=(OPERATOR,), definer=True)
+DISCARD = _f("outbox_discard", "bigint[]", "text", callers=(OPERATOR,), definer=True)
+# -- producers and operators --------------------------------------------------------------------
+CANCEL = _f("outbox_cancel", "bigint[]", callers=(PRODUCER, OPERATOR), definer=True)   # 0021: scheduled events
+# -- inlined SQL functions: schema-qualified or built-ins only, no search_path ------------------
+# the insert trigger names each aggregate by it; sql/health.sql matches producers' locks with it
+AGGREGATE_KEY = _f("outbox_aggregate_key", "text", "text", callers=(PRODUCER, OPERATOR), settings=())
+RETRY_DELAY = _f("outbox_retry_delay", "integer", "interval", "interval", settings=())   # inside claim / fail
+# -- helpers only the SECURITY DEFINER functions call (PUBLIC's EXECUTE revoked) ----------------
+COMMIT_GUARD = _f("outbox_commit_guard")            # inside claim and outbox_health_row
+COMMIT_HORIZON = _f("outbox_commit_horizon")        # inside claim
+TAKE_IN = _f("outbox_take_in", "bigint", "bigint", "integer", settings=(*PLANNER, "enable_sort=off", *PATH))
+REFRESH_HEADS = _f("outbox_refresh_heads", "text[]", "text[]",   # inside the report and repair functions
+                   settings=(*PLANNER, *PATH))
+# -- triggers: they fire as the role that writes the table, without any EXECUTE grant -----------
+WAKE_WORKERS = _f("outbox_wake_workers", trigger=True)        # 0003: NOTIFY idle workers
+FORGET_DELETED = _f("outbox_forget_deleted", trigger=True)    # 0005: rows deleted by hand take their heads along
+HOLD_HORIZON = _f("outbox_hold_horizon", trigger=True)        # 0013: the commit-order guard
+ASSIGN_ID = _f("outbox_assign_id", trigger=True)              # 0013: an aggregate's lock before its event's id
+
+FUNCTIONS: tuple[SqlFunction, ...] = (
+    CLAIM, COMPLETE, FAIL, RELEASE, EXTEND, NEXT_WAKEUP, UNFINISHED_SUBJECTS, WORKER_IDLE, WORKER_BUSY,
+    MAINTAIN, HEALTH_ROW, OPEN_PRODUCERS, REQUEUE, DISCARD, CANCEL, AGGREGATE_KEY, RETRY_DELAY,
+    COMMIT_GUARD, COMMIT_HORIZON, TAKE_IN, REFRESH_HEADS,
+    WAKE_WORKERS, FORGET_DELETED, HOLD_HORIZON, ASSIGN_ID,
+)
+
+# What outboxpg-worker checks at start (exists, and this login may execute it), in this order:
+# the first one missing is named. IDLE_CALLS only without --poll-only.
+WORKER_CALLS = (CLAIM, COMPLETE, FAIL, RELEASE, EXTEND, NEXT_WAKEUP, UNFINISHED_SUBJECTS)
+IDLE_CALLS = (WORKER_IDLE, WORKER_BUSY)
+# What the outboxpg command line calls (its schema check on a database installed with psql).
+OPERATOR_CALLS = (MAINTAIN, DISCARD, REQUEUE)
+
+
+def by_signature() -> dict[str, SqlFunction]:
+    return {f.signature: f for f in FUNCTIONS}
