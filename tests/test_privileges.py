@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import secrets
 import signal
 import subprocess
@@ -64,6 +65,8 @@ EXECUTE = {
     "outbox_open_producers()": {"outbox_worker", "outbox_operator"},   # status, sql/health.sql
     # 0015: the worker's start-up stream check and outboxpg status --nats-url
     "outbox_unfinished_subjects(integer)": {"outbox_worker", "outbox_operator"},
+    # 0017: behind outbox_health's xmin holder columns; the worker's xmin_held log line
+    "outbox_xmin_holders()": {"outbox_worker", "outbox_operator"},
 }
 # Trigger functions: they fire as the inserting producer without any EXECUTE grant, and cannot be
 # called directly (so PUBLIC's EXECUTE on one that a later step created means nothing).
@@ -78,7 +81,8 @@ SECURITY_DEFINER = {"outbox_claim(integer,interval,text)", "outbox_complete(bigi
                     "outbox_next_wakeup()", "outbox_maintain(boolean)", "outbox_requeue(bigint[])",
                     "outbox_discard(bigint[],text)", "outbox_health_row()",
                     "outbox_open_producers()",   # reads other roles' sessions in pg_stat_activity
-                    "outbox_unfinished_subjects(integer)"}   # reads the table for a worker
+                    "outbox_unfinished_subjects(integer)",   # reads the table for a worker
+                    "outbox_xmin_holders()"}   # reads other roles' sessions in pg_stat_activity
 # Who may read each view.
 VIEWS = {"outbox_stats": {"outbox_operator"}, "outbox_dead_letters": {"outbox_operator"},
          "outbox_partitions": {"outbox_operator"}, "outbox_health": {"outbox_worker", "outbox_operator"}}
@@ -711,9 +715,12 @@ def test_upgrade_where_later_steps_came_first(outbox_template: Any, empty_dsn: s
     leave producers and workers working just the same."""
     files = {p.name.removesuffix(".sql"): p for p in schema.migrations_dir().glob("[0-9]*.sql")
              if not p.name.endswith(".rollback.sql")}
-    later = sorted(k for k in files if k > "0012_outbox_privileges")
+    # A step that needs 0011 (0017 extends its outbox_health view) cannot have come before it.
+    needs_0011 = {k for k in files if re.search(r"^--\s*depends:.*\b0011_outbox_health\b", files[k].read_text(), re.M)}
+    later = sorted(k for k in files if k > "0012_outbox_privileges" and k not in needs_0011)
     assert later, "0013 (the commit-order trigger) comes after 0012"
-    order = [k for k in sorted(files) if k < "0011"] + later + ["0011_outbox_health", "0012_outbox_privileges"]
+    order = ([k for k in sorted(files) if k < "0011"] + later + ["0011_outbox_health", "0012_outbox_privileges"]
+             + sorted(needs_0011 - {"0012_outbox_privileges"}))
     with psycopg.connect(empty_dsn, autocommit=True) as admin:
         for step in order:
             with admin.transaction():

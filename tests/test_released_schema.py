@@ -279,6 +279,7 @@ FUNCTIONS: dict[str, tuple[bool, tuple[str, ...]]] = {
     "outbox_discard(bigint[],text)": (DEFINER, PATH),
     "outbox_open_producers()": (DEFINER, PATH),
     "outbox_unfinished_subjects(integer)": (DEFINER, ("jit=off", *PATH)),
+    "outbox_xmin_holders()": (DEFINER, ("jit=off", *PATH)),
 }
 
 

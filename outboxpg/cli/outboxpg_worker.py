@@ -127,6 +127,7 @@ _FUNCTIONS = ("outbox_claim(integer,interval,text)", "outbox_complete(bigint[],u
               "outbox_extend(bigint[],uuid,interval)", "outbox_next_wakeup()",
               "outbox_unfinished_subjects(integer)")
 _IDLE_FUNCTIONS = ("outbox_worker_idle()", "outbox_worker_busy()")   # not in --poll-only mode
+_XMIN_FUNCTIONS = ("outbox_xmin_holders()",)   # not with --xmin-check-interval 0
 
 _CHECK_FUNCTIONS = """
 SELECT f, to_regprocedure(f) IS NOT NULL,
@@ -153,7 +154,8 @@ async def _check_database(cfg: WorkerConfig) -> tuple[str, timedelta, list[Subje
     except psycopg.Error as exc:
         raise CliError(describe_connection_error(exc), EXIT_CONNECT) from None
     async with conn:
-        functions = _FUNCTIONS + (() if cfg.poll_only else _IDLE_FUNCTIONS)
+        functions = (_FUNCTIONS + (() if cfg.poll_only else _IDLE_FUNCTIONS)
+                     + (_XMIN_FUNCTIONS if cfg.xmin_check_interval > 0 else ()))
         rows = await (await conn.execute(_CHECK_FUNCTIONS, (list(functions),))).fetchall()
         if not rows[0][1]:
             raise CliError(NOT_INSTALLED, EXIT_SCHEMA)
