@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["SqlFunction", "FUNCTIONS", "WORKER_CALLS", "IDLE_CALLS", "OPERATOR_CALLS", "by_signature",
+__all__ = ["SqlFunction", "FUNCTIONS", "WORKER_CALLS", "IDLE_CALLS", "XMIN_CALLS", "OPERATOR_CALLS", "by_signature",
            "PRODUCER", "WORKER", "OPERATOR"]
 
 # The group roles (0012_outbox_privileges).
@@ -74,6 +74,9 @@ HEALTH_ROW = _f("outbox_health_row", callers=(WORKER, OPERATOR), definer=True,  
                 settings=(*LOOKUP, *PATH))
 # status, sql/health.sql (reads other roles' sessions in pg_stat_activity)
 OPEN_PRODUCERS = _f("outbox_open_producers", callers=(WORKER, OPERATOR), definer=True)
+# 0017: behind outbox_health's xmin holder columns; the worker's xmin_held log line (reads other
+# roles' sessions in pg_stat_activity)
+XMIN_HOLDERS = _f("outbox_xmin_holders", callers=(WORKER, OPERATOR), definer=True, settings=("jit=off", *PATH))
 # -- operators: the repairs ---------------------------------------------------------------------
 REQUEUE = _f("outbox_requeue", "bigint[]", callers=(OPERATOR,), definer=True)
 DISCARD = _f("outbox_discard", "bigint[]", "text", callers=(OPERATOR,), definer=True)
@@ -97,7 +100,7 @@ ASSIGN_ID = _f("outbox_assign_id", trigger=True)              # 0013: an aggrega
 
 FUNCTIONS: tuple[SqlFunction, ...] = (
     CLAIM, COMPLETE, FAIL, RELEASE, EXTEND, NEXT_WAKEUP, UNFINISHED_SUBJECTS, WORKER_IDLE, WORKER_BUSY,
-    MAINTAIN, HEALTH_ROW, OPEN_PRODUCERS, REQUEUE, DISCARD, CANCEL, AGGREGATE_KEY, RETRY_DELAY,
+    MAINTAIN, HEALTH_ROW, OPEN_PRODUCERS, XMIN_HOLDERS, REQUEUE, DISCARD, CANCEL, AGGREGATE_KEY, RETRY_DELAY,
     COMMIT_GUARD, COMMIT_HORIZON, TAKE_IN, REFRESH_HEADS,
     WAKE_WORKERS, FORGET_DELETED, HOLD_HORIZON, ASSIGN_ID,
 )
@@ -106,6 +109,7 @@ FUNCTIONS: tuple[SqlFunction, ...] = (
 # the first one missing is named. IDLE_CALLS only without --poll-only.
 WORKER_CALLS = (CLAIM, COMPLETE, FAIL, RELEASE, EXTEND, NEXT_WAKEUP, UNFINISHED_SUBJECTS)
 IDLE_CALLS = (WORKER_IDLE, WORKER_BUSY)
+XMIN_CALLS = (XMIN_HOLDERS,)   # not with --xmin-check-interval 0
 # What the outboxpg command line calls (its schema check on a database installed with psql).
 OPERATOR_CALLS = (MAINTAIN, DISCARD, REQUEUE)
 

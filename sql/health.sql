@@ -10,9 +10,13 @@
 --   2. the open producing transactions (outbox_open_producers()): backend pid, who, how long open,
 --      and what each holds back until it commits or rolls back: the aggregates it wrote, or every
 --      event above an id once it wrote more than outbox_settings.commit_order_max_aggregates;
---   3. events per state, every state listed even when it has none (reads the whole table, like
+--   3. what holds back the xmin horizon (outbox_xmin_holders()), the oldest first: sessions (pid,
+--      application, state, since when, the start of the query), prepared transactions, replication
+--      slots; past_threshold: older than outbox_settings.xmin_warn_after. While one holds, VACUUM
+--      removes no dead row version of the outbox and every claim steps over more of them;
+--   4. events per state, every state listed even when it has none (reads the whole table, like
 --      outbox_stats: a query for people, not for a monitoring loop);
---   4. the 10 oldest undelivered events and why each one waits: leased (until when, by whom),
+--   5. the 10 oldest undelivered events and why each one waits: leased (until when, by whom),
 --      lease expired, held back behind an earlier event of its aggregate (a dead letter: requeue
 --      or discard it), waiting for a retry, held back by an open producing transaction (which pid,
 --      open how long), or due and waiting for a worker's claim (with the time of the last claim);
@@ -20,6 +24,9 @@
 -- Healthy: no dead letters, no expired leases, and with a backlog, worker_claimed_last_minute = t
 -- and an oldest_pending_age that does not keep growing. held_by_open_transactions > 0 for long
 -- means a producing transaction stays open: end it in the application, or pg_terminate_backend(pid).
+-- xmin_holders > 0 names a session, prepared transaction or replication slot that has kept VACUUM
+-- from the outbox's dead rows for longer than xmin_warn_after: end it (pg_terminate_backend(pid);
+-- COMMIT/ROLLBACK PREPARED 'gid'; pg_drop_replication_slot('name') for a slot nothing uses).
 
 \echo '== outbox_health (SELECT * FROM outbox_health, one line per column)'
 SELECT v.item, v.value
@@ -36,7 +43,15 @@ SELECT v.item, v.value
                             (10, 'open_producers',             h.open_producers::text),
                             (11, 'oldest_producer_pid',        h.oldest_producer_pid::text),
                             (12, 'oldest_producer_age',        h.oldest_producer_age::text),
-                            (13, 'held_by_open_transactions',  h.held_by_open_transactions::text)) AS v(n, item, value)
+                            (13, 'held_by_open_transactions',  h.held_by_open_transactions::text),
+                            (14, 'xmin_holders',               h.xmin_holders::text),
+                            (15, 'xmin_holder_kind',           h.xmin_holder_kind),
+                            (16, 'xmin_holder_pid',            h.xmin_holder_pid::text),
+                            (17, 'xmin_holder_name',           h.xmin_holder_name),
+                            (18, 'xmin_holder_age',            h.xmin_holder_age::text),
+                            (19, 'xmin_holder_state',          h.xmin_holder_state),
+                            (20, 'xmin_holder_query',          left(h.xmin_holder_query, 60)),
+                            (21, 'xmin_holder_application',    h.xmin_holder_application)) AS v(n, item, value)
  ORDER BY v.n;
 
 \echo '== open producing transactions, oldest first (outbox_open_producers())'
@@ -54,6 +69,18 @@ SELECT p.pid,
   LEFT JOIN pg_stat_activity a ON a.pid = p.pid
  CROSS JOIN outbox_settings s
  ORDER BY p.xact_age DESC NULLS LAST, p.held_above;
+
+\echo '== what holds back the xmin horizon (VACUUM), the oldest first (outbox_xmin_holders())'
+SELECT x.kind,
+       x.pid,
+       x.name,
+       x.application_name,
+       x.state,
+       date_trunc('second', x.age) AS held_for,
+       x.xmin_age                  AS xmin_age_xacts,
+       x.past_threshold            AS past_xmin_warn_after,
+       left(regexp_replace(x.query, '\s+', ' ', 'g'), 60) AS query
+  FROM outbox_xmin_holders() x;
 
 \echo '== events per state (reads the whole table)'
 SELECT s.state,

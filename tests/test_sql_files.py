@@ -215,7 +215,11 @@ def health(conn: psycopg.Connection[Any]) -> dict[str, Any]:
 
 
 NO_PRODUCERS = {"open_producers": 0, "oldest_producer_pid": None, "oldest_producer_age": None,
-                "held_by_open_transactions": 0}
+                "held_by_open_transactions": 0,
+                # and nothing holds back the xmin horizon past xmin_warn_after (0017)
+                "xmin_holders": 0, "xmin_holder_kind": None, "xmin_holder_pid": None, "xmin_holder_name": None,
+                "xmin_holder_age": None, "xmin_holder_state": None, "xmin_holder_query": None,
+                "xmin_holder_application": None}
 
 
 def test_health_of_an_empty_outbox(conn: psycopg.Connection[Any]) -> None:

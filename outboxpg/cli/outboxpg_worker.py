@@ -133,7 +133,8 @@ async def _check_database(cfg: WorkerConfig) -> tuple[str, timedelta, list[Subje
     except psycopg.Error as exc:
         raise CliError(describe_connection_error(exc), EXIT_CONNECT) from None
     async with conn:
-        functions = sql_api.WORKER_CALLS + (() if cfg.poll_only else sql_api.IDLE_CALLS)
+        functions = (sql_api.WORKER_CALLS + (() if cfg.poll_only else sql_api.IDLE_CALLS)
+                     + (sql_api.XMIN_CALLS if cfg.xmin_check_interval > 0 else ()))
         rows = await (await conn.execute(statements.CHECK_FUNCTIONS, ([f.signature for f in functions],))).fetchall()
         if not rows[0][1]:
             raise CliError(NOT_INSTALLED, EXIT_SCHEMA)

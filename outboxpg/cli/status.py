@@ -16,6 +16,7 @@ from outboxpg import statements
 from outboxpg.cli.common import add_dsn, number_type, open_outbox, print_json, where_am_i, where_text
 from outboxpg.cli.render import age, jsonable, one_line, pairs, table
 from outboxpg.errors import describe
+from outboxpg.relay.horizon import XminHolder
 from outboxpg.relay.streams import MAX_SUBJECTS, Subject, missing_text
 
 STATES = ("pending", "processing", "published", "dead", "discarded")
@@ -36,7 +37,8 @@ def register(sub: Any) -> None:
     p = sub.add_parser("status", help="is it healthy? the outbox_health row and events per state",
                        description="The outbox_health row (backlog, oldest pending age, dead letters, expired "
                                    "leases, last claim, open producing transactions and the events they hold "
-                                   "back) and the number of events in each state.")
+                                   "back, what holds back the xmin horizon) and the number of events in each "
+                                   "state.")
     add_dsn(p)
     p.add_argument("--json", action="store_true", help="print one JSON object (intervals in seconds)")
     p.add_argument("--watch", nargs="?", type=_positive_seconds, const=2.0, default=None, metavar="SECONDS",
@@ -155,6 +157,24 @@ def _held_note(h: dict[str, Any], producers: list[dict[str, Any]]) -> str:
     return note
 
 
+def _xmin_holder(h: dict[str, Any]) -> XminHolder | None:
+    """The oldest holder of the xmin horizon past outbox_settings.xmin_warn_after (0017), if any."""
+    if not h.get("xmin_holders"):
+        return None
+    held = h["xmin_holder_age"]
+    return XminHolder(h["xmin_holder_kind"], h["xmin_holder_pid"], h["xmin_holder_name"], None,
+                      None if held is None else held.total_seconds(), None, h["xmin_holder_state"],
+                      h["xmin_holder_query"], h["xmin_holder_application"])
+
+
+def _xmin_text(h: dict[str, Any]) -> str:
+    holder = _xmin_holder(h)
+    if holder is None:
+        return "not held past xmin_warn_after"
+    more = f"  (and {h['xmin_holders'] - 1} more)" if h["xmin_holders"] > 1 else ""
+    return f"held by {holder.text()}{more}"
+
+
 def _recurring_note(f: dict[str, Any], max_attempts: int | None) -> str:
     n = f["events"]
     attempts = (f"{f['max_attempts']} attempts so far" if f["min_attempts"] == f["max_attempts"]
@@ -194,6 +214,9 @@ def _attention(h: dict[str, Any], producers: list[dict[str, Any]], failing: list
                      "died or hung): the next claim retries them")
     if h["held_by_open_transactions"]:
         notes.append(_held_note(h, producers))
+    holder = _xmin_holder(h)
+    if holder is not None:
+        notes.append(f"the xmin horizon is held back by {holder.text()}: {holder.advice()}")
     # last_claim_at is when a worker last called outbox_claim, whatever it found: recent means a
     # worker runs, even while everything it could claim is held back.
     if h["backlog"] and not h["worker_claimed_last_minute"]:
@@ -233,6 +256,7 @@ def _render(snap: dict[str, Any]) -> list[str]:
         ("worker claimed last minute", h["worker_claimed_last_minute"]),
         ("open producing transactions", producers_text),
         ("held back by them", _plural(h["held_by_open_transactions"], "event")),
+        ("xmin horizon (VACUUM)", _xmin_text(h)),
     ] + _subjects_pair(snap["subjects"]))
     if snap["failing"]:
         lines += ["", "failing now (failed, not delivered yet: waiting for a retry or retrying; by last error)"]

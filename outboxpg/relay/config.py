@@ -45,6 +45,10 @@ class WorkerConfig:
     # Workers take turns through the advisory lock inside outbox_maintain(): one of many does the work.
     maintenance_interval: float = option("run outbox_maintain() at start and every this many seconds; 0: never "
                                          "(one worker of many does it, under an advisory lock)", 3600.0)
+    xmin_check_interval: float = option("look every this many seconds for a session, prepared transaction or "
+                                        "replication slot holding back VACUUM (the xmin horizon) longer than "
+                                        "outbox_settings.xmin_warn_after, and log the oldest once (event=xmin_held); "
+                                        "0: never", 30.0)
 
     def validate(self) -> None:
         if self.batch_size < 1:
@@ -53,6 +57,8 @@ class WorkerConfig:
             raise ValueError("concurrency must be at least 1")
         if self.poll_interval <= 0:
             raise ValueError("poll interval must be positive")
+        if self.xmin_check_interval < 0:
+            raise ValueError("xmin check interval must be 0 (never) or positive")
         if self.publish_timeout <= 0:
             raise ValueError("publish timeout must be positive")
         if self.lease < 2 * self.publish_timeout:

@@ -37,6 +37,10 @@ _RELEASE = "SELECT outbox_release(%s::bigint[], %s)"
 _EXTEND = "SELECT outbox_extend(%s::bigint[], %s, %s)"
 _SLEEP_FOR = "SELECT extract(epoch FROM outbox_next_wakeup() - clock_timestamp())::float8"
 _MAINTAIN = "SELECT action, partition, detail FROM outbox_maintain()"
+# The oldest holder of the xmin horizon past outbox_settings.xmin_warn_after (0017), if any.
+_XMIN_HOLDER = ("SELECT kind, pid, name, since, extract(epoch FROM age)::float8, xmin_age, state, query, "
+                "application_name FROM outbox_xmin_holders() WHERE past_threshold "
+                "ORDER BY xmin_age DESC NULLS LAST LIMIT 1")
 
 _REPORT_ATTEMPTS = 5
 
@@ -157,6 +161,12 @@ class Gateway:
         """outbox_maintain()'s (action, partition, detail) rows."""
         async with self.pool.connection() as conn:
             return await (await conn.execute(_MAINTAIN)).fetchall()
+
+    async def oldest_xmin_holder(self) -> tuple[Any, ...] | None:
+        """outbox_xmin_holders()'s oldest holder past the threshold: (kind, pid, name, since,
+        age in seconds, xmin_age, state, query, application_name), or None."""
+        async with self.pool.connection() as conn:
+            return await (await conn.execute(_XMIN_HOLDER)).fetchone()
 
 
 def _poll_only_options(cfg: WorkerConfig) -> dict[str, Any]:

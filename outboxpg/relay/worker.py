@@ -22,8 +22,8 @@ run's first failure are completed, the failure is failed, the rest are released 
 attempt). Nothing failed: one outbox_complete statement, as before runs existed.
 
 Around it: gateway.py sends the SQL, stats.py counts and logs what happened (and feeds the
-metrics), maintenance.py runs outbox_maintain() on a schedule, wakeup.py holds the LISTEN
-connection and the wakeup lock.
+metrics), maintenance.py runs outbox_maintain() on a schedule, horizon.py names what holds back
+the xmin horizon (VACUUM), wakeup.py holds the LISTEN connection and the wakeup lock.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from outboxpg.events import LEASE_TOKEN, OutboxEvent, event_from_row, runs_of
 from outboxpg.relay.backoff import next_delay
 from outboxpg.relay.config import WorkerConfig
 from outboxpg.relay.gateway import Gateway, RawJsonLoader, id_array
+from outboxpg.relay.horizon import watch_xmin_every
 from outboxpg.relay.maintenance import maintain_every
 from outboxpg.relay.metrics import WorkerMetrics
 from outboxpg.relay.publishers import as_publisher
@@ -105,6 +106,9 @@ class Worker:
         if cfg.maintenance_interval > 0:
             background.append(asyncio.create_task(maintain_every(self.gateway, cfg.maintenance_interval, self.recorder),
                                                   name="outboxpg-maintenance"))
+        if cfg.xmin_check_interval > 0:
+            background.append(asyncio.create_task(watch_xmin_every(self.gateway, cfg.xmin_check_interval),
+                                                  name="outboxpg-xmin-watch"))
         self.recorder.watch_listener(lambda: self.listener.up)
         try:
             if hasattr(self.publisher, "start"):
