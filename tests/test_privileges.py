@@ -64,6 +64,11 @@ EXECUTE = {
     "outbox_open_producers()": {"outbox_worker", "outbox_operator"},   # status, sql/health.sql
     # 0015: the worker's start-up stream check and outboxpg status --nats-url
     "outbox_unfinished_subjects(integer)": {"outbox_worker", "outbox_operator"},
+    # 0018: re-sending history is a repair
+    "outbox_replay_candidates(bigint[],text,text,text,timestamp with time zone,timestamp with time zone)":
+        {"outbox_operator"},
+    "outbox_replay(bigint[],text,text,text,timestamp with time zone,timestamp with time zone,boolean)":
+        {"outbox_operator"},
 }
 # Trigger functions: they fire as the inserting producer without any EXECUTE grant, and cannot be
 # called directly (so PUBLIC's EXECUTE on one that a later step created means nothing).
@@ -78,7 +83,10 @@ SECURITY_DEFINER = {"outbox_claim(integer,interval,text)", "outbox_complete(bigi
                     "outbox_next_wakeup()", "outbox_maintain(boolean)", "outbox_requeue(bigint[])",
                     "outbox_discard(bigint[],text)", "outbox_health_row()",
                     "outbox_open_producers()",   # reads other roles' sessions in pg_stat_activity
-                    "outbox_unfinished_subjects(integer)"}   # reads the table for a worker
+                    "outbox_unfinished_subjects(integer)",   # reads the table for a worker
+                    # 0018: reads and inserts events for an operator
+                    "outbox_replay_candidates(bigint[],text,text,text,timestamp with time zone,timestamp with time zone)",
+                    "outbox_replay(bigint[],text,text,text,timestamp with time zone,timestamp with time zone,boolean)"}
 # Who may read each view.
 VIEWS = {"outbox_stats": {"outbox_operator"}, "outbox_dead_letters": {"outbox_operator"},
          "outbox_partitions": {"outbox_operator"}, "outbox_health": {"outbox_worker", "outbox_operator"}}

@@ -279,6 +279,10 @@ FUNCTIONS: dict[str, tuple[bool, tuple[str, ...]]] = {
     "outbox_discard(bigint[],text)": (DEFINER, PATH),
     "outbox_open_producers()": (DEFINER, PATH),
     "outbox_unfinished_subjects(integer)": (DEFINER, ("jit=off", *PATH)),
+    # 0018: a plan per call, so that since/until prune partitions
+    "outbox_replay_candidates(bigint[],text,text,text,timestamp with time zone,timestamp with time zone)":
+        (DEFINER, ("plan_cache_mode=force_custom_plan", *PATH)),
+    "outbox_replay(bigint[],text,text,text,timestamp with time zone,timestamp with time zone,boolean)": (DEFINER, PATH),
 }
 
 
