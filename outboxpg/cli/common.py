@@ -53,6 +53,8 @@ def permission_hint(exc: psycopg.Error) -> str:
 # For databases installed by hand with psql (no yoyo bookkeeping): the objects the commands use.
 # The newest first: the first one missing says how far behind the install is.
 _REQUIRED_OBJECTS = (
+    ("function outbox_replay(...)",
+     "to_regprocedure('outbox_replay(bigint[],text,text,text,timestamptz,timestamptz,boolean)')"),
     ("view outbox_health", "to_regclass('outbox_health')"),
     ("function outbox_maintain(boolean)", "to_regprocedure('outbox_maintain(boolean)')"),
     ("function outbox_discard(bigint[], text)", "to_regprocedure('outbox_discard(bigint[],text)')"),
@@ -77,6 +79,25 @@ def package_version() -> str:
 
 def add_dsn(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dsn", help=DSN_HELP)
+
+
+def add_yes(parser: argparse.ArgumentParser) -> None:
+    """--yes / -y: the rule of every command that changes several events (see confirm)."""
+    parser.add_argument("--yes", "-y", action="store_true",
+                        help="do not ask for confirmation (needed without a terminal when touching several events)")
+
+
+def point_in_time(conn: psycopg.Connection[Any], text: str, flag: str) -> Any:
+    """``flag``'s value as a timestamptz: a timestamp, else an interval ago (PostgreSQL reads both)."""
+    for query in ("SELECT %s::timestamptz", "SELECT now() - %s::interval"):
+        try:
+            with conn.transaction():
+                row = conn.execute(query, (text,)).fetchone()
+            assert row is not None
+            return row[0]
+        except (psycopg.errors.DataError, psycopg.errors.SyntaxError):
+            continue
+    raise CliError(f"{flag}: neither a timestamp nor an interval: {text!r}")
 
 
 def number_type(kind: Callable[[str], N], not_one: str, ok: Callable[[N], bool],
