@@ -5,8 +5,9 @@ window drops a copy with the original msg_id; a new msg_id is stored again)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections import defaultdict
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -17,6 +18,7 @@ from psycopg.rows import dict_row
 from test_privileges import Denied, login_roles
 from test_worker import count_in, start, wait_until
 
+import outboxpg
 from outboxpg.relay.nats_publisher import NatsPublisher
 
 Conn = psycopg.Connection[Any]
@@ -133,6 +135,24 @@ def test_replay_is_held_back_by_the_commit_order_guard_like_any_insert(dsn: str,
         replaying.commit()
     rows = claim(conn, 10)
     assert [r["event_type"] for r in rows] == ["created", "paid"] and rows[1]["id"] == later
+
+
+def test_python_helper_sync_and_async(dsn: str, conn: Conn) -> None:
+    ids = insert_series(conn, ["a", "b", "a"])
+    publish_all(conn)
+    last = max_id(conn)
+    with conn.transaction():           # it never commits: the caller's transaction does
+        assert outboxpg.replay(conn, aggregate_id="a", since=datetime.now(UTC) - timedelta(hours=1)) == 2
+    assert [int(c["headers"]["Outbox-Replay-Of"]) for c in rows_after(conn, last)] == [ids[0], ids[2]]
+    with pytest.raises(BadFilter, match="no filter given"):
+        outboxpg.replay(conn, new_msg_id=True)
+
+    async def from_asyncio() -> int:
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as aconn:
+            return await outboxpg.replay(aconn, ids=ids[1:2], new_msg_id=True)
+    assert asyncio.run(from_asyncio()) == 1
+    (copy,) = rows_after(conn, last + 2)
+    assert copy["aggregate_id"] == "b" and copy["headers"]["Outbox-Replay-Of"] == str(ids[1])
 
 
 # -- filters -----------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from outboxpg.cli.options import add_options, from_args
 from outboxpg.cli.render import counts_by_type, id_list
 from outboxpg.errors import EXIT_USAGE, CliError, first_line
 from outboxpg.relay.config import option
+from outboxpg.replays import FILTERS, PARAMETERS, arguments, replay
 
 __all__ = ["ReplayFilters", "register"]
 
@@ -49,7 +50,7 @@ class ReplayFilters:
                               "while it remembers the original", False, environment=False)
 
 
-_FILTERS = tuple(f.name for f in dataclasses.fields(ReplayFilters) if f.name != "new_msg_id")
+assert tuple(f.name for f in dataclasses.fields(ReplayFilters)) == tuple(PARAMETERS), "one flag per SQL parameter"
 _TIMES = ("since", "until")
 NO_FILTER = ("which events? give --id, --aggregate-type, --aggregate-id, --event-type, --since or --until "
              "(replaying every published event is refused)")
@@ -68,20 +69,9 @@ def register(sub: Any) -> None:
     p.set_defaults(func=cmd_replay)
 
 
-# The SQL types of outbox_replay's parameters (the rest are text).
-_SQL_TYPES = {"ids": "bigint[]", "since": "timestamptz", "until": "timestamptz", "new_msg_id": "boolean"}
-
-
-def _named_arguments(values: dict[str, Any]) -> sql.Composed:
-    """``ids => %(ids)s::bigint[], ...``: the given filters as named SQL arguments."""
-    return sql.SQL(", ").join(sql.SQL("{} => {}::{}").format(sql.Identifier(name), sql.Placeholder(name),
-                                                             sql.SQL(_SQL_TYPES.get(name, "text")))
-                              for name in values)
-
-
 def _filters(conn: psycopg.Connection[Any], filters: ReplayFilters) -> dict[str, Any]:
     """The given filters, since and until as timestamps."""
-    values = {name: getattr(filters, name) for name in _FILTERS if getattr(filters, name) is not None}
+    values = {name: getattr(filters, name) for name in FILTERS if getattr(filters, name) is not None}
     for name in _TIMES:
         if name in values:
             values[name] = point_in_time(conn, values[name], f"--{name}")
@@ -92,7 +82,7 @@ def _candidates(conn: psycopg.Connection[Any], values: dict[str, Any]) -> list[d
     query = sql.SQL("SELECT c.id, c.created_at, o.aggregate_type, o.aggregate_id, o.event_type "
                     "FROM outbox_replay_candidates({}) c "
                     "JOIN outbox o ON o.id = c.id AND o.created_at = c.created_at ORDER BY c.id").format(
-        _named_arguments(values))
+        arguments(values))
     try:
         with conn.cursor(row_factory=dict_row) as cur:
             return cur.execute(query, values).fetchall()
@@ -132,7 +122,7 @@ def _msg_id_note(new_msg_id: bool) -> str:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     filters: ReplayFilters = from_args(ReplayFilters, args)
-    if all(getattr(filters, name) is None for name in _FILTERS):
+    if all(getattr(filters, name) is None for name in FILTERS):
         raise CliError(NO_FILTER, EXIT_USAGE)
     with open_outbox(args) as conn:
         values = _filters(conn, filters)
@@ -153,9 +143,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             confirm(f"Replay these {n} published events?", details, f"replay {n} events", args.yes)
         # Exactly the events shown: those published since are not added.
         ids = [r["id"] for r in rows]
-        values = {**values, "ids": ids, "new_msg_id": filters.new_msg_id}
-        row = conn.execute(sql.SQL("SELECT outbox_replay({})").format(_named_arguments(values)), values).fetchone()
-        done = int(row[0]) if row else 0
+        done = replay(conn, **{**values, "ids": ids}, new_msg_id=filters.new_msg_id)
     copies = "new msg_id" if filters.new_msg_id else "same msg_id"
     print(f"replayed {_plural(done, 'event')} as new events ({copies}): {id_list(ids)}")
     if done < n:
