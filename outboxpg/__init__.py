@@ -1,6 +1,7 @@
 """outboxpg: a SQL-first transactional outbox for PostgreSQL."""
 
 from outboxpg.producer import Event, enqueue, enqueue_many
+from outboxpg.replays import replay
 
-__all__ = ["Event", "enqueue", "enqueue_many"]
+__all__ = ["Event", "enqueue", "enqueue_many", "replay"]
 __version__ = "0.1.0"

@@ -80,6 +80,11 @@ XMIN_HOLDERS = _f("outbox_xmin_holders", callers=(WORKER, OPERATOR), definer=Tru
 # -- operators: the repairs ---------------------------------------------------------------------
 REQUEUE = _f("outbox_requeue", "bigint[]", callers=(OPERATOR,), definer=True)
 DISCARD = _f("outbox_discard", "bigint[]", "text", callers=(OPERATOR,), definer=True)
+# 0018: re-send published events (operators only); the candidates are its dry run
+TS = "timestamp with time zone"
+REPLAY = _f("outbox_replay", "bigint[]", "text", "text", "text", TS, TS, "boolean", callers=(OPERATOR,), definer=True)
+REPLAY_CANDIDATES = _f("outbox_replay_candidates", "bigint[]", "text", "text", "text", TS, TS, callers=(OPERATOR,),
+                       definer=True, settings=("plan_cache_mode=force_custom_plan", *PATH))
 # -- producers and operators --------------------------------------------------------------------
 CANCEL = _f("outbox_cancel", "bigint[]", callers=(PRODUCER, OPERATOR), definer=True)   # 0021: scheduled events
 # -- inlined SQL functions: schema-qualified or built-ins only, no search_path ------------------
@@ -100,7 +105,8 @@ ASSIGN_ID = _f("outbox_assign_id", trigger=True)              # 0013: an aggrega
 
 FUNCTIONS: tuple[SqlFunction, ...] = (
     CLAIM, COMPLETE, FAIL, RELEASE, EXTEND, NEXT_WAKEUP, UNFINISHED_SUBJECTS, WORKER_IDLE, WORKER_BUSY,
-    MAINTAIN, HEALTH_ROW, OPEN_PRODUCERS, XMIN_HOLDERS, REQUEUE, DISCARD, CANCEL, AGGREGATE_KEY, RETRY_DELAY,
+    MAINTAIN, HEALTH_ROW, OPEN_PRODUCERS, XMIN_HOLDERS, REQUEUE, DISCARD, REPLAY, REPLAY_CANDIDATES, CANCEL,
+    AGGREGATE_KEY, RETRY_DELAY,
     COMMIT_GUARD, COMMIT_HORIZON, TAKE_IN, REFRESH_HEADS,
     WAKE_WORKERS, FORGET_DELETED, HOLD_HORIZON, ASSIGN_ID,
 )
@@ -111,7 +117,7 @@ WORKER_CALLS = (CLAIM, COMPLETE, FAIL, RELEASE, EXTEND, NEXT_WAKEUP, UNFINISHED_
 IDLE_CALLS = (WORKER_IDLE, WORKER_BUSY)
 XMIN_CALLS = (XMIN_HOLDERS,)   # not with --xmin-check-interval 0
 # What the outboxpg command line calls (its schema check on a database installed with psql).
-OPERATOR_CALLS = (MAINTAIN, DISCARD, REQUEUE)
+OPERATOR_CALLS = (REPLAY, MAINTAIN, DISCARD, REQUEUE)
 
 
 def by_signature() -> dict[str, SqlFunction]:

@@ -191,3 +191,12 @@ COPY_EVENTS = sql.SQL("COPY outbox ({}) FROM STDIN")   # {}: the columns given
 DEMO_CREATE_ORDERS = "CREATE TABLE orders (id text PRIMARY KEY, status text NOT NULL, amount numeric NOT NULL)"
 DEMO_UPSERT_ORDER = "INSERT INTO orders VALUES (%s, %s, %s) ON CONFLICT (id) DO UPDATE SET status = EXCLUDED.status"
 STATS = "SELECT * FROM outbox_stats"
+
+# -- outboxpg replay and outboxpg.replay() (0018) -----------------------------------------------
+
+REPLAY = sql.SQL("SELECT outbox_replay({})")   # {}: the filters given, as named arguments
+REPLAY_CANDIDATES = sql.SQL(
+    "SELECT c.id, c.created_at, o.aggregate_type, o.aggregate_id, o.event_type "
+    "FROM outbox_replay_candidates({}) c "
+    "JOIN outbox o ON o.id = c.id AND o.created_at = c.created_at ORDER BY c.id")
+NAMED_ARGUMENT = sql.SQL("{} => {}::{}")      # name => %(name)s::type

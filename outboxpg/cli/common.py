@@ -67,6 +67,25 @@ def add_dsn(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dsn", help=DSN_HELP)
 
 
+def add_yes(parser: argparse.ArgumentParser) -> None:
+    """--yes / -y: the rule of every command that changes several events (see confirm)."""
+    parser.add_argument("--yes", "-y", action="store_true",
+                        help="do not ask for confirmation (needed without a terminal when touching several events)")
+
+
+def point_in_time(conn: psycopg.Connection[Any], text: str, flag: str) -> Any:
+    """``flag``'s value as a timestamptz: a timestamp, else an interval ago (PostgreSQL reads both)."""
+    for query in statements.SINCE:
+        try:
+            with conn.transaction():
+                row = conn.execute(query, (text,)).fetchone()
+            assert row is not None
+            return row[0]
+        except (psycopg.errors.DataError, psycopg.errors.SyntaxError):
+            continue
+    raise CliError(f"{flag}: neither a timestamp nor an interval: {text!r}")
+
+
 def number_type(kind: Callable[[str], N], not_one: str, ok: Callable[[N], bool],
                 out_of_range: str | None = None) -> Callable[[str], N]:
     """An argparse ``type=``: the text read as ``kind``; ``not_one`` (or ``out_of_range``

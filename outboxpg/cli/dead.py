@@ -12,7 +12,6 @@ import argparse
 import datetime as dt
 import shutil
 import sys
-from collections import Counter
 from typing import Any
 
 import orjson
@@ -21,8 +20,8 @@ from psycopg import sql
 from psycopg.rows import dict_row
 
 from outboxpg import statements
-from outboxpg.cli.common import add_dsn, confirm, number_type, open_outbox, print_json
-from outboxpg.cli.render import one_line, pairs, table
+from outboxpg.cli.common import add_dsn, add_yes, confirm, number_type, open_outbox, point_in_time, print_json
+from outboxpg.cli.render import counts_by_type, id_list, one_line, pairs, table
 from outboxpg.errors import CliError
 
 # Columns of outbox that dead show leaves out: what the partial indexes select on (0002), no
@@ -80,8 +79,7 @@ def register(sub: Any) -> None:
         _add_filters(p)
         if name == "discard":
             p.add_argument("--reason", required=True, metavar="TEXT", help="why (kept with each event)")
-        p.add_argument("--yes", "-y", action="store_true",
-                       help="do not ask for confirmation (needed without a terminal when touching several events)")
+        add_yes(p)
         p.set_defaults(func=cmd_requeue if name == "requeue" else cmd_discard)
 
 
@@ -89,19 +87,6 @@ def register(sub: Any) -> None:
 
 def _has_filters(args: argparse.Namespace) -> bool:
     return any(getattr(args, k) is not None for k in ("event_type", "aggregate_type", "aggregate_id", "since"))
-
-
-def _since(conn: psycopg.Connection[Any], text: str) -> Any:
-    """--since as a timestamptz: a timestamp, else an interval ago (PostgreSQL reads both)."""
-    for query in statements.SINCE:
-        try:
-            with conn.transaction():
-                row = conn.execute(query, (text,)).fetchone()
-            assert row is not None
-            return row[0]
-        except (psycopg.errors.DataError, psycopg.errors.SyntaxError):
-            continue
-    raise CliError(f"--since: neither a timestamp nor an interval: {text!r}")
 
 
 def _where(conn: psycopg.Connection[Any], args: argparse.Namespace) -> tuple[sql.Composed, list[Any]]:
@@ -115,7 +100,7 @@ def _where(conn: psycopg.Connection[Any], args: argparse.Namespace) -> tuple[sql
             params.append(value)
     if args.since is not None:
         conds.append(statements.FILTER_DEAD_SINCE)
-        params.append(_since(conn, args.since))
+        params.append(point_in_time(conn, args.since, "--since"))
     return statements.where(conds), params
 
 
@@ -240,17 +225,6 @@ def _targets(conn: psycopg.Connection[Any], args: argparse.Namespace) -> tuple[l
         return rows, []
 
 
-def _summary(rows: list[dict[str, Any]]) -> list[str]:
-    counts = Counter((r["aggregate_type"], r["event_type"]) for r in rows)
-    return table(["aggregate_type", "event_type", "events"],
-                 [[a, e, n] for (a, e), n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))])
-
-
-def _id_list(ids: list[int], limit: int = 20) -> str:
-    text = ", ".join(map(str, ids[:limit]))
-    return text + (f", ... ({len(ids) - limit} more)" if len(ids) > limit else "")
-
-
 def _act(args: argparse.Namespace, verb: str, past: str) -> int:
     with open_outbox(args) as conn:
         rows, notes = _targets(conn, args)
@@ -263,7 +237,7 @@ def _act(args: argparse.Namespace, verb: str, past: str) -> int:
             return 0
         if len(rows) > 1:
             confirm(f"{verb.capitalize()} these {len(rows)} dead events?",
-                    [f"About to {verb} {len(rows)} dead events:", *_summary(rows)],
+                    [f"About to {verb} {len(rows)} dead events:", *counts_by_type(rows)],
                     f"{verb} {len(rows)} events", args.yes)
         ids = [r["id"] for r in rows]
         with conn.transaction():
@@ -280,7 +254,7 @@ def _act(args: argparse.Namespace, verb: str, past: str) -> int:
             else:
                 done_row = conn.execute(statements.DISCARD, (locked, args.reason)).fetchone()
         done = int(done_row[0]) if done_row else 0
-    print(f"{past} {done} event{'s' if done != 1 else ''}: {_id_list(locked)}")
+    print(f"{past} {done} event{'s' if done != 1 else ''}: {id_list(locked)}")
     if done < len(ids):
         print(f"outboxpg: {len(ids) - done} of the selected events were no longer dead and were left alone",
               file=sys.stderr)

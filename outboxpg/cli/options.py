@@ -22,7 +22,7 @@ _FALSE = ("", "0", "false", "no", "off")
 
 
 def flag_name(f: dataclasses.Field[Any]) -> str:
-    return "--" + f.name.replace("_", "-")
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
 
 def env_name(f: dataclasses.Field[Any]) -> str:
@@ -54,6 +54,18 @@ def _parse(kind: type, text: str, where: str, choices: tuple[str, ...] | None) -
         raise CliError(f"{where}: not {what}: {text!r}", EXIT_USAGE) from None
 
 
+def _list_of(kind: type) -> Any:
+    """An argparse ``type=`` for a list field: '5,7' -> [5, 7] (the flag may be repeated too)."""
+    what = "whole numbers" if kind is int else "values"
+
+    def parse(text: str) -> list[Any]:
+        try:
+            return [kind(part) for part in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a comma-separated list of {what}: {text!r}") from None
+    return parse
+
+
 def _default(f: dataclasses.Field[Any]) -> Any:
     if f.metadata.get("command_default", dataclasses.MISSING) is not dataclasses.MISSING:
         return f.metadata["command_default"]
@@ -67,18 +79,24 @@ def _default(f: dataclasses.Field[Any]) -> Any:
 def add_options(parser: argparse.ArgumentParser, declared: type) -> None:
     """A flag for every field of the dataclass ``declared``, its default read from the
     environment now (a variable that does not parse raises CliError, also before --help: the
-    help would show it as the default)."""
+    help would show it as the default), unless the field says ``environment=False``. A
+    ``list[X] | None`` field is a repeatable flag taking comma-separated values."""
     hints = typing.get_type_hints(declared)
     for f in dataclasses.fields(declared):
         kind = hints[f.name]
         kind = next((k for k in typing.get_args(kind) if k is not type(None)), kind)   # str | None: str
         env = env_name(f)
         choices = f.metadata.get("choices")
-        text = os.environ.get(env)
+        from_env = f.metadata.get("environment", True)
+        text = os.environ.get(env) if from_env else None
         default = _default(f) if text is None else _parse(kind, text, env, choices)
-        help = f"{f.metadata['help']} [{env}]"
+        help = f"{f.metadata['help']} [{env}]" if from_env else f.metadata["help"]
         if kind is bool:
             parser.add_argument(flag_name(f), dest=f.name, action="store_true", default=default, help=help)
+        elif typing.get_origin(kind) is list:
+            (item,) = typing.get_args(kind)
+            parser.add_argument(flag_name(f), dest=f.name, action="extend", type=_list_of(item), default=default,
+                                metavar=f.metadata.get("metavar"), help=help)
         else:
             parser.add_argument(flag_name(f), dest=f.name, type=kind, default=default, choices=choices,
                                 metavar=f.metadata.get("metavar"), help=help)

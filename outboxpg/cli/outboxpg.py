@@ -5,6 +5,7 @@
   outboxpg status [--json] [--watch [S]]         is it healthy? (outbox_health, events per state)
   outboxpg dead list | show | requeue | discard  dead letters
   outboxpg maintain [--dry-run]                  outbox_maintain(): partitions ahead, expired ones dropped
+  outboxpg replay FILTERS [--dry-run]            re-send published events as new events (outbox_replay)
   outboxpg demo                                  the whole flow on throwaway servers
 
 Every command that talks to a database takes --dsn, else $OUTBOXPG_DSN, else libpq's PG* variables.
@@ -24,6 +25,7 @@ import psycopg
 
 from outboxpg import schema
 from outboxpg.cli import dead as cli_dead
+from outboxpg.cli import replay as cli_replay
 from outboxpg.cli import status as cli_status
 from outboxpg.cli.common import (
     add_dsn,
@@ -39,6 +41,7 @@ from outboxpg.cli.common import (
     where_am_i,
     where_text,
 )
+from outboxpg.cli.options import OneLineParser
 from outboxpg.errors import EXIT_CONNECT, EXIT_FAILED, EXIT_SCHEMA, CliError, describe, first_line
 
 __all__ = ["CliError", "build_parser", "main"]
@@ -112,11 +115,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="outboxpg", description="A SQL-first transactional outbox for PostgreSQL.",
+    # Usage errors are one line (exit 2), in every subcommand too.
+    parser = OneLineParser(prog="outboxpg", description="A SQL-first transactional outbox for PostgreSQL.",
                                      epilog="Exit codes: 0 ok, 1 failed or refused, 2 cannot connect or bad usage, "
                                             "3 outbox schema missing or not up to date.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=OneLineParser)
 
     p = sub.add_parser("migrate", help="install or upgrade the outbox schema (yoyo-migrations); re-running is a no-op")
     add_dsn(p)
@@ -135,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     cli_status.register(sub)
     cli_dead.register(sub)
+    cli_replay.register(sub)
 
     p = sub.add_parser("demo", help="run the whole flow on throwaway PostgreSQL and nats-server processes")
     p.add_argument("--events", type=int, default=2000, help="sample events to write (default: 2000)")
@@ -151,7 +156,7 @@ def _fail(message: str, code: int, secrets: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    restore_double_dash(args, ("dsn", "event_type", "aggregate_type", "aggregate_id", "since", "reason"))
+    restore_double_dash(args, ("dsn", "event_type", "aggregate_type", "aggregate_id", "since", "until", "reason"))
     secrets = secrets_of(resolve_dsn(args))
     try:
         return int(args.func(args))

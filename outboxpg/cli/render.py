@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import datetime as dt
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from decimal import Decimal
 from typing import Any
 
-__all__ = ["cell", "age", "table", "pairs", "jsonable", "one_line"]
+__all__ = ["cell", "age", "table", "pairs", "jsonable", "one_line", "counts_by_type", "id_list"]
 
 
 def age(td: dt.timedelta | None) -> str:
@@ -100,3 +101,16 @@ def jsonable(row: Mapping[str, Any]) -> dict[str, Any]:
         else:
             out[k] = v
     return out
+
+
+def counts_by_type(rows: Iterable[Mapping[str, Any]]) -> list[str]:
+    """How many of ``rows`` per (aggregate_type, event_type), the most frequent first, as a table."""
+    counts = Counter((r["aggregate_type"], r["event_type"]) for r in rows)
+    return table(["aggregate_type", "event_type", "events"],
+                 [[a, e, n] for (a, e), n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))])
+
+
+def id_list(ids: Sequence[int], limit: int = 20) -> str:
+    """'1, 2, 3' or, past ``limit``, '1, 2, ... (40 more)'."""
+    text = ", ".join(map(str, ids[:limit]))
+    return text + (f", ... ({len(ids) - limit} more)" if len(ids) > limit else "")

@@ -1,0 +1,150 @@
+"""``outboxpg replay``: re-send published events as new events (outbox_replay, migration 0018).
+
+The filters are declared once, in ReplayFilters: each field is a flag (``ids``: --id) and the
+argument of the same name of outbox_replay_candidates / outbox_replay (``ids => ...``). The
+command asks outbox_replay_candidates which events match, shows them (``--dry-run`` stops
+there), asks for confirmation as ``dead requeue`` does (more than one event: on the terminal,
+or --yes), then replays exactly the ids it showed: an event published meanwhile is not added.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+
+from outboxpg import statements
+from outboxpg.cli.common import add_dsn, add_yes, confirm, open_outbox, point_in_time
+from outboxpg.cli.options import add_options, from_args
+from outboxpg.cli.render import counts_by_type, id_list
+from outboxpg.errors import EXIT_USAGE, CliError, first_line
+from outboxpg.relay.config import option
+from outboxpg.replays import FILTERS, PARAMETERS, arguments, replay
+
+__all__ = ["ReplayFilters", "register"]
+
+_WHEN = "an interval ago ('1 hour', '2 days') or a timestamp ('2026-11-22 10:00', 'today'), read by PostgreSQL"
+
+
+@dataclass
+class ReplayFilters:
+    """outbox_replay's parameters, in its order. None: not a filter. No environment variables:
+    a filter left in the environment must not widen or narrow a replay unseen."""
+
+    ids: list[int] | None = option("only these event ids (repeat the flag, or a comma-separated list)", None,
+                                   metavar="ID[,ID...]", flag="--id", environment=False)
+    aggregate_type: str | None = option("only this aggregate_type", None, metavar="A", environment=False)
+    aggregate_id: str | None = option("only this aggregate_id", None, metavar="ID", environment=False)
+    event_type: str | None = option("only this event_type", None, metavar="T", environment=False)
+    since: str | None = option(f"only events created at or after this: {_WHEN}", None,
+                               metavar="INTERVAL_OR_TIMESTAMP", environment=False)
+    until: str | None = option(f"only events created before this: {_WHEN}", None,
+                               metavar="INTERVAL_OR_TIMESTAMP", environment=False)
+    new_msg_id: bool = option("give each copy a new msg_id, so that JetStream stores it even inside its duplicate "
+                              "window (a forced redelivery); default: the original msg_id, which JetStream drops "
+                              "while it remembers the original", False, environment=False)
+
+
+assert tuple(f.name for f in dataclasses.fields(ReplayFilters)) == tuple(PARAMETERS), "one flag per SQL parameter"
+_TIMES = ("since", "until")
+NO_FILTER = ("which events? give --id, --aggregate-type, --aggregate-id, --event-type, --since or --until "
+             "(replaying every published event is refused)")
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "replay", help="re-send published events (still in the table) as new events, in their original order",
+        description="Copy the published events the filters match (combined with AND) as new events, in their "
+                    "original order per aggregate, through outbox_replay(). The copies keep each event's msg_id "
+                    "unless --new-msg-id. Asks before replaying more than one event, unless --yes.")
+    add_dsn(p)
+    add_options(p, ReplayFilters)
+    p.add_argument("--dry-run", action="store_true", help="only show how many and which events would be replayed")
+    add_yes(p)
+    p.set_defaults(func=cmd_replay)
+
+
+def _filters(conn: psycopg.Connection[Any], filters: ReplayFilters) -> dict[str, Any]:
+    """The given filters, since and until as timestamps."""
+    values = {name: getattr(filters, name) for name in FILTERS if getattr(filters, name) is not None}
+    for name in _TIMES:
+        if name in values:
+            values[name] = point_in_time(conn, values[name], f"--{name}")
+    return values
+
+
+def _candidates(conn: psycopg.Connection[Any], values: dict[str, Any]) -> list[dict[str, Any]]:
+    query = statements.REPLAY_CANDIDATES.format(arguments(values))
+    try:
+        with conn.cursor(row_factory=dict_row) as cur:
+            return cur.execute(query, values).fetchall()
+    except psycopg.errors.InvalidParameterValue as exc:   # since not before until
+        raise CliError(first_line(exc), EXIT_USAGE) from None
+
+
+def _not_published(conn: psycopg.Connection[Any], given: list[int], rows: list[dict[str, Any]]) -> list[str]:
+    """A note per given id that is not a published event (as ``dead requeue`` notes ids not dead);
+    published ids that the other filters leave out are not noted: the filters combine with AND."""
+    matched = {r["id"] for r in rows}
+    rest = sorted(set(given) - matched)
+    states = dict(conn.execute(statements.STATE_BY_ID, (rest,)).fetchall())
+    return [f"{i} ({states.get(i, 'no such event')})" for i in rest if states.get(i) != "published"]
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _describe(rows: list[dict[str, Any]]) -> list[str]:
+    """How many, which ids and creation times, which aggregates, and the counts per type."""
+    created = [r["created_at"] for r in rows]
+    aggregates = {(r["aggregate_type"], r["aggregate_id"]) for r in rows}
+    first, last = min(created), max(created)
+    return [f"  ids {rows[0]['id']}..{rows[-1]['id']}, created {first.isoformat(sep=' ', timespec='seconds')} .. "
+            f"{last.isoformat(sep=' ', timespec='seconds')}, {_plural(len(aggregates), 'aggregate')}",
+            *counts_by_type(rows)]
+
+
+def _msg_id_note(new_msg_id: bool) -> str:
+    if new_msg_id:
+        return "each copy gets a new msg_id: JetStream stores it again (a forced redelivery)"
+    return ("the copies keep their msg_id: JetStream drops those whose original is still inside the stream's "
+            "duplicate window (--new-msg-id delivers them again)")
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    filters: ReplayFilters = from_args(ReplayFilters, args)
+    if all(getattr(filters, name) is None for name in FILTERS):
+        raise CliError(NO_FILTER, EXIT_USAGE)
+    with open_outbox(args) as conn:
+        values = _filters(conn, filters)
+        rows = _candidates(conn, values)
+        notes = _not_published(conn, filters.ids, rows) if filters.ids else []
+        if notes:
+            print(f"outboxpg: not published, left alone: {', '.join(notes)}", file=sys.stderr)
+        if not rows:
+            print("no published events match: nothing to replay")
+            return 1 if notes else 0
+        n = len(rows)
+        details = [f"{'Would replay' if args.dry_run else 'About to replay'} {_plural(n, 'published event')}:",
+                   *_describe(rows), _msg_id_note(filters.new_msg_id)]
+        if args.dry_run:
+            print("\n".join([*details, "(dry run: nothing changed)"]))
+            return 1 if notes else 0
+        if n > 1:
+            confirm(f"Replay these {n} published events?", details, f"replay {n} events", args.yes)
+        # Exactly the events shown: those published since are not added.
+        ids = [r["id"] for r in rows]
+        done = replay(conn, **{**values, "ids": ids}, new_msg_id=filters.new_msg_id)
+    copies = "new msg_id" if filters.new_msg_id else "same msg_id"
+    print(f"replayed {_plural(done, 'event')} as new events ({copies}): {id_list(ids)}")
+    if done < n:
+        print(f"outboxpg: {n - done} of the selected events were gone (their partition dropped) and were not replayed",
+              file=sys.stderr)
+        return 1
+    return 1 if notes else 0

@@ -1,0 +1,72 @@
+"""Replaying published events from Python: ``outbox_replay`` (migration 0018), sync or async.
+
+    n = outboxpg.replay(conn, aggregate_type="order", aggregate_id="o-7")    # the copies keep their msg_id
+    n = await outboxpg.replay(aconn, since=an_hour_ago, new_msg_id=True)     # a forced redelivery
+
+Like the producer helpers it never commits: the copies go out when the caller's transaction
+commits. Runs as a member of ``outbox_operator`` (or the owner). The rules (filters combined with
+AND, at least one; ids that are not published left out; original order) are the SQL function's:
+README, "Replay published events".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Mapping, Sequence
+from datetime import datetime
+from typing import Any, overload
+
+from psycopg import AsyncConnection, Connection, sql
+
+from outboxpg import statements
+
+__all__ = ["PARAMETERS", "FILTERS", "arguments", "replay"]
+
+# outbox_replay's parameters, in its order, with their SQL types: the helper and `outboxpg replay`
+# build their calls from this. outbox_replay_candidates takes the same, but new_msg_id.
+PARAMETERS = {"ids": "bigint[]", "aggregate_type": "text", "aggregate_id": "text", "event_type": "text",
+              "since": "timestamptz", "until": "timestamptz", "new_msg_id": "boolean"}
+FILTERS = tuple(name for name in PARAMETERS if name != "new_msg_id")
+
+
+def arguments(values: Mapping[str, Any]) -> sql.Composed:
+    """``ids => %(ids)s::bigint[], ...``: ``values`` (parameter names) as named SQL arguments."""
+    return sql.SQL(", ").join(statements.NAMED_ARGUMENT.format(sql.Identifier(name), sql.Placeholder(name),
+                                                             sql.SQL(PARAMETERS[name]))
+                              for name in values)
+
+
+@overload
+def replay(conn: Connection[Any], *, ids: Sequence[int] | None = ..., aggregate_type: str | None = ...,
+           aggregate_id: str | None = ..., event_type: str | None = ..., since: datetime | None = ...,
+           until: datetime | None = ..., new_msg_id: bool = ...) -> int: ...
+@overload
+def replay(conn: AsyncConnection[Any], *, ids: Sequence[int] | None = ..., aggregate_type: str | None = ...,
+           aggregate_id: str | None = ..., event_type: str | None = ..., since: datetime | None = ...,
+           until: datetime | None = ..., new_msg_id: bool = ...) -> Awaitable[int]: ...
+
+
+def replay(conn: Connection[Any] | AsyncConnection[Any], *, ids: Sequence[int] | None = None,
+           aggregate_type: str | None = None, aggregate_id: str | None = None, event_type: str | None = None,
+           since: datetime | None = None, until: datetime | None = None,
+           new_msg_id: bool = False) -> int | Awaitable[int]:
+    """Copy the published events the filters match as new events (``outbox_replay``); returns how
+    many. No filter at all: PostgreSQL refuses (psycopg.errors.InvalidParameterValue).
+
+    On an ``AsyncConnection`` it returns an awaitable: ``await replay(aconn, ...)``.
+    """
+    given = {"ids": list(ids) if ids is not None else None, "aggregate_type": aggregate_type,
+             "aggregate_id": aggregate_id, "event_type": event_type, "since": since, "until": until}
+    values = {**{k: v for k, v in given.items() if v is not None}, "new_msg_id": new_msg_id}
+    query = statements.REPLAY.format(arguments(values))
+    if isinstance(conn, AsyncConnection):
+        return _replay_async(conn, query, values)
+    row = conn.execute(query, values).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+async def _replay_async(conn: AsyncConnection[Any], query: sql.Composed, values: dict[str, Any]) -> int:
+    cur = await conn.execute(query, values)
+    row = await cur.fetchone()
+    assert row is not None
+    return int(row[0])
