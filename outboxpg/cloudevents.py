@@ -32,8 +32,9 @@ the same attributes over HTTP (binary mode) or any other transport.
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass, field
-from datetime import UTC
+from datetime import UTC, datetime
 from urllib.parse import quote
 
 from outboxpg.events import OutboxEvent
@@ -48,13 +49,15 @@ HEADER_NAMES = ("ce-specversion", "ce-id", "ce-source", "ce-type", "ce-subject",
 # HTTP binding 3.1.3.2: printable ASCII (U+0021-U+007E) but '"' and '%' goes as it is; the rest
 # (space, '"', '%', controls, non-ASCII as UTF-8 bytes) percent-encoded.
 _SAFE_CHARS = "".join(c for c in map(chr, range(0x21, 0x7F)) if c not in '"%')
-_SAFE = re.compile(r"[!#$&-~]*")
 # RFC 3986 URI-reference characters (percent-escapes included): what ce-source may hold.
 _URI_REFERENCE = re.compile(r"[A-Za-z0-9\-._~:/?#\[\]@!$&'()*+,;=%]+")
 
 
 def _encode(value: str) -> str:
-    return value if _SAFE.fullmatch(value) else quote(value, safe=_SAFE_CHARS)
+    # isprintable() lets the space through; str methods are cheaper than a regex here (per event).
+    if value.isascii() and value.isprintable() and " " not in value and '"' not in value and "%" not in value:
+        return value
+    return quote(value, safe=_SAFE_CHARS)
 
 
 def default_source(database: str) -> str:
@@ -70,19 +73,35 @@ def check_source(source: str) -> str:
     return source
 
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
 @dataclass(frozen=True)
 class CloudEvents:
     """Binary content mode with ``source`` as every event's ce-source (checked: ValueError)."""
 
     source: str
     _encoded_source: str = field(init=False, repr=False)
+    # (whole seconds since the epoch, "YYYY-MM-DDTHH:MM:SS.") of the last ce-time made: a batch's
+    # events mostly share their second, and formatting a datetime costs about 3 us, this 0.8.
+    # One tuple, replaced whole: safe for a sync publisher's thread too.
+    _second: tuple[int, str] = field(default=(-1, ""), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_encoded_source", _encode(check_source(self.source)))
 
     def headers(self, event: OutboxEvent) -> dict[str, str]:
         """The event's CloudEvents headers (names as in HEADER_NAMES, in that order)."""
-        created = event.created_at.astimezone(UTC).replace(tzinfo=None)
         return {"ce-specversion": SPEC_VERSION, "ce-id": _encode(event.msg_id), "ce-source": self._encoded_source,
                 "ce-type": _encode(event.event_type), "ce-subject": _encode(event.aggregate_id),
-                "ce-time": created.isoformat(timespec="microseconds") + "Z", "content-type": CONTENT_TYPE}
+                "ce-time": self.time(event.created_at), "content-type": CONTENT_TYPE}
+
+    def time(self, created_at: datetime) -> str:
+        """``created_at`` in RFC 3339, UTC, with microseconds: 2026-11-23T18:55:42.123456Z."""
+        delta = created_at - _EPOCH
+        seconds = delta.days * 86400 + delta.seconds
+        second = self._second
+        if second[0] != seconds:
+            second = (seconds, time.strftime("%Y-%m-%dT%H:%M:%S.", time.gmtime(seconds)))
+            object.__setattr__(self, "_second", second)
+        return f"{second[1]}{delta.microseconds:06d}Z"

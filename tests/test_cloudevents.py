@@ -144,6 +144,19 @@ def test_cloudevents_source_must_be_a_uri_reference():
             CloudEvents(bad)
 
 
+def test_ce_time_is_rfc_3339_in_utc_with_microseconds_whatever_the_time_zone():
+    from datetime import UTC, datetime, timedelta, timezone
+    from zoneinfo import ZoneInfo
+
+    ce = CloudEvents("outboxpg/shop")
+    times = [datetime(2026, 11, 23, 23, 59, 59, 999_999, tzinfo=timezone(timedelta(hours=-7))),
+             datetime(2026, 11, 24, 6, 59, 59, 5, tzinfo=UTC),                 # the same second, from its cache
+             datetime(2024, 2, 29, 0, 0, tzinfo=ZoneInfo("Europe/Berlin")),
+             datetime(2026, 3, 29, 3, 30, 0, 1, tzinfo=ZoneInfo("Europe/Berlin"))]
+    assert [ce.time(t) for t in times] == ["2026-11-24T06:59:59.999999Z", "2026-11-24T06:59:59.000005Z",
+                                           "2024-02-28T23:00:00.000000Z", "2026-03-29T01:30:00.000001Z"]
+
+
 def run_worker(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([WORKER, *args], capture_output=True, text=True, timeout=60, env=env)
 
@@ -191,4 +204,31 @@ async def test_outboxpg_worker_cloudevents_from_the_environment(dsn, conn, nats_
         assert f"event=cloudevents mode=binary specversion=1.0 source={source}" in log.read_text()
         event = parse((await stored(stream))[n])
         assert (event.get_source(), event.get_data()) == (source, {"n": n})
+    await stream.nc.close()
+
+
+async def test_the_ce_headers_count_in_max_payload(nats_server):
+    """A message that fits max_payload without the ce-* headers and not with them is refused
+    before sending (PermanentError), never sent for the server to close the connection over."""
+    from test_nats_publisher import event
+
+    stream = await make_stream(nats_server.url)
+    subject = f"{stream.prefix}.order.created"
+    plain, ce = NatsPublisher(nats_server.url), NatsPublisher(nats_server.url, cloudevents=CloudEvents("outboxpg/shop"))
+    await plain.start()
+    await ce.start()
+    try:
+        probe = event(1, subject)
+        header_block = 12 + sum(len(k) + 4 + len(v) for k, v in plain._headers(probe, 0).items())
+        ce_bytes = sum(len(k) + 4 + len(v) for k, v in ce.cloudevents.headers(probe).items())
+        room = plain.nc.max_payload - header_block
+        payload = b'"' + b"x" * (room - 2 - ce_bytes // 2) + b'"'    # fits without, not with the ce-* headers
+        assert await plain.publish_batch([event(1, subject, payload=payload, msg_id=probe.msg_id)]) == [None]
+        [outcome] = await ce.publish_batch([event(2, subject, payload=payload)])
+        assert "exceeds the NATS server's max_payload" in str(outcome) and type(outcome).__name__ == "PermanentError"
+        assert await ce.publish_batch([event(3, subject)]) == [None]      # the connection is fine
+        assert ce.replacements == 0
+    finally:
+        await plain.close()
+        await ce.close()
     await stream.nc.close()

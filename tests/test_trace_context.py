@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
+import orjson
 import psycopg
 import pytest
 from helpers import Running
@@ -220,3 +221,54 @@ async def test_failed_publishes_are_error_spans_and_not_sent_ones_have_none(nats
     assert failed.attributes["error.type"] == PermanentError.__name__
     assert "maximum" in (failed.status.description or "")
     await stream.nc.close()
+
+
+WORKER_WITH_SDK = """
+import sys
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SimpleSpanProcessor
+
+# What opentelemetry-instrument or an application's own start-up does: a global SDK provider.
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter(
+    out=open(sys.argv[1], "w"), formatter=lambda span: span.to_json(indent=None) + "\\n")))
+trace.set_tracer_provider(provider)
+from outboxpg.cli.outboxpg_worker import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+async def test_outboxpg_worker_with_a_global_sdk_provider_records_child_spans(dsn, conn, nats_server, provider,
+                                                                             tmp_path):
+    """The command, in a process whose global tracer provider is an SDK's, with --cloudevents:
+    the message carries the producer's traceparent beside the ce-* headers, and the span the
+    worker exported is a child of the producer's span."""
+    stream = await make_stream(nats_server.url)
+    conn.execute("UPDATE outbox_settings SET subject_prefix = %s", (stream.prefix,))
+    with provider.get_tracer("shop").start_as_current_span("POST /orders") as request:
+        id = enqueue(conn, "order", "o-1", "created", {"total": 42})
+    spans_file, log = tmp_path / "spans.jsonl", tmp_path / "worker.log"
+    proc = subprocess.Popen([sys.executable, "-c", WORKER_WITH_SDK, str(spans_file), "--dsn", dsn,
+                             "--nats-url", nats_server.url, "--poll-interval", "0.2", "--cloudevents"],
+                            stdout=subprocess.DEVNULL, stderr=log.open("wb"))
+    try:
+        await wait_until(published(dsn, 1), 30, "the event published")
+    finally:
+        proc.terminate()
+        assert proc.wait(20) == 0
+    assert "event=tracing" in log.read_text()
+    msg = await stream.js.get_msg(stream.name, 1)
+    assert msg.headers["traceparent"] == traceparent_of(request)
+    assert msg.headers["ce-id"] == msg.headers["Nats-Msg-Id"] == headers_msg_id(conn, id)
+    [span] = [s for s in map(orjson.loads, spans_file.read_text().splitlines()) if s["name"].startswith("publish ")]
+    req = request.get_span_context()
+    assert span["kind"] == "SpanKind.PRODUCER"
+    assert span["context"]["trace_id"] == f"0x{format_trace_id(req.trace_id)}"
+    assert span["parent_id"] == f"0x{format_span_id(req.span_id)}"
+    assert span["attributes"]["messaging.message.id"] == msg.headers["Nats-Msg-Id"]
+    await stream.nc.close()
+
+
+def headers_msg_id(conn: psycopg.Connection[Any], id: int) -> str:
+    return conn.execute("SELECT msg_id FROM outbox WHERE id = %s", (id,)).fetchone()[0]

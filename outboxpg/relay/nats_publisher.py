@@ -491,7 +491,7 @@ class NatsPublisher:
             # Binary content mode: the attributes come from the columns; a row header of the same
             # name (in any case) gives way, as the Outbox-* ones do.
             ce = self.cloudevents.headers(event)
-            ce_bytes = sum(len(k) + 4 + len(v) for k, v in ce.items())   # the values are ASCII (encoded)
+            ce_bytes = _CE_NAME_BYTES + sum(map(len, ce.values()))   # the values are ASCII (encoded)
             headers.update(ce)
             if row_headers and any(k.lower() in _CE_HEADERS for k in row_headers):
                 row_headers = {k: v for k, v in row_headers.items() if k.lower() not in _CE_HEADERS}
@@ -665,6 +665,7 @@ _OUTBOX_HEADERS = ("Nats-Msg-Id", "Outbox-Id", "Outbox-Event-Type", "Outbox-Aggr
                    "Outbox-Attempt")
 _FIXED_HEADER_BYTES = len("NATS/1.0\r\n") + sum(len(name) + 4 for name in _OUTBOX_HEADERS) + 2
 _CE_HEADERS = frozenset(HEADER_NAMES)
+_CE_NAME_BYTES = sum(len(name) + 4 for name in HEADER_NAMES)
 
 
 def _header_block_bytes(headers: dict[str, str]) -> int:
