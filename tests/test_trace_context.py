@@ -272,3 +272,26 @@ async def test_outboxpg_worker_with_a_global_sdk_provider_records_child_spans(ds
 
 def headers_msg_id(conn: psycopg.Connection[Any], id: int) -> str:
     return conn.execute("SELECT msg_id FROM outbox WHERE id = %s", (id,)).fetchone()[0]
+
+
+async def test_a_failing_span_processor_does_not_fail_the_batch(nats_server, caplog):
+    from opentelemetry.sdk.trace import SpanProcessor
+
+    class Broken(SpanProcessor):
+        def on_end(self, span: ReadableSpan) -> None:
+            raise RuntimeError("exporter down")
+
+    provider = TracerProvider()
+    provider.add_span_processor(Broken())
+    stream = await make_stream(nats_server.url)
+    pub = NatsPublisher(nats_server.url, tracer_provider=provider)
+    await pub.start()
+    try:
+        e = OutboxEvent(id=1, subject=f"{stream.prefix}.order.created", aggregate_type="order", aggregate_id="o-1",
+                        event_type="created", payload=b"{}", headers={}, msg_id=f"m-{uuid.uuid4()}", attempt=1,
+                        created_at=datetime.now(UTC))
+        assert await pub.publish_batch([e]) == [None]
+    finally:
+        await pub.close()
+    assert "event=tracing_failed error='RuntimeError: exporter down'" in caplog.text
+    await stream.nc.close()

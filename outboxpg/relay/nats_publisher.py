@@ -78,6 +78,11 @@ is replaced: the publishes waiting for an answer fail at once (ordinary failures
 cleared until a new client is connected (the worker claims nothing meanwhile), and the new one
 is connected with the same retries as at start.
 
+Headers: the row's own, then Nats-Msg-Id and the Outbox-* ones (which win over a row header of
+the same name); with ``cloudevents``, the CloudEvents binary-mode attributes too
+(outboxpg.cloudevents), counted in the size checks. With an OpenTelemetry SDK, a span per event
+from its send to its answer (outboxpg.relay.tracing).
+
 Servers: ``url`` is one URL or a comma-separated list (or a list) of them, ``nats://``,
 ``tls://``, ``ws://`` or ``wss://``; ``parse_servers`` checks them and says in one line what is
 wrong with a malformed one.
@@ -440,7 +445,10 @@ class NatsPublisher:
                     else:
                         self._finish(run, NotSent("not sent: the batch ran out of time first"))
         if tracer is not None:
-            tracer.record(events, batch.outcomes, batch.sent_ns or [], batch.done_ns or [], started_ns)
+            try:
+                tracer.record(events, batch.outcomes, batch.sent_ns or [], batch.done_ns or [], started_ns)
+            except Exception as exc:  # noqa: BLE001 - spans are a report: never fail a delivered batch over them
+                log.warning("event=tracing_failed error=%r", describe(exc))
         return batch.outcomes
 
     async def _send(self, run: _Run) -> None:
