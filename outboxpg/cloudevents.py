@@ -12,10 +12,10 @@ message headers, its payload as the message body, as it is.
 
 The header names and the value encoding are HTTP's binary content mode (CloudEvents HTTP binding
 3.1.3: ``ce-`` prefix, values percent-encoded where they hold a space, '"', '%' or anything but
-printable ASCII), which is also what the SDKs' NATS bindings with headers use (the released NATS
-binding 1.0.2 predates NATS headers and defines structured mode only). So a consumer can hand a
-message's headers and data to any CloudEvents SDK's HTTP binary-mode reader (in Python:
-``cloudevents.core.bindings.http.from_binary_event``).
+printable ASCII), which is also what binary mode over NATS headers as proposed for the Go
+SDK uses (the released NATS binding 1.0.2 predates NATS headers and defines structured mode
+only). So a consumer can hand a message's headers and data to any CloudEvents SDK's HTTP
+binary-mode reader (in Python: ``cloudevents.core.bindings.http.from_binary_event``).
 
 Why these attributes: id must identify the event uniquely within its source and be the same for a
 re-delivery of it, which is msg_id's contract (JetStream deduplicates by it). The source is the
