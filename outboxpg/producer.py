@@ -6,6 +6,10 @@ transaction commits, and vanish with it if it rolls back.
     with conn.transaction():
         conn.execute("INSERT INTO orders ...")
         outboxpg.enqueue(conn, "order", order_id, "created", {"total": 42})
+
+Trace context: with opentelemetry-api installed (the ``otel`` extra) and a span current, each
+event's headers get that span's W3C ``traceparent`` (and ``tracestate``), unless the caller's
+headers already hold a traceparent (outboxpg.tracecontext).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import orjson
 from psycopg import AsyncConnection, Connection, sql
 
 from outboxpg import statements
+from outboxpg.tracecontext import current_headers, with_current
 
 __all__ = ["Event", "enqueue", "enqueue_many", "encode_payload"]
 
@@ -82,7 +87,7 @@ def _one_params(event: Event) -> tuple[Any, ...]:
         _key("event_type", event.event_type),
         encode_payload(event.payload),
         event.subject,
-        _encode_headers(event.headers),
+        _encode_headers(with_current(event.headers, current_headers())),
         event.msg_id,
         _deliver_at(event.deliver_at),
     )
@@ -133,8 +138,9 @@ def _copy_plan(events: Iterable[Event | Mapping[str, Any]]) -> tuple[sql.Compose
     table's own defaults apply; a msg_id missing beside others' explicit ones is made here,
     in the same form as the table's default (a random UUID)."""
     batch = [_as_event(e) for e in events]
+    trace = current_headers()   # one context for the whole call
     with_subject = any(e.subject is not None for e in batch)
-    with_headers = any(e.headers is not None for e in batch)
+    with_headers = trace is not None or any(e.headers is not None for e in batch)
     with_msg_id = any(e.msg_id is not None for e in batch)
     with_deliver_at = any(e.deliver_at is not None for e in batch)
     columns = ["aggregate_type", "aggregate_id", "event_type", "payload"]
@@ -147,7 +153,7 @@ def _copy_plan(events: Iterable[Event | Mapping[str, Any]]) -> tuple[sql.Compose
         if with_subject:
             row.append(e.subject)
         if with_headers:
-            row.append(_encode_headers(e.headers) or "{}")
+            row.append(_encode_headers(with_current(e.headers, trace)) or "{}")
         if with_msg_id:
             row.append(e.msg_id if e.msg_id is not None else str(uuid.uuid4()))
         if with_deliver_at:

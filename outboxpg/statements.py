@@ -163,7 +163,7 @@ CHECK_SETTINGS = """
 SELECT to_regclass('outbox_settings') IS NOT NULL
        AND has_column_privilege(to_regclass('outbox_settings'), 'subject_prefix', 'SELECT')
        AND has_column_privilege(to_regclass('outbox_settings'), 'backoff_cap', 'SELECT'),
-       current_user::text
+       current_user::text, current_database()::text
 """
 WORKER_SETTINGS = "SELECT subject_prefix, backoff_cap FROM outbox_settings"
 # Which backend ran it (outboxpg.relay.pooler: is there a transaction pooler in between?).

@@ -212,12 +212,14 @@ def _insert(c: psycopg.Connection[Any], aggregate_type: str, aggregate_id: str, 
                      (aggregate_type, aggregate_id, event_type, payload, headers, subject)).fetchone()[0]
 
 
-async def _deliver(env: Env, prefix: str, until: Callable[[], bool]) -> None:
-    """A real worker (worker-a:4711, NATS publisher) until ``until()``."""
+async def _deliver(env: Env, prefix: str, until: Callable[[], bool], keep_stream: bool = False,
+                   **publisher_options: Any) -> None:
+    """A real worker (worker-a:4711, NATS publisher) until ``until()``; the stream (named
+    ``prefix.upper()``) is deleted afterwards unless ``keep_stream``."""
     from outboxpg.relay.nats_publisher import NatsPublisher, ensure_stream
     from outboxpg.worker import Worker, WorkerConfig
 
-    publisher = NatsPublisher(env.nats_url, ack_timeout=5)
+    publisher = NatsPublisher(env.nats_url, ack_timeout=5, **publisher_options)
     await publisher.start()
     try:
         await ensure_stream(publisher.js, prefix.upper(), [f"{prefix}.>"], timedelta(minutes=10))
@@ -232,6 +234,8 @@ async def _deliver(env: Env, prefix: str, until: Callable[[], bool]) -> None:
         await task   # the worker closes its publisher
     finally:
         await publisher.close()
+    if keep_stream:
+        return
     import nats
     nc = await nats.connect(env.nats_url)
     try:
@@ -271,6 +275,30 @@ def _shop(env: Env) -> None:
         for n in range(300, 303):
             _insert(c, "order", f"o-{n}", "created", f'{{"order": "o-{n}"}}')           # 126-128
         c.execute("SELECT * FROM outbox_claim(10, '5 minutes', 'worker-b:5120')")
+
+
+# README "CloudEvents and trace context": the stream and subject prefix of the scenario's own.
+CE_PREFIX = f"ce{uuid.uuid4().hex[:8]}"
+
+
+@scenario("cloudevents", lambda env: {"nats://nats:4222": env.nats_url, "--stream OUTBOX": f"--stream {CE_PREFIX.upper()}",
+                                       "outbox.order.paid": f"{CE_PREFIX}.order.paid"})
+def _cloudevents(env: Env) -> None:
+    """README "CloudEvents and trace context": the README's INSERT with a traceparent, delivered
+    by a worker with --cloudevents --cloudevents-source https://shop.example/orders."""
+    from outboxpg.cloudevents import CloudEvents
+
+    _migrate(env)
+    with connect(env) as c:
+        c.execute("UPDATE outbox_settings SET subject_prefix = %s", (CE_PREFIX,))
+        c.execute("""INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers)
+                     VALUES ('order', 'o-17', 'paid', '{"amount": 42}',
+                             '{"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}')""")
+
+        def delivered() -> bool:
+            return c.execute("SELECT count(*) FROM outbox WHERE state = 'published'").fetchone() == (1,)
+        asyncio.run(_deliver(env, CE_PREFIX, delivered, keep_stream=True,
+                             cloudevents=CloudEvents("https://shop.example/orders")))
 
 
 @scenario("errors", lambda env: {"dbname=blank": "dbname={PGDATABASE}_blank",

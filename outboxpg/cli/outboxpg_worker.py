@@ -42,6 +42,7 @@ from outboxpg.cli.common import (
     secrets_of,
 )
 from outboxpg.cli.options import OneLineParser, add_options, from_args
+from outboxpg.cloudevents import SPEC_VERSION, CloudEvents, check_source, default_source
 from outboxpg.errors import EXIT_CONNECT, EXIT_FAILED, EXIT_SCHEMA, EXIT_USAGE, CliError, describe, first_line
 from outboxpg.relay.backoff import next_delay
 from outboxpg.relay.config import WorkerConfig, option
@@ -71,6 +72,11 @@ class CommandOptions:
         "allow_atomic (atomic batch publish) on nats-server 2.12+", None, metavar="NAME")
     publisher: str | None = option("publish with your own callable (fn(event), sync or async) or object with "
                                    "publish_batch(); default: NATS JetStream", None, metavar="MODULE:CALLABLE")
+    cloudevents: bool = option("publish in CloudEvents 1.0 binary content mode: ce-specversion, ce-id (msg_id), "
+                               "ce-source, ce-type (event_type), ce-subject (aggregate_id), ce-time (created_at) "
+                               "and content-type headers (NATS only: not with --publisher)", False)
+    cloudevents_source: str | None = option("the ce-source of every event with --cloudevents, a URI reference; "
+                                            "default: outboxpg/<database name>", None, metavar="URI")
     metrics_port: int = option("serve Prometheus metrics on this port (1-65535); 0: off", 0)
     metrics_addr: str = option("address the metrics server binds to", "127.0.0.1")
     log_level: str = option("log level", "INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
@@ -121,11 +127,11 @@ async def _stream_setup(args: argparse.Namespace, publisher: Any, cfg: WorkerCon
         log.warning("event=stream_check problem=%r", problem)
 
 
-async def _check_database(cfg: WorkerConfig) -> tuple[str, timedelta, list[Subject]]:
+async def _check_database(cfg: WorkerConfig) -> tuple[tuple[str, timedelta, list[Subject]], str]:
     """Fail fast, in one line, on what no retry can fix: a wrong DSN or an unreachable server
     (exit 2), a database without the schema or with an older one (3), a login that may not run
-    the worker's functions (1). Returns (subject_prefix, backoff_cap, the subjects of the
-    unfinished events) for the stream check."""
+    the worker's functions (1). Returns ((subject_prefix, backoff_cap, the subjects of the
+    unfinished events) for the stream check, the database's name)."""
     parse_dsn(cfg.dsn)
     try:
         conn = await psycopg.AsyncConnection.connect(cfg.dsn, autocommit=True, connect_timeout=10,
@@ -145,7 +151,7 @@ async def _check_database(cfg: WorkerConfig) -> tuple[str, timedelta, list[Subje
         not_executable = [f.split("(")[0] for f, _, may in rows if not may]
         row = await (await conn.execute(statements.CHECK_SETTINGS)).fetchone()
         assert row is not None
-        may_read, user = row
+        may_read, user, database = row
         denied = [f"execute {', '.join(not_executable)}"] if not_executable else []
         if not may_read:
             denied.append("read outbox_settings")
@@ -158,7 +164,7 @@ async def _check_database(cfg: WorkerConfig) -> tuple[str, timedelta, list[Subje
         if not cfg.poll_only and await behind_transaction_pooler(cfg.dsn):
             raise CliError(POOLER_HINT, EXIT_CONNECT)
         rows = await (await conn.execute(statements.UNFINISHED_SUBJECTS, (MAX_SUBJECTS,))).fetchall()
-        return settings[0], settings[1], [Subject(*row) for row in rows]
+        return (settings[0], settings[1], [Subject(*row) for row in rows]), database
 
 
 def _load_publisher(spec: str, cfg: WorkerConfig) -> Any:
@@ -179,6 +185,19 @@ def _load_publisher(spec: str, cfg: WorkerConfig) -> Any:
     if isinstance(publisher, FunctionPublisher):
         publisher.timeout = cfg.publish_timeout
     return publisher
+
+
+def _check_cloudevents(args: argparse.Namespace) -> None:
+    """--cloudevents puts the attributes in NATS headers, which a --publisher of your own never
+    sees (it gets the event and can call outboxpg.cloudevents.CloudEvents(source).headers(event)
+    itself); --cloudevents-source alone would do nothing. Both: one line, exit 2."""
+    if args.cloudevents and args.publisher:
+        raise CliError("--cloudevents applies to the NATS publisher only, not with --publisher: a publisher of your "
+                       "own can call outboxpg.cloudevents.CloudEvents(source).headers(event)", EXIT_USAGE)
+    if args.cloudevents_source is not None and not args.cloudevents:
+        raise CliError("--cloudevents-source needs --cloudevents", EXIT_USAGE)
+    if args.cloudevents_source is not None:
+        check_source(args.cloudevents_source)   # ValueError: exit 2 with its one line
 
 
 def _serve_metrics(args: argparse.Namespace, cfg: WorkerConfig) -> Any:
@@ -261,13 +280,14 @@ async def _main(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, on_signal)
     if not 0 <= args.metrics_port <= 65535:
         raise CliError(f"--metrics-port must be 0 (off) or a port from 1 to 65535, got {args.metrics_port}", EXIT_USAGE)
+    _check_cloudevents(args)
     # Your own publisher first: a misspelt one is reported before anything else is set up.
     custom = _load_publisher(args.publisher, cfg) if args.publisher else None
     if custom is None:
         from outboxpg.relay.nats_publisher import parse_servers
 
         servers = parse_servers(args.nats_url)   # ValueError: exit 2 with its one line
-    settings = await _check_database(cfg)
+    settings, database = await _check_database(cfg)
     metrics = _serve_metrics(args, cfg) if args.metrics_port else None
     if custom is not None:
         publisher = custom
@@ -276,7 +296,11 @@ async def _main(args: argparse.Namespace) -> int:
 
         if not await _wait_for_nats(servers, stopping):
             return 0
-        publisher = NatsPublisher(servers, ack_timeout=cfg.publish_timeout)
+        cloudevents = None
+        if args.cloudevents:
+            cloudevents = CloudEvents(args.cloudevents_source or default_source(database))
+            log.info("event=cloudevents mode=binary specversion=%s source=%s", SPEC_VERSION, cloudevents.source)
+        publisher = NatsPublisher(servers, ack_timeout=cfg.publish_timeout, cloudevents=cloudevents)
         await publisher.start()
         await _stream_setup(args, publisher, cfg, *settings)
     worker = Worker(cfg, publisher, metrics)
@@ -308,7 +332,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"outboxpg-worker: {exc}", file=sys.stderr)
         return exc.code
     args = parser.parse_args(argv)
-    restore_double_dash(args, ("dsn", "nats_url", "ensure_stream", "publisher", "name", "metrics_addr"))
+    restore_double_dash(args, ("dsn", "nats_url", "ensure_stream", "publisher", "name", "metrics_addr",
+                               "cloudevents_source"))
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s")
     nats_secrets = _nats_secrets(args.nats_url)

@@ -78,6 +78,11 @@ is replaced: the publishes waiting for an answer fail at once (ordinary failures
 cleared until a new client is connected (the worker claims nothing meanwhile), and the new one
 is connected with the same retries as at start.
 
+Headers: the row's own, then Nats-Msg-Id and the Outbox-* ones (which win over a row header of
+the same name); with ``cloudevents``, the CloudEvents binary-mode attributes too
+(outboxpg.cloudevents), counted in the size checks. With an OpenTelemetry SDK, a span per event
+from its send to its answer (outboxpg.relay.tracing).
+
 Servers: ``url`` is one URL or a comma-separated list (or a list) of them, ``nats://``,
 ``tls://``, ``ws://`` or ``wss://``; ``parse_servers`` checks them and says in one line what is
 wrong with a malformed one.
@@ -91,9 +96,11 @@ import functools
 import ipaddress
 import logging
 import re
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import Any
 from urllib.parse import urlsplit
 
 import nats
@@ -105,10 +112,12 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import StreamConfig
 
+from outboxpg.cloudevents import HEADER_NAMES, CloudEvents
 from outboxpg.errors import NotSent, PermanentError, describe
 from outboxpg.events import OutboxEvent, not_sent_after, runs_of
 from outboxpg.relay.backoff import next_delay
 from outboxpg.relay.streams import stream_for
+from outboxpg.relay.tracing import PublishTracer, publish_tracer
 
 __all__ = ["NatsPublisher", "check_stream", "ensure_stream", "parse_servers", "supports_atomic_batch"]
 
@@ -137,11 +146,14 @@ _BATCH_HEADER_BYTES = (15 + 32 + 2) + (21 + 4 + 2) + 22
 class _Batch:
     """One publish_batch() call: its events, their outcomes, and how many runs are unfinished."""
 
-    __slots__ = ("events", "outcomes", "open", "done", "closed")
+    __slots__ = ("events", "outcomes", "open", "done", "closed", "sent_ns", "done_ns")
 
-    def __init__(self, events: Sequence[OutboxEvent], done: asyncio.Future[None]) -> None:
+    def __init__(self, events: Sequence[OutboxEvent], done: asyncio.Future[None], timed: bool = False) -> None:
         self.events = events
         self.outcomes: list[BaseException | None] = [None] * len(events)
+        # With tracing: when each event was sent and answered (time.time_ns(); 0: not yet).
+        self.sent_ns: list[int] | None = [0] * len(events) if timed else None
+        self.done_ns: list[int] | None = [0] * len(events) if timed else None
         self.open = 0          # runs not finished yet
         self.done = done       # set when ``open`` reaches 0
         self.closed = False    # the batch stopped waiting (ack_timeout or cancelled): send nothing more
@@ -175,11 +187,19 @@ class NatsPublisher:
     def __init__(self, url: str | Sequence[str] = "nats://127.0.0.1:4222", *, ack_timeout: float = 5.0,
                  max_pending: int = 10_000, connect_deadline: float | None = None,
                  on_duplicate: Callable[[int], None] | None = None, atomic_min_run: int | None = 32,
-                 atomic_max_runs: int = 2) -> None:
+                 atomic_max_runs: int = 2, cloudevents: CloudEvents | None = None,
+                 tracer_provider: Any = None) -> None:
         """``atomic_min_run``: runs at least this long go as atomic batches where the stream
         allows it (None: never), while at most ``atomic_max_runs`` such runs are in flight.
-        A malformed ``url`` is a ValueError (see parse_servers)."""
+        ``cloudevents``: add its ce-* headers and content-type to every message (binary content
+        mode, see outboxpg.cloudevents). ``tracer_provider``: an OpenTelemetry SDK
+        TracerProvider to record a span per published event with (default: the global one, if
+        it is an SDK's; see outboxpg.relay.tracing). A malformed ``url`` is a ValueError (see
+        parse_servers)."""
         self.servers = parse_servers(url)
+        self.cloudevents = cloudevents
+        self.tracer_provider = tracer_provider
+        self.tracer: PublishTracer | None = None   # set by start()
         self.url = ",".join(self.servers)   # for log lines
         self.atomic_min_run = atomic_min_run
         self.atomic_max_runs = atomic_max_runs
@@ -213,6 +233,9 @@ class NatsPublisher:
     async def start(self) -> None:
         if self.nc is not None and not self.nc.is_closed:
             return   # started already (outboxpg-worker starts it before Worker.run() would)
+        self.tracer = publish_tracer(self.tracer_provider)
+        if self.tracer is not None:
+            log.info("event=tracing note=%r", "recording an OpenTelemetry span per published event")
         await self._connect(self.connect_deadline)
 
     async def _connect(self, deadline: float | None) -> None:
@@ -318,6 +341,11 @@ class NatsPublisher:
                 self._batch_refused(run, outcome, answered=True)
                 return
             # The whole chunk is stored: only now may the next chunk go out.
+            done_ns = run.batch.done_ns
+            if done_ns is not None:
+                now = time.time_ns()
+                for n in range(run.next, run.chunk_end):
+                    done_ns[run.positions[n]] = now
             run.next, run.chunk_end = run.chunk_end, 0
             if run.next < len(run.positions):
                 await self._send_chunk(run)
@@ -328,6 +356,8 @@ class NatsPublisher:
             self._finish(run, outcome)
             return
         # Stored (or already stored): only now may the run's next event go out.
+        if run.batch.done_ns is not None:
+            run.batch.done_ns[run.positions[run.next]] = time.time_ns()
         run.next += 1
         if run.next < len(run.positions):
             await self._send(run)
@@ -381,7 +411,9 @@ class NatsPublisher:
                     for i in positions[1:]:
                         outcomes[i] = NotSent("not sent: the NATS client was being replaced")
                 return outcomes
-        batch = _Batch(events, asyncio.get_running_loop().create_future())
+        tracer = self.tracer
+        started_ns = time.time_ns() if tracer is not None else 0
+        batch = _Batch(events, asyncio.get_running_loop().create_future(), timed=tracer is not None)
         runs = [_Run(batch, positions) for positions in runs_of(events)]
         # Counted before the first send: an ack read while this loop yields (nats-py flushes
         # inline once its pending buffer is full) cannot finish the batch before every run started.
@@ -412,6 +444,11 @@ class NatsPublisher:
                         self._finish(run, TimeoutError(f"no ack from JetStream within {self.ack_timeout:g}s"))
                     else:
                         self._finish(run, NotSent("not sent: the batch ran out of time first"))
+        if tracer is not None:
+            try:
+                tracer.record(events, batch.outcomes, batch.sent_ns or [], batch.done_ns or [], started_ns)
+            except Exception as exc:  # noqa: BLE001 - spans are a report: never fail a delivered batch over them
+                log.warning("event=tracing_failed error=%r", describe(exc))
         return batch.outcomes
 
     async def _send(self, run: _Run) -> None:
@@ -428,6 +465,8 @@ class NatsPublisher:
         token = str(self._token)
         self._waiting[token] = run
         run.token = token
+        if batch.sent_ns is not None:
+            batch.sent_ns[run.positions[run.next]] = time.time_ns()
         try:
             # nats-py queues the message; its flusher task writes everything queued at once.
             await self.nc.publish(event.subject, event.payload, reply=self._reply_prefix + token,  # type: ignore[union-attr]
@@ -455,13 +494,22 @@ class NatsPublisher:
         headers = {"Nats-Msg-Id": event.msg_id, "Outbox-Id": outbox_id, "Outbox-Event-Type": event.event_type,
                    "Outbox-Aggregate-Type": event.aggregate_type, "Outbox-Aggregate-Id": event.aggregate_id,
                    "Outbox-Attempt": attempt}
+        ce_bytes = 0
+        if self.cloudevents is not None:
+            # Binary content mode: the attributes come from the columns; a row header of the same
+            # name (in any case) gives way, as the Outbox-* ones do.
+            ce = self.cloudevents.headers(event)
+            ce_bytes = _CE_NAME_BYTES + sum(map(len, ce.values()))   # the values are ASCII (encoded)
+            headers.update(ce)
+            if row_headers and any(k.lower() in _CE_HEADERS for k in row_headers):
+                row_headers = {k: v for k, v in row_headers.items() if k.lower() not in _CE_HEADERS}
         if row_headers:
             headers = {**row_headers, **headers}
         # NATS counts the header block in max_payload: a message over it would make the server
         # answer -ERR and close the connection (for good, in nats-py); JetStream refuses a header
         # block over 64 KiB. First a bound computed without a loop: at least the real size (the
         # values untrimmed, a row header that the outbox's own replace counted too).
-        header_bytes = _FIXED_HEADER_BYTES + len(text.encode()) + len(outbox_id) + len(attempt) + extra
+        header_bytes = _FIXED_HEADER_BYTES + len(text.encode()) + len(outbox_id) + len(attempt) + extra + ce_bytes
         if row_headers:
             header_bytes += sum(len(k) + 4 for k in row_headers if k not in _OUTBOX_HEADERS)
         max_payload = self.nc.max_payload or 0  # type: ignore[union-attr]
@@ -558,6 +606,10 @@ class NatsPublisher:
         self._waiting[token] = run
         run.token, run.chunk_end = token, end
         events, positions, publish = batch.events, run.positions, self.nc.publish  # type: ignore[union-attr]
+        if batch.sent_ns is not None:
+            now = time.time_ns()
+            for n in range(start, end):
+                batch.sent_ns[positions[n]] = now
         try:
             for n in range(start, end):
                 event = events[positions[n]]
@@ -608,6 +660,8 @@ class NatsPublisher:
         if outcome is not None:
             outcomes = batch.outcomes
             outcomes[positions[run.next]] = outcome
+            if batch.done_ns is not None:
+                batch.done_ns[positions[run.next]] = time.time_ns()
             not_sent_after(batch.events, positions[run.next + 1:], batch.events[positions[run.next]].id, outcomes)
         batch.open -= 1
         if batch.open == 0 and not batch.done.done():
@@ -618,6 +672,8 @@ class NatsPublisher:
 _OUTBOX_HEADERS = ("Nats-Msg-Id", "Outbox-Id", "Outbox-Event-Type", "Outbox-Aggregate-Type", "Outbox-Aggregate-Id",
                    "Outbox-Attempt")
 _FIXED_HEADER_BYTES = len("NATS/1.0\r\n") + sum(len(name) + 4 for name in _OUTBOX_HEADERS) + 2
+_CE_HEADERS = frozenset(HEADER_NAMES)
+_CE_NAME_BYTES = sum(len(name) + 4 for name in HEADER_NAMES)
 
 
 def _header_block_bytes(headers: dict[str, str]) -> int:
