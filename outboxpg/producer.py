@@ -26,7 +26,7 @@ from psycopg import AsyncConnection, Connection, sql
 from outboxpg import statements
 from outboxpg.tracecontext import current_headers, with_current
 
-__all__ = ["Event", "enqueue", "enqueue_many", "encode_payload"]
+__all__ = ["Event", "Enqueued", "enqueue", "enqueue_many", "encode_payload"]
 
 Payload = Mapping[str, Any] | list[Any] | bytes | bytearray | memoryview | str
 
@@ -44,6 +44,23 @@ class Event:
     msg_id: str | None = None
     #: Not handed out before this time (a timezone-aware datetime); None: at once.
     deliver_at: datetime | None = None
+    #: While an unfinished event holds this key, an event with the same key is not written.
+    idempotency_key: str | None = None
+
+
+class Enqueued(int):
+    """The id ``enqueue`` returns (an int). ``duplicate``: true when the event was not written
+    because an unfinished event holds its idempotency_key; the id is then that event's."""
+
+    duplicate: bool
+
+    def __new__(cls, event_id: int, duplicate: bool = False) -> Enqueued:
+        self = super().__new__(cls, event_id)
+        self.duplicate = duplicate
+        return self
+
+    def __repr__(self) -> str:
+        return f"Enqueued({int(self)}, duplicate={self.duplicate})"
 
 
 def encode_payload(payload: Payload) -> str:
@@ -90,43 +107,57 @@ def _one_params(event: Event) -> tuple[Any, ...]:
         _encode_headers(with_current(event.headers, current_headers())),
         event.msg_id,
         _deliver_at(event.deliver_at),
+        event.idempotency_key,
     )
 
 
 @overload
 def enqueue(conn: Connection[Any], aggregate_type: str, aggregate_id: str, event_type: str,
             payload: Payload, *, subject: str | None = ..., headers: Mapping[str, str] | None = ...,
-            msg_id: str | None = ..., deliver_at: datetime | None = ...) -> int: ...
+            msg_id: str | None = ..., deliver_at: datetime | None = ...,
+            idempotency_key: str | None = ...) -> Enqueued: ...
 @overload
 def enqueue(conn: AsyncConnection[Any], aggregate_type: str, aggregate_id: str, event_type: str,
             payload: Payload, *, subject: str | None = ..., headers: Mapping[str, str] | None = ...,
-            msg_id: str | None = ..., deliver_at: datetime | None = ...) -> Awaitable[int]: ...
+            msg_id: str | None = ..., deliver_at: datetime | None = ...,
+            idempotency_key: str | None = ...) -> Awaitable[Enqueued]: ...
 
 
 def enqueue(conn: Connection[Any] | AsyncConnection[Any], aggregate_type: str, aggregate_id: str,
             event_type: str, payload: Payload, *, subject: str | None = None,
             headers: Mapping[str, str] | None = None, msg_id: str | None = None,
-            deliver_at: datetime | None = None) -> int | Awaitable[int]:
-    """Write one event in the connection's current transaction; returns its id.
+            deliver_at: datetime | None = None, idempotency_key: str | None = None) -> Enqueued | Awaitable[Enqueued]:
+    """Write one event in the connection's current transaction; returns its id (an ``Enqueued``).
 
     ``deliver_at`` (timezone-aware): the event is not handed out before it; later events of its
-    aggregate wait behind it. On an ``AsyncConnection`` it returns an awaitable:
-    ``await enqueue(aconn, ...)``.
+    aggregate wait behind it. ``idempotency_key``: while an unfinished event holds the key, no
+    event is written and the id returned is that event's, with ``.duplicate`` true. On an
+    ``AsyncConnection`` it returns an awaitable: ``await enqueue(aconn, ...)``.
     """
     params = _one_params(Event(aggregate_type, aggregate_id, event_type, payload, subject, headers, msg_id,
-                               deliver_at))
+                               deliver_at, idempotency_key))
     if isinstance(conn, AsyncConnection):
-        return _enqueue_async(conn, params)
+        return _enqueue_async(conn, params, idempotency_key)
     row = conn.execute(statements.INSERT_EVENT, params).fetchone()
-    assert row is not None
-    return int(row[0])
+    if row is not None:
+        return Enqueued(row[0])
+    held = conn.execute(statements.IDEMPOTENCY_EVENT, (idempotency_key,)).fetchone()
+    return _duplicate_of(held, idempotency_key)
 
 
-async def _enqueue_async(conn: AsyncConnection[Any], params: tuple[Any, ...]) -> int:
-    cur = await conn.execute(statements.INSERT_EVENT, params)
-    row = await cur.fetchone()
-    assert row is not None
-    return int(row[0])
+async def _enqueue_async(conn: AsyncConnection[Any], params: tuple[Any, ...], key: str | None) -> Enqueued:
+    row = await (await conn.execute(statements.INSERT_EVENT, params)).fetchone()
+    if row is not None:
+        return Enqueued(row[0])
+    held = await (await conn.execute(statements.IDEMPOTENCY_EVENT, (key,))).fetchone()
+    return _duplicate_of(held, key)
+
+
+def _duplicate_of(held: tuple[Any, ...] | None, key: str | None) -> Enqueued:
+    if key is None or held is None or held[0] is None:
+        # The insert wrote no row and no event holds the key: not outboxpg's trigger at work.
+        raise RuntimeError(f"the insert into outbox wrote no row (idempotency_key {key!r} is held by no event)")
+    return Enqueued(held[0], duplicate=True)
 
 
 def _as_event(item: Event | Mapping[str, Any]) -> Event:
@@ -143,9 +174,10 @@ def _copy_plan(events: Iterable[Event | Mapping[str, Any]]) -> tuple[sql.Compose
     with_headers = trace is not None or any(e.headers is not None for e in batch)
     with_msg_id = any(e.msg_id is not None for e in batch)
     with_deliver_at = any(e.deliver_at is not None for e in batch)
+    with_key = any(e.idempotency_key is not None for e in batch)
     columns = ["aggregate_type", "aggregate_id", "event_type", "payload"]
     columns += ["subject"] * with_subject + ["headers"] * with_headers + ["msg_id"] * with_msg_id
-    columns += ["deliver_at"] * with_deliver_at
+    columns += ["deliver_at"] * with_deliver_at + ["idempotency_key"] * with_key
     rows = []
     for e in batch:
         row: list[Any] = [_key("aggregate_type", e.aggregate_type), _key("aggregate_id", e.aggregate_id),
@@ -158,6 +190,8 @@ def _copy_plan(events: Iterable[Event | Mapping[str, Any]]) -> tuple[sql.Compose
             row.append(e.msg_id if e.msg_id is not None else str(uuid.uuid4()))
         if with_deliver_at:
             row.append(_deliver_at(e.deliver_at))
+        if with_key:
+            row.append(e.idempotency_key)
         rows.append(tuple(row))
     stmt = statements.COPY_EVENTS.format(sql.SQL(", ").join(map(sql.Identifier, columns)))
     return stmt, rows
@@ -171,7 +205,8 @@ def enqueue_many(conn: AsyncConnection[Any], events: Iterable[Event | Mapping[st
 
 def enqueue_many(conn: Connection[Any] | AsyncConnection[Any],
                  events: Iterable[Event | Mapping[str, Any]]) -> int | Awaitable[int]:
-    """Write many events with one COPY in the connection's current transaction; returns the count.
+    """Write many events with one COPY in the connection's current transaction; returns how many
+    were written (events whose idempotency_key an unfinished event holds are not).
 
     Events are ``Event`` objects or mappings with the same keys. The insert trigger runs once for
     the whole COPY, so idle workers get at most one wakeup.
@@ -185,7 +220,7 @@ def enqueue_many(conn: Connection[Any] | AsyncConnection[Any],
         with cur.copy(stmt) as copy:
             for row in rows:
                 copy.write_row(row)
-    return len(rows)
+        return cur.rowcount
 
 
 async def _enqueue_many_async(conn: AsyncConnection[Any], stmt: sql.Composed, rows: list[tuple[Any, ...]]) -> int:
@@ -195,4 +230,4 @@ async def _enqueue_many_async(conn: AsyncConnection[Any], stmt: sql.Composed, ro
         async with cur.copy(stmt) as copy:
             for row in rows:
                 await copy.write_row(row)
-    return len(rows)
+        return cur.rowcount

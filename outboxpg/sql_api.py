@@ -87,6 +87,11 @@ REPLAY_CANDIDATES = _f("outbox_replay_candidates", "bigint[]", "text", "text", "
                        definer=True, settings=("plan_cache_mode=force_custom_plan", *PATH))
 # -- producers and operators --------------------------------------------------------------------
 CANCEL = _f("outbox_cancel", "bigint[]", callers=(PRODUCER, OPERATOR), definer=True)   # 0021: scheduled events
+# 0022: idempotent enqueue. The insert trigger calls the first as the producer; enqueue the second.
+IDEMPOTENCY_TAKE = _f("outbox_idempotency_take", "text", "bigint", callers=(PRODUCER,), definer=True)
+IDEMPOTENCY_EVENT = _f("outbox_idempotency_event", "text", callers=(PRODUCER, OPERATOR), definer=True)
+# the worker calls it with outbox_maintain()
+IDEMPOTENCY_FORGET = _f("outbox_idempotency_forget", "integer", callers=(WORKER, OPERATOR), definer=True)
 # -- inlined SQL functions: schema-qualified or built-ins only, no search_path ------------------
 # the insert trigger names each aggregate by it; sql/health.sql matches producers' locks with it
 AGGREGATE_KEY = _f("outbox_aggregate_key", "text", "text", callers=(PRODUCER, OPERATOR), settings=())
@@ -106,6 +111,7 @@ ASSIGN_ID = _f("outbox_assign_id", trigger=True)              # 0013: an aggrega
 FUNCTIONS: tuple[SqlFunction, ...] = (
     CLAIM, COMPLETE, FAIL, RELEASE, EXTEND, NEXT_WAKEUP, UNFINISHED_SUBJECTS, WORKER_IDLE, WORKER_BUSY,
     MAINTAIN, HEALTH_ROW, OPEN_PRODUCERS, XMIN_HOLDERS, REQUEUE, DISCARD, REPLAY, REPLAY_CANDIDATES, CANCEL,
+    IDEMPOTENCY_TAKE, IDEMPOTENCY_EVENT, IDEMPOTENCY_FORGET,
     AGGREGATE_KEY, RETRY_DELAY,
     COMMIT_GUARD, COMMIT_HORIZON, TAKE_IN, REFRESH_HEADS,
     WAKE_WORKERS, FORGET_DELETED, HOLD_HORIZON, ASSIGN_ID,
@@ -113,7 +119,7 @@ FUNCTIONS: tuple[SqlFunction, ...] = (
 
 # What outboxpg-worker checks at start (exists, and this login may execute it), in this order:
 # the first one missing is named. IDLE_CALLS only without --poll-only.
-WORKER_CALLS = (CLAIM, COMPLETE, FAIL, RELEASE, EXTEND, NEXT_WAKEUP, UNFINISHED_SUBJECTS)
+WORKER_CALLS = (CLAIM, COMPLETE, FAIL, RELEASE, EXTEND, NEXT_WAKEUP, UNFINISHED_SUBJECTS, IDEMPOTENCY_FORGET)
 IDLE_CALLS = (WORKER_IDLE, WORKER_BUSY)
 XMIN_CALLS = (XMIN_HOLDERS,)   # not with --xmin-check-interval 0
 # What the outboxpg command line calls (its schema check on a database installed with psql).

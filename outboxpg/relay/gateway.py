@@ -37,6 +37,8 @@ _RELEASE = "SELECT outbox_release(%s::bigint[], %s)"
 _EXTEND = "SELECT outbox_extend(%s::bigint[], %s, %s)"
 _SLEEP_FOR = "SELECT extract(epoch FROM outbox_next_wakeup() - clock_timestamp())::float8"
 _MAINTAIN = "SELECT action, partition, detail FROM outbox_maintain()"
+# Keys of finished events forgotten (0022), a batch a run.
+_FORGET_KEYS = "SELECT outbox_idempotency_forget()"
 # The oldest holder of the xmin horizon past outbox_settings.xmin_warn_after (0017), if any.
 _XMIN_HOLDER = ("SELECT kind, pid, name, since, extract(epoch FROM age)::float8, xmin_age, state, query, "
                 "application_name FROM outbox_xmin_holders() WHERE past_threshold "
@@ -161,6 +163,12 @@ class Gateway:
         """outbox_maintain()'s (action, partition, detail) rows."""
         async with self.pool.connection() as conn:
             return await (await conn.execute(_MAINTAIN)).fetchall()
+
+    async def forget_keys(self) -> int:
+        """outbox_idempotency_forget(): how many idempotency keys of finished events it forgot."""
+        async with self.pool.connection() as conn:
+            row = await (await conn.execute(_FORGET_KEYS)).fetchone()
+        return int(row[0]) if row else 0
 
     async def oldest_xmin_holder(self) -> tuple[Any, ...] | None:
         """outbox_xmin_holders()'s oldest holder past the threshold: (kind, pid, name, since,

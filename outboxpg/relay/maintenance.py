@@ -1,4 +1,5 @@
-"""The worker's scheduled outbox_maintain(): partitions created ahead, expired ones dropped.
+"""The worker's scheduled outbox_maintain(): partitions created ahead, expired ones dropped; and
+outbox_idempotency_forget(): idempotency keys of finished events forgotten, a batch a run.
 Workers take turns through the advisory lock inside outbox_maintain() (outboxpg.locks.
 MAINTENANCE_LOCK): one of many does the work, the others' runs skip."""
 
@@ -29,6 +30,9 @@ async def maintain_every(gateway: Gateway, interval: float, recorder: Recorder) 
                     log.debug("event=maintenance_skipped reason=%r", detail)
                 else:
                     log.info("event=maintenance action=%s partition=%s detail=%r", action, partition, detail)
+            forgotten = await gateway.forget_keys()
+            if forgotten:
+                log.debug("event=idempotency_keys_forgotten keys=%d", forgotten)
         except psycopg.Error as exc:
             log.warning("event=maintenance_failed error=%r retry_in=%gs", first_line(exc), interval)
             recorder.maintenance_failed()
