@@ -171,6 +171,12 @@ async def _check_database(cfg: WorkerConfig) -> tuple[str, timedelta, list[Subje
         if denied:
             raise CliError(f"role {user!r} may not {' nor '.join(denied)}: make it a member of outbox_worker "
                            f"(GRANT outbox_worker TO \"{user}\"; see docs/privileges.md)", EXIT_FAILED)
+        if cfg.standby_flushed:
+            # flush_lsn in pg_stat_replication is NULL to other roles: the worker would wait forever.
+            row = await (await conn.execute("SELECT pg_has_role('pg_read_all_stats', 'USAGE')")).fetchone()
+            if not (row and row[0]):
+                raise CliError(f"--standby-flushed: role {user!r} may not read pg_stat_replication.flush_lsn: "
+                               f"GRANT pg_read_all_stats TO \"{user}\"", EXIT_FAILED)
         settings = await (await conn.execute("SELECT subject_prefix, backoff_cap FROM outbox_settings")).fetchone()
         assert settings is not None
         # The LISTEN and the wakeup lock need sessions of their own (see outboxpg/relay/pooler.py).

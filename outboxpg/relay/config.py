@@ -46,6 +46,11 @@ class WorkerConfig:
     maintenance_interval: float = option("run outbox_maintain() at start and every this many seconds; 0: never "
                                          "(one worker of many does it, under an advisory lock)", 3600.0)
 
+    standby_flushed: str = option("publish only events a standby has already flushed (written to its disk), so "
+                                  "that an asynchronous failover cannot lose a published event: 'any' (any "
+                                  "standby) or a standby's application_name; '' off. The worker's role needs "
+                                  "pg_read_all_stats (docs/operating.md)", "", metavar="any|NAME")
+
     def validate(self) -> None:
         if self.batch_size < 1:
             raise ValueError("batch size must be at least 1")
@@ -55,6 +60,8 @@ class WorkerConfig:
             raise ValueError("poll interval must be positive")
         if self.publish_timeout <= 0:
             raise ValueError("publish timeout must be positive")
+        if self.standby_flushed != self.standby_flushed.strip():
+            raise ValueError(f"standby name {self.standby_flushed!r} has leading or trailing blanks")
         if self.lease < 2 * self.publish_timeout:
             # A batch's leases are extended while it is published, but one publish (one event,
             # or a whole NATS batch) is bounded by the publish timeout only: a lease shorter than
