@@ -142,9 +142,9 @@ class EmbeddedStandby(EmbeddedPostgres):
     """
 
     def __init__(self, primary: EmbeddedPostgres, *, name: str = "standby1", port: int | None = None,
-                 base_dir: str | None = None) -> None:
+                 settings: dict[str, str] | None = None, base_dir: str | None = None) -> None:
         super().__init__(port=port, run_as=primary._run_as, base_dir=base_dir,
-                         settings={"cluster_name": name, "hot_standby": "on"})
+                         settings={"cluster_name": name, "hot_standby": "on", **(settings or {})})
         self.primary = primary
         self.name = name
 
