@@ -48,10 +48,25 @@ def describe(exc: BaseException, *, with_type: bool = True, whole: bool = False)
     if not text:
         return type(exc).__name__
     if not whole:
-        text = text.splitlines()[0].strip()
+        text = _every_host(text) or text.splitlines()[0].strip()
     return f"{type(exc).__name__}: {text}" if with_type else text
 
 
 def first_line(exc: BaseException) -> str:
     """The first line of an exception's message, or its class name when it has no message."""
     return describe(exc, with_type=False)
+
+
+_MULTI_HOST = "Multiple connection attempts failed. All failures were:"
+_HOST_FAILED = "connection failed: "
+
+
+def _every_host(text: str) -> str | None:
+    """A multi-host DSN's connection error in one line: why each host failed (psycopg's first
+    line names only the last one). None for any other text."""
+    lines = text.splitlines()
+    if _MULTI_HOST not in lines:
+        return None
+    reasons = [line.split(_HOST_FAILED, 1)[-1].strip() for line in lines[lines.index(_MULTI_HOST) + 1:]
+               if line.startswith("- ")]
+    return _HOST_FAILED + "; ".join(reasons) if reasons else None

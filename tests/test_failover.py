@@ -14,17 +14,19 @@ import logging
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
 from helpers import Running, insert
 from jetstream import make_stream, read_stream
 
 from outboxpg import schema
-from outboxpg.embedded import EmbeddedPostgres, EmbeddedStandby
+from outboxpg.embedded import EmbeddedPostgres, EmbeddedStandby, free_port
 from outboxpg.nats_publisher import NatsPublisher
 from outboxpg.worker import Worker, WorkerConfig
 
@@ -201,3 +203,41 @@ async def delivered_count(stream: Any, n: int) -> bool:
     """Whether the stream holds at least ``n`` messages."""
     info = await stream.js.stream_info(stream.name)
     return bool(info.state.messages >= n)
+
+
+def test_a_multi_host_dsn_that_reaches_no_host_says_why_for_each_in_one_line() -> None:
+    """psycopg's first line names only the last host tried: the worker's line names them all."""
+    dead = [free_port(), free_port()]
+    out = subprocess.run([WORKER, "--dsn", f"postgresql://127.0.0.1:{dead[0]},127.0.0.1:{dead[1]}/app"
+                                           "?target_session_attrs=read-write"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr == (f'outboxpg-worker: cannot connect to PostgreSQL: connection failed: connection to server at '
+                          f'"127.0.0.1", port {dead[0]} failed: Connection refused; connection to server at '
+                          f'"127.0.0.1", port {dead[1]} failed: Connection refused\n')
+
+
+def test_standby_flushed_refuses_to_start_for_a_role_that_cannot_read_flush_lsn(
+        dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """flush_lsn is NULL to a role without pg_read_all_stats: the worker would wait forever."""
+    role = f"relay_{uuid.uuid4().hex[:8]}"
+    conn.execute(sql.SQL("CREATE ROLE {} LOGIN IN ROLE outbox_worker").format(sql.Identifier(role)))
+    try:
+        out = subprocess.run([WORKER, "--dsn", f"{dsn} user={role}", "--standby-flushed", "any",
+                              "--nats-url", "nats://127.0.0.1:1"], capture_output=True, text=True, timeout=60)
+        assert (out.returncode, out.stderr) == (1, f"outboxpg-worker: --standby-flushed: role {role!r} may not read "
+                                                   f"pg_stat_replication.flush_lsn: GRANT pg_read_all_stats TO "
+                                                   f'"{role}"\n')
+        conn.execute(sql.SQL("GRANT pg_read_all_stats TO {}").format(sql.Identifier(role)))
+        started = subprocess.Popen([WORKER, "--dsn", f"{dsn} user={role}", "--standby-flushed", "any", "--publisher",
+                                    "builtins:print", "--maintenance-interval", "0"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            assert started.stderr is not None
+            first = started.stderr.readline()
+            assert "event=start " in first and first.rstrip().endswith("standby_flushed=any"), first
+        finally:
+            started.terminate()
+            started.wait(30)
+    finally:
+        conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))

@@ -311,6 +311,17 @@ async def _main(args: argparse.Namespace) -> int:
     return 0
 
 
+class _OneLine(logging.Filter):
+    """One log line per record: libpq's errors for a multi-host DSN run over several lines (one
+    per host tried), which psycopg_pool logs as they are while it reconnects."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if "\n" in text:
+            record.msg, record.args = " ".join(part.strip() for part in text.splitlines() if part.strip()), None
+        return True
+
+
 class _Redact(logging.Filter):
     """Replaces every form of the given secrets in log lines with ***."""
 
@@ -338,8 +349,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s")
     nats_secrets = _nats_secrets(args.nats_url)
     secrets = sorted({*secrets_of(args.dsn), *nats_secrets, *map(unquote, nats_secrets)} - {""}, key=len, reverse=True)
-    if secrets:
-        for handler in logging.getLogger().handlers:
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_OneLine())
+        if secrets:
             handler.addFilter(_Redact(secrets))
 
     def fail(message: str, code: int) -> int:
