@@ -21,9 +21,9 @@ from typing import Any
 
 import psycopg
 import pytest
-from psycopg import sql
 from helpers import Running, insert
 from jetstream import make_stream, read_stream
+from psycopg import sql
 
 from outboxpg import schema
 from outboxpg.embedded import EmbeddedPostgres, EmbeddedStandby, free_port
