@@ -41,7 +41,7 @@ from outboxpg.cli.common import (
     secrets_of,
 )
 from outboxpg.cli.options import OneLineParser, add_options, from_args
-from outboxpg.errors import EXIT_CONNECT, EXIT_FAILED, EXIT_SCHEMA, EXIT_USAGE, CliError, describe, first_line
+from outboxpg.errors import EXIT_CONNECT, EXIT_FAILED, EXIT_SCHEMA, EXIT_USAGE, CliError, describe, first_line, one_line
 from outboxpg.relay.backoff import next_delay
 from outboxpg.relay.config import WorkerConfig, option
 from outboxpg.relay.pooler import POOLER_HINT, behind_transaction_pooler
@@ -318,7 +318,7 @@ class _OneLine(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
         if "\n" in text:
-            record.msg, record.args = " ".join(part.strip() for part in text.splitlines() if part.strip()), None
+            record.msg, record.args = one_line(text), None
         return True
 
 

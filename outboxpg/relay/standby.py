@@ -23,6 +23,7 @@ import logging
 import time
 
 from outboxpg.errors import first_line
+from outboxpg.relay.backoff import DB_MAX_DELAY, next_delay
 from outboxpg.relay.gateway import Gateway
 
 __all__ = ["POLL_INTERVAL", "StandbyFlush"]
@@ -68,28 +69,31 @@ class StandbyFlush:
                 await self._poller
 
     async def _poll(self) -> None:
+        delay = 0.0
         while self._waiters:
             try:
                 connected, readable, flushed = await self.gateway.standby_flush(self.standby)
-            except Exception as exc:  # noqa: BLE001 - psycopg or pool errors: the claim loop backs off too
-                log.warning("event=db_error during=standby_flush error=%r", first_line(exc))
-                await asyncio.sleep(0.1)
+            except Exception as exc:  # noqa: BLE001 - psycopg or pool errors: back off as the claims do
+                delay = next_delay(delay, DB_MAX_DELAY)
+                log.warning("event=db_error during=standby_flush error=%r retry_in=%.1fs", first_line(exc), delay)
+                await asyncio.sleep(delay)
                 continue
+            delay = 0.0
             if flushed is not None and flushed > self.flushed:
                 self.flushed = flushed
-            waiting = 0
+            waiting = released = 0
             for lsn, waiter in self._waiters:
-                if lsn <= self.flushed:
-                    if not waiter.done():
-                        waiter.set_result(None)
-                else:
+                if lsn > self.flushed:
                     waiting += 1
-            self._note(waiting, connected, readable)
+                elif not waiter.done():
+                    waiter.set_result(None)
+                    released += 1
+            self._note(waiting, released, connected, readable)
             await asyncio.sleep(POLL_INTERVAL)
 
-    def _note(self, waiting: int, connected: int, readable: int) -> None:
+    def _note(self, waiting: int, released: int, connected: int, readable: int) -> None:
         """Log once when batches start waiting on no standby (or on none that can be read), and
-        once when a standby is flushing again."""
+        once when a standby's flush releases batches again."""
         now = time.monotonic()
         if waiting and (connected == 0 or readable == 0):
             if self._stalled_since is None:
@@ -103,6 +107,6 @@ class StandbyFlush:
                             "worker's role; publishing nothing meanwhile")
                 log.warning("event=standby_flush_waiting standby=%s connected=%d note=%r", self.standby,
                             connected, note)
-        elif self._stalled_since is not None and not waiting:
+        elif self._stalled_since is not None and released:
             log.info("event=standby_flush_resumed standby=%s waited=%.1fs", self.standby, now - self._stalled_since)
             self._stalled_since = None
