@@ -130,7 +130,8 @@ async def test_standby_flushed_publishes_nothing_the_standby_has_not_flushed(rep
                                                                             caplog: pytest.LogCaptureFixture) -> None:
     """--standby-flushed standby1: with the standby stopped, an event is claimed but not
     published (the log says why, the batch is handed back after the publish timeout); started
-    again, the standby catches up and the event is published."""
+    again, the standby catches up and the event is published. Then an asynchronous failover
+    with the standby behind: every published event is on the new primary."""
     caplog.set_level(logging.INFO, logger="outboxpg.worker")
     primary, standby = replicated
     stream = await make_stream(nats_server.url)
@@ -151,9 +152,25 @@ async def test_standby_flushed_publishes_nothing_the_standby_has_not_flushed(rep
             await asyncio.to_thread(standby.launch)
             await until(lambda: stream_ids(stream, [first, held]), 15, "the event once the standby flushed it")
             assert "event=standby_flush_resumed standby=standby1" in caplog.text
+            # Now an asynchronous failover: the standby misses the last events, which are lost
+            # with the primary; none of them was published.
+            await asyncio.to_thread(standby.halt, "fast")
+            handed_back = caplog.text.count("event=standby_flush_timeout")
+            lost = [insert(c, "order", str(n)) for n in range(3, 8)]
+            await until(lambda: caplog.text.count("event=standby_flush_timeout") > handed_back, 10,
+                        "the last events handed back")
+            lost_msg_ids = {r[0] for r in c.execute("SELECT msg_id FROM outbox WHERE id = ANY(%s)", (lost,))}
+        await asyncio.to_thread(primary.halt, "immediate")
+        await asyncio.to_thread(standby.launch)
+        await asyncio.to_thread(standby.promote)
+        with psycopg.connect(standby.dsn_for("app"), autocommit=True) as c:
+            survived = {r[0] for r in c.execute("SELECT msg_id FROM outbox")}
+        published = {m.msg_id for m in await read_stream(stream)}
     finally:
         await running.stop()
         await stream.nc.close()
+    assert not lost_msg_ids & survived, "the standby had the last events: no failover loss to test"
+    assert len(published) == 2 and published <= survived, "a published event was lost in the failover"
 
 
 async def stream_ids(stream: Any, want: list[int]) -> bool:
