@@ -23,7 +23,10 @@ attempt). Nothing failed: one outbox_complete statement, as before runs existed.
 
 Around it: gateway.py sends the SQL, stats.py counts and logs what happened (and feeds the
 metrics), maintenance.py runs outbox_maintain() on a schedule, wakeup.py holds the LISTEN
-connection and the wakeup lock.
+connection and the wakeup lock, standby.py holds each batch back until a standby has flushed it
+(--standby-flushed). Every reconnect to PostgreSQL is at most backoff.DB_MAX_DELAY after the
+last (claims, LISTEN, the pool's replacements): after a failover to a standby (a multi-host DSN
+with target_session_attrs=read-write) delivery resumes within about that long.
 """
 
 from __future__ import annotations
