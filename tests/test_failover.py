@@ -254,7 +254,7 @@ def test_standby_flushed_refuses_to_start_for_a_role_that_cannot_read_flush_lsn(
         try:
             assert started.stderr is not None
             first = started.stderr.readline()
-            assert "event=start " in first and first.rstrip().endswith("standby_flushed=any"), first
+            assert "event=start " in first and " standby_flushed=any " in first, first
         finally:
             started.terminate()
             started.wait(30)

@@ -115,9 +115,9 @@ class Worker:
             if hasattr(self.publisher, "start"):
                 await self.publisher.start()
             log.info("event=start worker=%s batch_size=%d concurrency=%d lease=%gs poll_interval=%gs "
-                     "poll_only=%s publish_timeout=%gs run_publishing=%s standby_flushed=%s", cfg.name, cfg.batch_size,
+                     "poll_only=%s publish_timeout=%gs standby_flushed=%s run_publishing=%s", cfg.name, cfg.batch_size,
                      cfg.concurrency, cfg.lease, cfg.poll_interval, cfg.poll_only, cfg.publish_timeout,
-                     getattr(self.publisher, "run_publishing", "publisher-defined"), cfg.standby_flushed or "off")
+                     cfg.standby_flushed or "off", getattr(self.publisher, "run_publishing", "publisher-defined"))
             await self._loop()
         finally:
             for task in background:
