@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-__all__ = ["EmbeddedPostgres", "EmbeddedNats", "free_port", "find_pg_bindir", "find_nats_server"]
+__all__ = ["EmbeddedPostgres", "EmbeddedStandby", "EmbeddedNats", "free_port", "find_pg_bindir", "find_nats_server"]
 
 
 def free_port() -> int:
@@ -87,15 +87,28 @@ class EmbeddedPostgres:
         return result
 
     def start(self) -> EmbeddedPostgres:
+        """Create the cluster and start its server."""
         if self._as_root:
             pw = pwd.getpwnam(self._run_as)
             os.chown(self._base, pw.pw_uid, pw.pw_gid)
+        self._create()
+        self.launch()
+        return self
+
+    def _create(self) -> None:
         self._run("initdb", "-D", str(self.datadir), "-U", self.user, "-A", "trust", "-E", "UTF8",
                   "--no-sync", "--locale=C")
+
+    def launch(self) -> None:
+        """Start the server of the cluster created by start() (again, after halt())."""
         options = " ".join(f"-c {k}={v}" for k, v in self.settings.items())
         self._run("pg_ctl", "-D", str(self.datadir), "-l", str(self.logfile), "-o", options, "-w", "-t", "60", "start")
         self._started = True
-        return self
+
+    def halt(self, mode: str = "fast") -> None:
+        """Stop the server (``mode``: smart, fast or immediate), keeping its data: launch() starts it again."""
+        self._run("pg_ctl", "-D", str(self.datadir), "-m", mode, "-w", "-t", "60", "stop")
+        self._started = False
 
     def restart(self, mode: str = "fast") -> None:
         """Restart the server (``mode``: smart, fast or immediate), keeping its data."""
@@ -106,7 +119,7 @@ class EmbeddedPostgres:
     def stop(self) -> None:
         if self._started:
             try:
-                self._run("pg_ctl", "-D", str(self.datadir), "-m", "fast", "-w", "-t", "60", "stop")
+                self.halt("fast")
             finally:
                 self._started = False
         shutil.rmtree(self._base, ignore_errors=True)
@@ -117,6 +130,31 @@ class EmbeddedPostgres:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.stop()
+
+
+class EmbeddedStandby(EmbeddedPostgres):
+    """A streaming standby of an EmbeddedPostgres (``pg_basebackup -R``: it replicates from the
+    primary at once and keeps following it), on a port of its own. ``name`` is its
+    application_name in the primary's pg_stat_replication (cluster_name). ``promote()`` makes it
+    a primary, as an operator would after losing the old one.
+
+        with EmbeddedPostgres() as primary, EmbeddedStandby(primary) as standby: ...
+    """
+
+    def __init__(self, primary: EmbeddedPostgres, *, name: str = "standby1", port: int | None = None,
+                 settings: dict[str, str] | None = None, base_dir: str | None = None) -> None:
+        super().__init__(port=port, run_as=primary._run_as, base_dir=base_dir,
+                         settings={"cluster_name": name, "hot_standby": "on", **(settings or {})})
+        self.primary = primary
+        self.name = name
+
+    def _create(self) -> None:
+        self._run("pg_basebackup", "-h", "127.0.0.1", "-p", str(self.primary.port), "-U", self.primary.user,
+                  "-D", str(self.datadir), "-R", "-X", "stream", "--checkpoint=fast", "--no-sync")
+
+    def promote(self) -> None:
+        """Promote the standby and wait until it accepts writes."""
+        self._run("pg_ctl", "-D", str(self.datadir), "-w", "-t", "60", "promote")
 
 
 def find_nats_server() -> str:

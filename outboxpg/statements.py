@@ -166,6 +166,8 @@ SELECT to_regclass('outbox_settings') IS NOT NULL
        current_user::text, current_database()::text
 """
 WORKER_SETTINGS = "SELECT subject_prefix, backoff_cap FROM outbox_settings"
+# --standby-flushed: pg_stat_replication.flush_lsn is NULL to roles without pg_read_all_stats.
+MAY_READ_ALL_STATS = "SELECT pg_has_role('pg_read_all_stats', 'USAGE')"
 # Which backend ran it (outboxpg.relay.pooler: is there a transaction pooler in between?).
 BACKEND_PID = "SELECT pg_backend_pid()"
 

@@ -43,7 +43,7 @@ from outboxpg.cli.common import (
 )
 from outboxpg.cli.options import OneLineParser, add_options, from_args
 from outboxpg.cloudevents import SPEC_VERSION, CloudEvents, check_source, default_source
-from outboxpg.errors import EXIT_CONNECT, EXIT_FAILED, EXIT_SCHEMA, EXIT_USAGE, CliError, describe, first_line
+from outboxpg.errors import EXIT_CONNECT, EXIT_FAILED, EXIT_SCHEMA, EXIT_USAGE, CliError, describe, first_line, one_line
 from outboxpg.relay.backoff import next_delay
 from outboxpg.relay.config import WorkerConfig, option
 from outboxpg.relay.pooler import POOLER_HINT, behind_transaction_pooler
@@ -158,6 +158,12 @@ async def _check_database(cfg: WorkerConfig) -> tuple[tuple[str, timedelta, list
         if denied:
             raise CliError(f"role {user!r} may not {' nor '.join(denied)}: make it a member of outbox_worker "
                            f"(GRANT outbox_worker TO \"{user}\"; see docs/privileges.md)", EXIT_FAILED)
+        if cfg.standby_flushed:
+            # flush_lsn in pg_stat_replication is NULL to other roles: the worker would wait forever.
+            row = await (await conn.execute(statements.MAY_READ_ALL_STATS)).fetchone()
+            if not (row and row[0]):
+                raise CliError(f"--standby-flushed: role {user!r} may not read pg_stat_replication.flush_lsn: "
+                               f"GRANT pg_read_all_stats TO \"{user}\"", EXIT_FAILED)
         settings = await (await conn.execute(statements.WORKER_SETTINGS)).fetchone()
         assert settings is not None
         # The LISTEN and the wakeup lock need sessions of their own (see outboxpg/relay/pooler.py).
@@ -310,6 +316,17 @@ async def _main(args: argparse.Namespace) -> int:
     return 0
 
 
+class _OneLine(logging.Filter):
+    """One log line per record: libpq's errors for a multi-host DSN run over several lines (one
+    per host tried), which psycopg_pool logs as they are while it reconnects."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if "\n" in text:
+            record.msg, record.args = one_line(text), None
+        return True
+
+
 class _Redact(logging.Filter):
     """Replaces every form of the given secrets in log lines with ***."""
 
@@ -338,8 +355,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s")
     nats_secrets = _nats_secrets(args.nats_url)
     secrets = sorted({*secrets_of(args.dsn), *nats_secrets, *map(unquote, nats_secrets)} - {""}, key=len, reverse=True)
-    if secrets:
-        for handler in logging.getLogger().handlers:
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_OneLine())
+        if secrets:
             handler.addFilter(_Redact(secrets))
 
     def fail(message: str, code: int) -> int:

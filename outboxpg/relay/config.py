@@ -52,6 +52,11 @@ class WorkerConfig:
                                         "outbox_settings.xmin_warn_after, and log the oldest once (event=xmin_held); "
                                         "0: never", 30.0)
 
+    standby_flushed: str = option("publish only events a standby has already flushed (written to its disk), so "
+                                  "that an asynchronous failover cannot lose a published event: 'any' (any "
+                                  "standby) or a standby's application_name; '' off. The worker's role needs "
+                                  "pg_read_all_stats (docs/operating.md)", "", metavar="any|NAME")
+
     def validate(self) -> None:
         if self.batch_size < 1:
             raise ValueError("batch size must be at least 1")
@@ -63,6 +68,8 @@ class WorkerConfig:
             raise ValueError("xmin check interval must be 0 (never) or positive")
         if self.publish_timeout <= 0:
             raise ValueError("publish timeout must be positive")
+        if self.standby_flushed != self.standby_flushed.strip():
+            raise ValueError(f"standby name {self.standby_flushed!r} has leading or trailing blanks")
         if self.lease < 2 * self.publish_timeout:
             # A batch's leases are extended while it is published, but one publish (one event,
             # or a whole NATS batch) is bounded by the publish timeout only: a lease shorter than

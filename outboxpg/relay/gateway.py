@@ -19,18 +19,32 @@ from typing import Any
 import psycopg
 from psycopg.adapt import Buffer, Loader
 from psycopg_pool import AsyncConnectionPool
+from psycopg_pool.pool_async import AddConnection
 
 from outboxpg.errors import first_line
 from outboxpg.events import CLAIM_COLUMNS
-from outboxpg.relay.backoff import next_delay
+from outboxpg.relay.backoff import DB_MAX_DELAY, next_delay
 from outboxpg.relay.config import WorkerConfig
 from outboxpg.relay.wakeup import CONNECT_OPTIONS
 
-__all__ = ["Gateway", "RawJsonLoader", "Reported"]
+__all__ = ["Gateway", "RawJsonLoader", "Reported", "lsn_value"]
 
 log = logging.getLogger("outboxpg.worker")
 
 _CLAIM = f"SELECT {CLAIM_COLUMNS} FROM outbox_claim(%s, %s, %s)"
+# With --standby-flushed: also where the WAL ends once the claim has run (evaluated after the
+# function, which returns its rows all at once). Every claimed event's commit record is before
+# it (the claim saw those commits), and so is the claim's own work: its commit record, flushed at
+# commit (synchronous_commit = local on these connections), comes after. So the primary flushes
+# up to this point as the claim commits, and a standby that flushed it holds every claimed event.
+_CLAIM_WITH_LSN = f"SELECT {CLAIM_COLUMNS}, pg_current_wal_insert_lsn()::text FROM outbox_claim(%s, %s, %s)"
+# How far the standbys (all, or the one named) have flushed: (how many are connected, the
+# furthest flush_lsn). flush_lsn is NULL to a role without pg_read_all_stats.
+_STANDBY_FLUSH = """
+SELECT count(*)::int, count(flush_lsn)::int, max(flush_lsn)::text
+  FROM pg_stat_replication
+ WHERE %(standby)s = 'any' OR application_name = %(standby)s
+"""
 _COMPLETE = "SELECT outbox_complete(%s::bigint[], %s)"
 _FAIL = "SELECT outbox_fail(%s, %s, %s, %s)"
 _RELEASE = "SELECT outbox_release(%s::bigint[], %s)"
@@ -65,6 +79,37 @@ def id_array(ids: Sequence[int]) -> str:
     return "{" + ",".join(map(str, ids)) + "}"
 
 
+class _Pool(AsyncConnectionPool):
+    """psycopg_pool's pool, with its reconnection attempts at most DB_MAX_DELAY apart.
+
+    The pool replaces a broken connection (returned broken, or found broken by check()) with a
+    new one, trying again after 1, 2, 4, 8 ... seconds while the server is away: after a long
+    outage (a failover, a restart) its next try could come half a minute after the server was
+    back, and every claim waits for it. Capped here, the pool has a connection within about a
+    second of a standby's promotion or a server's return, whatever the outage's length.
+    """
+
+    async def schedule_task(self, task: Any, delay: float) -> None:
+        if isinstance(task, AddConnection):
+            delay = min(delay, DB_MAX_DELAY)
+        await super().schedule_task(task, delay)
+
+
+def lsn_value(text: str) -> int:
+    """A pg_lsn's text ('16/B374D848') as a number, to compare in Python."""
+    high, _, low = text.partition("/")
+    return (int(high, 16) << 32) | int(low, 16)
+
+
+def connection_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` says the connection (not the statement) failed: libpq's errors have no
+    SQLSTATE (server gone, connection refused, read-only host under target_session_attrs), nor
+    does the pool's timeout; an admin shutdown or a crash recovery in progress have theirs."""
+    if not isinstance(exc, psycopg.OperationalError):
+        return False
+    return exc.sqlstate is None or exc.sqlstate.startswith("57P")
+
+
 class Gateway:
     def __init__(self, cfg: WorkerConfig, application_name: str) -> None:
         self.cfg = cfg
@@ -79,7 +124,7 @@ class Gateway:
     async def open(self) -> None:
         """Create the pool (in the running event loop) and start connecting, without waiting."""
         cfg = self.cfg
-        self._pool = AsyncConnectionPool(
+        self._pool = _Pool(
             cfg.dsn, min_size=1, max_size=cfg.concurrency + 2, open=False, timeout=10,
             kwargs={"autocommit": True, "fallback_application_name": self.application_name, **CONNECT_OPTIONS,
                     **_poll_only_options(cfg)},
@@ -93,7 +138,11 @@ class Gateway:
     async def _configure(self, conn: psycopg.AsyncConnection[Any]) -> None:
         conn.adapters.register_loader("jsonb", RawJsonLoader)
         conn.adapters.register_loader("json", RawJsonLoader)
-        if not self.cfg.poll_only:
+        if self.cfg.standby_flushed and not self.cfg.poll_only:
+            # The claim's commit is flushed locally before the claim returns (see _CLAIM_WITH_LSN),
+            # without waiting for synchronous standbys: the worker waits for the standby itself.
+            await conn.execute("SET synchronous_commit = local")
+        elif not self.cfg.poll_only:
             # Claims and reports commit without waiting for the WAL flush (about 2 ms a commit on
             # this kind of disk, on every event's path). What a server crash can lose is a lease
             # or a "published" mark, never an event: the event is then published again with the
@@ -103,9 +152,33 @@ class Gateway:
 
     async def claim(self, batch_size: int, lease: timedelta, name: str) -> list[tuple[Any, ...]]:
         """outbox_claim's rows (CLAIM_COLUMNS, jsonb as raw bytes); psycopg.Error passes through."""
+        statement = _CLAIM_WITH_LSN if self.cfg.standby_flushed else _CLAIM
         async with self.pool.connection() as conn:
-            cur = await conn.execute(_CLAIM, (batch_size, lease, name), prepare=True)
+            cur = await conn.execute(statement, (batch_size, lease, name), prepare=True)
             return await cur.fetchall()
+
+    async def replaced_broken_connections(self) -> None:
+        """Have the pool test its idle connections now and replace the broken ones (after a
+        failover every one of them is): the next claim then does not pick up another dead one."""
+        with contextlib.suppress(Exception):
+            await self.pool.check()
+
+    async def release(self, ids: Sequence[int], token: Any) -> int:
+        """outbox_release: hand ``ids`` back unpublished (not an attempt)."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(_RELEASE, (id_array(ids), token))
+            row = await cur.fetchone()
+        assert row is not None
+        return int(row[0])
+
+    async def standby_flush(self, standby: str) -> tuple[int, int, int | None]:
+        """(standbys connected, of which flush_lsn can be read, the furthest flush_lsn) among
+        all standbys (``standby`` 'any') or the one with that application_name."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(_STANDBY_FLUSH, {"standby": standby}, prepare=True)
+            row = await cur.fetchone()
+        assert row is not None
+        return row[0], row[1], lsn_value(row[2]) if row[2] is not None else None
 
     async def extend(self, ids: str, token: Any, lease: timedelta) -> int:
         """outbox_extend: how many of ``ids`` (an id_array literal) are still held under ``token``."""
@@ -147,8 +220,7 @@ class Gateway:
                 # Other pooled connections may be dead too (a server restart, killed backends):
                 # have the pool check its idle ones before the next try. 0.1 + 0.2 + 0.4 + 0.8 s
                 # stays well inside the lease, which is at least twice the publish timeout.
-                with contextlib.suppress(Exception):
-                    await self.pool.check()
+                await self.replaced_broken_connections()
                 delay = next_delay(delay)
                 await asyncio.sleep(delay)
         return None

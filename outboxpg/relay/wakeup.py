@@ -17,7 +17,7 @@ import psycopg
 
 from outboxpg import statements
 from outboxpg.errors import first_line
-from outboxpg.relay.backoff import next_delay
+from outboxpg.relay.backoff import DB_MAX_DELAY, next_delay
 
 __all__ = ["CONNECT_OPTIONS", "Listener", "IdleLock"]
 
@@ -56,7 +56,7 @@ class Listener:
             except psycopg.Error as exc:
                 log.warning("event=listen_connect_failed error=%r retry_in=%.1fs", first_line(exc), delay)
                 await asyncio.sleep(delay)
-                delay = next_delay(delay)
+                delay = next_delay(delay, DB_MAX_DELAY)
                 continue
             try:
                 await conn.execute(statements.LISTEN)
@@ -78,7 +78,7 @@ class Listener:
                 with contextlib.suppress(Exception):
                     await conn.close()
             await asyncio.sleep(delay)
-            delay = next_delay(delay)
+            delay = next_delay(delay, DB_MAX_DELAY)
 
 
 class IdleLock:

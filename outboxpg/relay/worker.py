@@ -23,7 +23,11 @@ attempt). Nothing failed: one outbox_complete statement, as before runs existed.
 
 Around it: gateway.py sends the SQL, stats.py counts and logs what happened (and feeds the
 metrics), maintenance.py runs outbox_maintain() on a schedule, horizon.py names what holds back
-the xmin horizon (VACUUM), wakeup.py holds the LISTEN connection and the wakeup lock.
+the xmin horizon (VACUUM), wakeup.py holds the LISTEN connection and the wakeup lock, standby.py
+holds each batch back until a standby has flushed it (--standby-flushed). Every reconnect to
+PostgreSQL is at most backoff.DB_MAX_DELAY after the last (claims, LISTEN, the pool's
+replacements): after a failover to a standby (a multi-host DSN with
+target_session_attrs=read-write) delivery resumes within about that long.
 """
 
 from __future__ import annotations
@@ -40,13 +44,14 @@ import psycopg
 
 from outboxpg.errors import PermanentError, describe, first_line
 from outboxpg.events import LEASE_TOKEN, OutboxEvent, event_from_row, runs_of
-from outboxpg.relay.backoff import next_delay
+from outboxpg.relay.backoff import DB_MAX_DELAY, next_delay
 from outboxpg.relay.config import WorkerConfig
-from outboxpg.relay.gateway import Gateway, RawJsonLoader, id_array
+from outboxpg.relay.gateway import Gateway, RawJsonLoader, connection_lost, id_array, lsn_value
 from outboxpg.relay.horizon import watch_xmin_every
 from outboxpg.relay.maintenance import maintain_every
 from outboxpg.relay.metrics import WorkerMetrics
 from outboxpg.relay.publishers import as_publisher
+from outboxpg.relay.standby import StandbyFlush
 from outboxpg.relay.stats import Recorder, WorkerStats
 from outboxpg.relay.wakeup import IdleLock, Listener
 
@@ -85,6 +90,7 @@ class Worker:
         self.gateway = Gateway(config, self.application_name)
         self.listener = Listener(config.dsn, self._wake, application_name=f"{self.application_name} (listen)")
         self.idle_lock = IdleLock(config.dsn, application_name=f"{self.application_name} (wakeup lock)")
+        self.standby = StandbyFlush(self.gateway, config.standby_flushed) if config.standby_flushed else None
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -114,9 +120,9 @@ class Worker:
             if hasattr(self.publisher, "start"):
                 await self.publisher.start()
             log.info("event=start worker=%s batch_size=%d concurrency=%d lease=%gs poll_interval=%gs "
-                     "poll_only=%s publish_timeout=%gs run_publishing=%s", cfg.name, cfg.batch_size, cfg.concurrency,
-                     cfg.lease, cfg.poll_interval, cfg.poll_only, cfg.publish_timeout,
-                     getattr(self.publisher, "run_publishing", "publisher-defined"))
+                     "poll_only=%s publish_timeout=%gs standby_flushed=%s run_publishing=%s", cfg.name, cfg.batch_size,
+                     cfg.concurrency, cfg.lease, cfg.poll_interval, cfg.poll_only, cfg.publish_timeout,
+                     cfg.standby_flushed or "off", getattr(self.publisher, "run_publishing", "publisher-defined"))
             await self._loop()
         finally:
             for task in background:
@@ -125,6 +131,8 @@ class Worker:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
             await self.idle_lock.close()
+            if self.standby is not None:
+                await self.standby.close()
             if hasattr(self.publisher, "close"):
                 with contextlib.suppress(Exception):
                     await self.publisher.close()
@@ -277,6 +285,10 @@ class Worker:
             rows = await self.gateway.claim(self.cfg.batch_size, self._lease, self.cfg.name)
         except psycopg.Error as exc:
             log.warning("event=db_error during=claim error=%r", first_line(exc))
+            if connection_lost(exc):
+                # The server went away (a restart, a failover): the pool's other connections
+                # went with it. Replaced now, not one failed claim (and backoff) at a time.
+                await self.gateway.replaced_broken_connections()
             await self._db_backoff()
             return []
         self._db_delay = 0.0
@@ -294,7 +306,10 @@ class Worker:
             self._extend_every, lambda: keeper.append(asyncio.ensure_future(self._keep_leases(events, token,
                                                                                                published))))
         try:
-            outcomes: Sequence[BaseException | None] = await self.publisher.publish_batch(events)
+            if self.standby is not None and not await self._standby_flushed(rows):
+                outcomes: Sequence[BaseException | None] | None = None
+            else:
+                outcomes = await self.publisher.publish_batch(events)
         except Exception as exc:  # noqa: BLE001 - a publisher that raises fails the whole batch
             outcomes = [exc] * len(events)
         finally:
@@ -305,13 +320,37 @@ class Worker:
                 published.set()
                 with contextlib.suppress(Exception):
                     await keeper[0]
-        self.recorder.published(time.monotonic() - started)
         try:
+            if outcomes is None:
+                await self._hand_back(events, token, time.monotonic() - started)
+                return
+            self.recorder.published(time.monotonic() - started)
             await self._report(events, outcomes, token)
         except Exception as exc:  # noqa: BLE001 - never lose the worker over one batch
             log.error("event=report_crashed error=%r", exc)
         finally:
             self._reported += 1
+
+    async def _standby_flushed(self, rows: list[tuple[Any, ...]]) -> bool:
+        """--standby-flushed: whether the standby flushed the batch's events within the publish
+        timeout (the claim rows end with the WAL position to wait for, see gateway.py)."""
+        assert self.standby is not None
+        lsn = max(lsn_value(row[-1]) for row in rows)
+        return await self.standby.wait(lsn, self.cfg.publish_timeout)
+
+    async def _hand_back(self, events: Sequence[OutboxEvent], token: Any, waited: float) -> None:
+        """Release a batch no standby flushed in time: nothing of it was published, nothing is
+        an attempt; it is claimed again (and waits again) on the next claim."""
+        log.warning("event=standby_flush_timeout standby=%s events=%d waited=%.1fs note=%r", self.cfg.standby_flushed,
+                    len(events), waited, "released unpublished: a standby has not flushed them")
+        try:
+            await self.gateway.release([e.id for e in events], token)
+        except psycopg.Error as exc:
+            log.warning("event=db_error during=release error=%r note=%r", first_line(exc),
+                        "the leases will expire and the events be claimed again")
+        # Not straight back to a claim that would wait just as long: a short pause, cut by stop().
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), min(1.0, self.cfg.publish_timeout))
 
     async def _keep_leases(self, events: Sequence[OutboxEvent], token: Any, published: asyncio.Event) -> None:
         """Extend the batch's leases now and every third of the lease, until ``published`` is set.
@@ -355,7 +394,7 @@ class Worker:
         self.recorder.reported(events, acked_at, delivered, completed, failed, states, len(released), handed_back)
 
     async def _db_backoff(self) -> None:
-        self._db_delay = next_delay(self._db_delay)
+        self._db_delay = next_delay(self._db_delay, DB_MAX_DELAY)
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._stop.wait(), self._db_delay)   # cut short by stop()
 
