@@ -46,6 +46,8 @@ class Event:
     deliver_at: datetime | None = None
     #: While an unfinished event holds this key, an event with the same key is not written.
     idempotency_key: str | None = None
+    #: Discarded (reason 'expired') if not handed out by this time (timezone-aware); None: never.
+    expires_at: datetime | None = None
 
 
 class Enqueued(int):
@@ -90,10 +92,10 @@ def _encode_headers(headers: Mapping[str, str] | None) -> str | None:
     return None if headers is None else orjson.dumps(dict(headers)).decode("utf-8")
 
 
-def _deliver_at(value: datetime | None) -> datetime | None:
+def _moment(name: str, value: datetime | None) -> datetime | None:
     """A naive datetime would be read in the session's time zone, which the caller may not know."""
     if value is not None and (not isinstance(value, datetime) or value.utcoffset() is None):
-        raise TypeError(f"deliver_at must be a timezone-aware datetime, not {value!r}")
+        raise TypeError(f"{name} must be a timezone-aware datetime, not {value!r}")
     return value
 
 
@@ -106,8 +108,9 @@ def _one_params(event: Event) -> tuple[Any, ...]:
         event.subject,
         _encode_headers(with_current(event.headers, current_headers())),
         event.msg_id,
-        _deliver_at(event.deliver_at),
+        _moment("deliver_at", event.deliver_at),
         event.idempotency_key,
+        _moment("expires_at", event.expires_at),
     )
 
 
@@ -115,27 +118,29 @@ def _one_params(event: Event) -> tuple[Any, ...]:
 def enqueue(conn: Connection[Any], aggregate_type: str, aggregate_id: str, event_type: str,
             payload: Payload, *, subject: str | None = ..., headers: Mapping[str, str] | None = ...,
             msg_id: str | None = ..., deliver_at: datetime | None = ...,
-            idempotency_key: str | None = ...) -> Enqueued: ...
+            idempotency_key: str | None = ..., expires_at: datetime | None = ...) -> Enqueued: ...
 @overload
 def enqueue(conn: AsyncConnection[Any], aggregate_type: str, aggregate_id: str, event_type: str,
             payload: Payload, *, subject: str | None = ..., headers: Mapping[str, str] | None = ...,
             msg_id: str | None = ..., deliver_at: datetime | None = ...,
-            idempotency_key: str | None = ...) -> Awaitable[Enqueued]: ...
+            idempotency_key: str | None = ..., expires_at: datetime | None = ...) -> Awaitable[Enqueued]: ...
 
 
 def enqueue(conn: Connection[Any] | AsyncConnection[Any], aggregate_type: str, aggregate_id: str,
             event_type: str, payload: Payload, *, subject: str | None = None,
             headers: Mapping[str, str] | None = None, msg_id: str | None = None,
-            deliver_at: datetime | None = None, idempotency_key: str | None = None) -> Enqueued | Awaitable[Enqueued]:
+            deliver_at: datetime | None = None, idempotency_key: str | None = None,
+            expires_at: datetime | None = None) -> Enqueued | Awaitable[Enqueued]:
     """Write one event in the connection's current transaction; returns its id (an ``Enqueued``).
 
     ``deliver_at`` (timezone-aware): the event is not handed out before it; later events of its
     aggregate wait behind it. ``idempotency_key``: while an unfinished event holds the key, no
-    event is written and the id returned is that event's, with ``.duplicate`` true. On an
+    event is written and the id returned is that event's, with ``.duplicate`` true.
+    ``expires_at`` (timezone-aware): not handed out by then, it is discarded instead. On an
     ``AsyncConnection`` it returns an awaitable: ``await enqueue(aconn, ...)``.
     """
     params = _one_params(Event(aggregate_type, aggregate_id, event_type, payload, subject, headers, msg_id,
-                               deliver_at, idempotency_key))
+                               deliver_at, idempotency_key, expires_at))
     if isinstance(conn, AsyncConnection):
         return _enqueue_async(conn, params, idempotency_key)
     row = conn.execute(statements.INSERT_EVENT, params).fetchone()
@@ -175,9 +180,10 @@ def _copy_plan(events: Iterable[Event | Mapping[str, Any]]) -> tuple[sql.Compose
     with_msg_id = any(e.msg_id is not None for e in batch)
     with_deliver_at = any(e.deliver_at is not None for e in batch)
     with_key = any(e.idempotency_key is not None for e in batch)
+    with_expiry = any(e.expires_at is not None for e in batch)
     columns = ["aggregate_type", "aggregate_id", "event_type", "payload"]
     columns += ["subject"] * with_subject + ["headers"] * with_headers + ["msg_id"] * with_msg_id
-    columns += ["deliver_at"] * with_deliver_at + ["idempotency_key"] * with_key
+    columns += ["deliver_at"] * with_deliver_at + ["idempotency_key"] * with_key + ["expires_at"] * with_expiry
     rows = []
     for e in batch:
         row: list[Any] = [_key("aggregate_type", e.aggregate_type), _key("aggregate_id", e.aggregate_id),
@@ -189,9 +195,11 @@ def _copy_plan(events: Iterable[Event | Mapping[str, Any]]) -> tuple[sql.Compose
         if with_msg_id:
             row.append(e.msg_id if e.msg_id is not None else str(uuid.uuid4()))
         if with_deliver_at:
-            row.append(_deliver_at(e.deliver_at))
+            row.append(_moment("deliver_at", e.deliver_at))
         if with_key:
             row.append(e.idempotency_key)
+        if with_expiry:
+            row.append(_moment("expires_at", e.expires_at))
         rows.append(tuple(row))
     stmt = statements.COPY_EVENTS.format(sql.SQL(", ").join(map(sql.Identifier, columns)))
     return stmt, rows

@@ -184,8 +184,9 @@ HEALTH_GAUGES = "SELECT backlog, dead, coalesce(extract(epoch FROM oldest_pendin
 # -- the producer (outboxpg.producer) -----------------------------------------------------------
 
 INSERT_EVENT = ("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, subject, headers, msg_id, "
-                "deliver_at, idempotency_key) VALUES (%s, %s, %s, %s::jsonb, %s, coalesce(%s::jsonb, '{}'), "
-                "coalesce(%s, gen_random_uuid()::text), %s::timestamptz, %s) RETURNING id")
+                "deliver_at, idempotency_key, expires_at) "
+                "VALUES (%s, %s, %s, %s::jsonb, %s, coalesce(%s::jsonb, '{}'), coalesce(%s, gen_random_uuid()::text), "
+                "%s::timestamptz, %s, %s::timestamptz) RETURNING id")
 # An insert with an idempotency_key that wrote no row: the event that holds the key (0022).
 IDEMPOTENCY_EVENT = "SELECT outbox_idempotency_event(%s)"
 COPY_EVENTS = sql.SQL("COPY outbox ({}) FROM STDIN")   # {}: the columns given

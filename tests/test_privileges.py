@@ -57,7 +57,7 @@ VIEWS = {"outbox_stats": {"outbox_operator"}, "outbox_dead_letters": {"outbox_op
 OUTBOX_COLUMNS = {"id", "created_at", "aggregate_type", "aggregate_id", "event_type", "payload", "headers", "subject",
                   "msg_id", "state", "attempts", "next_attempt_at", "locked_by", "claimed_at", "locked_until",
                   "lease_token", "last_error", "published_at", "dead_at", "discarded_at", "discard_reason",
-                  "in_flow", "unfinished", "deliver_at"}
+                  "in_flow", "unfinished", "deliver_at", "idempotency_key", "expires_at"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -172,7 +172,7 @@ def test_table_and_view_privileges(conn: psycopg.Connection[Any]) -> None:
             "AND has_column_privilege(%s, attrelid, attnum, %s)", (table, role, priv)).fetchall()}
 
     assert columns("outbox_producer", "outbox", "INSERT") == {
-        "aggregate_type", "aggregate_id", "event_type", "payload", "subject", "headers", "msg_id", "deliver_at"}
+        "aggregate_type", "aggregate_id", "event_type", "payload", "subject", "headers", "msg_id", "deliver_at", "idempotency_key", "expires_at"}
     assert columns("outbox_producer", "outbox", "SELECT") == {"id"}
     assert columns("outbox_worker", "outbox", "SELECT") == set()
     assert columns("outbox_operator", "outbox", "SELECT") == OUTBOX_COLUMNS - {"payload", "headers"}
