@@ -129,6 +129,16 @@ def make_due(conn: psycopg.Connection[Any], ids: list[int]) -> None:
                  (ids,))
 
 
+def fail_times(conn: psycopg.Connection[Any], i: int, error: str, times: int) -> None:
+    """Event ``i`` claimed and failed ``times`` times (whatever else the claims return is released)."""
+    for _ in range(times):
+        make_due(conn, [i])
+        rows = claim(conn, 100)
+        (row,) = [r for r in rows if r["id"] == i]
+        assert release(conn, [r["id"] for r in rows if r["id"] != i], row["lease_token"]) == len(rows) - 1
+        assert fail(conn, i, row["lease_token"], error) == "pending"
+
+
 def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, interval: float = 0.005,
                message: str = "condition") -> None:
     deadline = time.monotonic() + timeout
@@ -233,6 +243,13 @@ class Running:
         self.worker = worker
         self.task = asyncio.create_task(worker.run())
 
-    async def stop(self) -> None:
+    async def stop(self, timeout: float = 30) -> None:
         self.worker.stop()
-        await asyncio.wait_for(self.task, 30)
+        await asyncio.wait_for(self.task, timeout)
+
+    async def idle(self) -> bool:
+        """True once the worker waits for work: it holds the wakeup lock and listens. Raises what
+        the worker died of, if it did."""
+        if self.task.done():
+            self.task.result()
+        return self.worker.idle_lock.held and self.worker.listener.up

@@ -13,8 +13,8 @@ import nats
 import pytest
 from jetstream import NatsProxy, StreamHandle, make_stream
 from nats.js.api import StreamConfig
-from test_nats_publisher import event
-from test_worker_runs import assert_in_order_once, start, states, stream_ids, until_published, write
+from runs import assert_in_order_once, start, states, stream_ids, until_published, write
+from workers import event
 
 from outboxpg.events import NotSent, OutboxEvent, PermanentError
 from outboxpg.relay.nats_publisher import NatsPublisher, ensure_stream

@@ -17,10 +17,10 @@ from typing import Any
 
 import psycopg
 import pytest
+from commands import WORKER
 
 from outboxpg import Event, enqueue_many
 
-WORKER = str(Path(sys.executable).parent / "outboxpg-worker")
 CLI = str(Path(sys.executable).parent / "outboxpg")
 Conn = psycopg.Connection[Any]
 

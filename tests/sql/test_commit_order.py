@@ -11,7 +11,8 @@ import threading
 import time
 
 import psycopg
-from test_worker import start, wait_until
+import pytest
+from workers import start, wait_until
 
 from outboxpg import Event, enqueue, enqueue_many
 from outboxpg.events import OutboxEvent
@@ -236,6 +237,7 @@ async def test_worker_delivers_in_commit_safe_order_when_the_lower_id_commits_la
     assert time.monotonic() - t0 < 3
 
 
+@pytest.mark.slow
 async def test_other_aggregates_flow_promptly_while_a_producer_holds_the_intake_back(dsn, conn):
     """A transaction left open holds back its two aggregates; events of 40 others, written at
     about 200/s meanwhile, are each delivered well within a second of their commit (a head

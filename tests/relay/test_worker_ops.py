@@ -6,7 +6,7 @@ import asyncio
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
-from test_worker import _eq, count_in, start, wait_until
+from workers import count_in, equals, start, wait_until
 
 from outboxpg import enqueue
 from outboxpg.embedded import free_port
@@ -42,8 +42,8 @@ async def test_metrics_endpoint_matches_the_database(dsn, conn, fast_retries):
     metrics.serve(port)
     worker = Worker(WorkerConfig(dsn=dsn, publish_timeout=2, lease=10), FunctionPublisher(publish), metrics)
     task = asyncio.create_task(worker.run())
-    await wait_until(lambda: _eq(count_in(dsn, "published"), 32), 20, "32 published")
-    await wait_until(lambda: _eq(count_in(dsn, "dead"), 1), 20, "poison dead")
+    await wait_until(lambda: equals(count_in(dsn, "published"), 32), 20, "32 published")
+    await wait_until(lambda: equals(count_in(dsn, "dead"), 1), 20, "poison dead")
     # A backlog the worker cannot take: events of a dead aggregate wait behind it.
     enqueue(conn, "order", "p", "after-poison", {})
     await asyncio.sleep(0.3)
@@ -89,6 +89,6 @@ async def test_scheduled_maintenance_runs_under_the_advisory_lock_and_failures_d
     conn.execute("ALTER FUNCTION outbox_maintain(boolean) RENAME TO outbox_maintain_away")
     await asyncio.sleep(0.8)
     event_id = enqueue(conn, "order", "1", "created", {})
-    await wait_until(lambda: _eq(count_in(dsn, "published"), 1), 5, "event delivered while maintenance fails")
+    await wait_until(lambda: equals(count_in(dsn, "published"), 1), 5, "event delivered while maintenance fails")
     await running.stop()
     assert seen == [event_id]

@@ -9,77 +9,18 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import nats
-import psycopg
 import pytest
-from helpers import Running
-from jetstream import NatsProxy, StreamHandle, make_stream, read_stream
+from jetstream import NatsProxy, make_stream
+from runs import assert_in_order_once, start, states, stream_ids, until_published, write
+from workers import wait_until
 
 from outboxpg import enqueue
 from outboxpg.events import OutboxEvent
 from outboxpg.relay.nats_publisher import NatsPublisher
 from outboxpg.relay.publishers import FunctionPublisher
-from outboxpg.worker import Worker, WorkerConfig
-
-
-async def wait_until(pred: Callable[[], Awaitable[bool]], timeout: float, what: str) -> None:
-    start = time.monotonic()
-    while not await pred():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
-def states(conn: psycopg.Connection[Any]) -> dict[int, str]:
-    return dict(conn.execute("SELECT id, state::text FROM outbox").fetchall())
-
-
-async def until_published(conn: psycopg.Connection[Any], n: int, timeout: float) -> None:
-    async def done() -> bool:
-        return conn.execute("SELECT count(*) FROM outbox WHERE state = 'published'").fetchone()[0] >= n
-    await wait_until(done, timeout, f"{n} events published")
-
-
-def start(dsn: str, publisher: Any, **config: Any) -> Running:
-    config.setdefault("publish_timeout", 2.0)
-    config.setdefault("lease", 10.0)
-    config.setdefault("poll_interval", 5.0)
-    return Running(Worker(WorkerConfig(dsn=dsn, **config), publisher))
-
-
-def write(conn: psycopg.Connection[Any], aggregates: list[str], per_aggregate: int,
-          payload: Callable[[str, int], dict[str, Any]] = lambda a, n: {"n": n}) -> dict[str, list[int]]:
-    """``per_aggregate`` events for each aggregate ("order" type), interleaved round-robin in one
-    transaction; returns each aggregate's ids in order."""
-    ids: dict[str, list[int]] = defaultdict(list)
-    with conn.transaction():
-        for n in range(per_aggregate):
-            for agg in aggregates:
-                ids[agg].append(enqueue(conn, "order", agg, "step", payload(agg, n)))
-    return dict(ids)
-
-
-async def stream_ids(url: str, stream: StreamHandle) -> dict[str, list[int]]:
-    """Outbox ids per aggregate, in stream order."""
-    nc = await nats.connect(url)
-    try:
-        msgs = await read_stream(StreamHandle(nc, nc.jetstream(), stream.name, stream.prefix))
-    finally:
-        await nc.close()
-    per: dict[str, list[int]] = defaultdict(list)
-    for m in msgs:
-        per[m.aggregate.split("/", 1)[1]].append(m.outbox_id)
-    return dict(per)
-
-
-def assert_in_order_once(got: dict[str, list[int]], expected: dict[str, list[int]]) -> None:
-    """Per aggregate: strictly increasing ids (so no duplicates) and exactly the expected ones."""
-    for agg, ids in got.items():
-        assert all(a < b for a, b in zip(ids, ids[1:])), f"aggregate {agg}: stream order {ids}"
-    assert got == {agg: ids for agg, ids in expected.items() if ids}
 
 
 def assert_no_send_before_previous_delivered(calls: list[tuple[int, bool]], ids: dict[str, list[int]]) -> None:
@@ -249,6 +190,7 @@ async def test_nats_connection_dropped_in_the_middle_of_runs(dsn, conn, nats_ser
     assert_in_order_once(await stream_ids(server.url, stream), ids)
 
 
+@pytest.mark.slow
 async def test_claims_again_when_the_first_in_flight_batch_is_reported_not_the_last(dsn, conn):
     """A slow batch in flight must not hold back an aggregate that the other batches' reports
     make claimable again: after a short claim the worker waits for the FIRST in-flight batch."""

@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from commands import Proc
 from helpers import insert
-from test_worker_config import Proc
 
 from outboxpg.embedded import free_port
 
-DASHBOARD = Path(__file__).resolve().parent.parent / "docs" / "grafana-dashboard.json"
+DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana-dashboard.json"
 # Labels Prometheus adds to every scraped series, and the buckets' own.
 TARGET_LABELS = {"instance", "job", "le"}
 

@@ -38,12 +38,12 @@ from typing import Any
 
 import psycopg
 import pytest
-from test_migrations import _OWN, CATALOG
+from catalog import CATALOG, OWN
 from yoyo import get_backend, read_migrations
 
 from outboxpg import schema
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MIGRATIONS = ROOT / "migrations"
 RELEASED = MIGRATIONS / "RELEASED"
 
@@ -309,17 +309,17 @@ def test_every_function_keeps_its_security_and_settings(conn: psycopg.Connection
 
 # -- upgrade from each release ------------------------------------------------------------------
 
-# What test_migrations.CATALOG does not hold yet: storage options and partition keys, column
+# What catalog.CATALOG (tests/catalog.py) does not hold yet: storage options and partition keys, column
 # comments and collations, domains and their rules, function attributes, and who may do what.
 UPGRADE_CATALOG = {
     **CATALOG,
     "relation_options": f"""SELECT c.relname, c.reloptions, c.relpersistence::text, pg_get_partkeydef(c.oid),
                                    c.relrowsecurity, c.relreplident::text
-                              FROM pg_class c WHERE {_OWN} ORDER BY 1""",
+                              FROM pg_class c WHERE {OWN} ORDER BY 1""",
     "column_details": f"""SELECT c.relname, a.attname, col_description(c.oid, a.attnum),
                                  a.attcollation::regcollation::text, a.attgenerated::text, a.attidentity::text
                             FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
-                           WHERE {_OWN} AND a.attnum > 0 AND NOT a.attisdropped ORDER BY 1, 2""",
+                           WHERE {OWN} AND a.attnum > 0 AND NOT a.attisdropped ORDER BY 1, 2""",
     "domains": """SELECT t.typname, t.typtype::text, format_type(t.typbasetype, t.typtypmod), t.typnotnull,
                          t.typdefault, t.typcollation::regcollation::text, obj_description(t.oid, 'pg_type'),
                          (SELECT array_agg(k.conname || ' ' || pg_get_constraintdef(k.oid) ORDER BY k.conname)
@@ -334,11 +334,11 @@ UPGRADE_CATALOG = {
         WITH acl(object, owner, acl) AS (
             SELECT 'relation ' || c.relname, c.relowner,
                    coalesce(c.relacl, acldefault(CASE c.relkind WHEN 'S' THEN 's' ELSE 'r' END::"char", c.relowner))
-              FROM pg_class c WHERE {_OWN}
+              FROM pg_class c WHERE {OWN}
             UNION ALL
             SELECT 'column ' || c.relname || '.' || a.attname, c.relowner, a.attacl
               FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
-             WHERE {_OWN} AND a.attnum > 0 AND NOT a.attisdropped AND a.attacl IS NOT NULL
+             WHERE {OWN} AND a.attnum > 0 AND NOT a.attisdropped AND a.attacl IS NOT NULL
             UNION ALL
             SELECT 'function ' || p.oid::regprocedure::text, p.proowner, coalesce(p.proacl, acldefault('f', p.proowner))
               FROM pg_proc p WHERE p.pronamespace = current_schema()::regnamespace

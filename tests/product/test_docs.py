@@ -22,7 +22,7 @@ with PGHOST/PGPORT/PGUSER/PGDATABASE, `$DSN` and `$OUTBOXPG_DSN` pointing at it,
 is replaced by `shop` in the output. Literal values a reader would write differently (a host
 `db`, a login) are mapped in SUBSTITUTIONS, per scenario, in plain sight.
 
-OUTBOXPG_DOCS_UPDATE=1 bin/test tests/test_docs.py rewrites the checked blocks with what the
+OUTBOXPG_DOCS_UPDATE=1 bin/test tests/product/test_docs.py rewrites the checked blocks with what the
 commands print now (review the diff before committing it).
 """
 
@@ -51,7 +51,7 @@ from pytest_postgresql.janitor import DatabaseJanitor
 from outboxpg import schema
 from outboxpg.embedded import EmbeddedNats
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ("README.md", "docs/operating.md")
 MARKER = re.compile(r"^<!-- doc-check: (run|excerpt|skip)\b\s*(.*?)\s*-->$")
 UPDATE = os.environ.get("OUTBOXPG_DOCS_UPDATE") == "1"
@@ -401,7 +401,7 @@ def doc_env(pg_server: Any, nats_server: EmbeddedNats, tmp_path: Path) -> Iterat
 @pytest.mark.parametrize("block", RUN, ids=lambda b: f"{b.where}-{b.arg.split(':')[0]}")
 def test_commands_print_what_the_docs_show(block: Block, doc_env: Env) -> None:
     name = block.arg.split(":", 1)[0].strip()
-    assert name in SCENARIOS, f"{block.where}: no scenario {name!r} in tests/test_docs.py"
+    assert name in SCENARIOS, f"{block.where}: no scenario {name!r} in tests/product/test_docs.py"
     SCENARIOS[name](doc_env)
     pg = doc_env.pg
     venv_bin = str(Path(sys.executable).parent)

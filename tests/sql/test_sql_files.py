@@ -12,13 +12,13 @@ from typing import Any
 
 import psycopg
 import pytest
+from dataset import build_dataset, last_claim_at, producing_transaction
 from helpers import claim, complete, fail, insert, psql_args, psql_env
 from psycopg.rows import dict_row
-from test_cli import build_dataset, last_claim_at, operator_dsn, producing_transaction  # noqa: F401 (a fixture)
 
 from outboxpg import locks
 
-SQL_DIR = Path(__file__).resolve().parent.parent / "sql"
+SQL_DIR = Path(__file__).resolve().parents[2] / "sql"
 FILES = ("health", "leases", "failures", "dead_letters", "partitions", "repair")
 
 

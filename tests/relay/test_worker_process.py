@@ -5,17 +5,16 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import psycopg
+import pytest
+from commands import WORKER
 from jetstream import StreamHandle, make_stream, read_stream
 
 from outboxpg import Event, enqueue_many
-
-WORKER = str(Path(sys.executable).parent / "outboxpg-worker")
 
 
 def spawn(dsn: str, nats_url: str, name: str, *extra: str, log: Path) -> subprocess.Popen[bytes]:
@@ -49,6 +48,7 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
+@pytest.mark.slow
 async def test_kill_9_mid_batch_loses_nothing_and_duplicates_only_by_msg_id(dsn, conn, nats_server, tmp_path):
     conn.execute("UPDATE outbox_settings SET backoff_base = '50 milliseconds', backoff_cap = '200 milliseconds'")
     stream = await make_stream(nats_server.url)

@@ -6,162 +6,31 @@ importing psycopg."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pty
 import re
 import select
 import signal
 import subprocess
-import sys
 import time
-import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
 import psycopg
 import pytest
-from helpers import claim, complete, fail, insert
-from psycopg import sql
-from psycopg.conninfo import make_conninfo
+from commands import CLI, Result, cli_env, finish, one_line_error, run, run_all, start
+from dataset import build_dataset, last_claim_at, producing_transaction
+from helpers import claim, insert
 
 from outboxpg import schema
 
-CLI = [sys.executable, "-m", "outboxpg.cli"]
 SECRET = "S3cr3t-pw-do-not-show"
 NOT_INSTALLED = "outboxpg: the outbox schema is not installed in {where}: run outboxpg migrate --dsn ..."
-
-
-@dataclass
-class Result:
-    args: tuple[str, ...]
-    code: int
-    out: str
-    err: str
-
-    def json(self) -> Any:
-        assert self.code == 0, self
-        return orjson.loads(self.out)
-
-
-def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PG") and k != "OUTBOXPG_DSN"}
-    env.update(extra or {})
-    return env
-
-
-def _default_sigint() -> None:
-    # A suite started as a background job inherits SIGINT ignored, and Python then leaves it
-    # ignored: the Ctrl-C tests would wait forever. Give the CLI the terminal's usual SIGINT.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-def start(*args: str, env: dict[str, str] | None = None, **kw: Any) -> subprocess.Popen[str]:
-    return subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            stdin=kw.pop("stdin", subprocess.DEVNULL), text=True, env=_env(env),
-                            preexec_fn=_default_sigint, **kw)
-
-
-def finish(p: subprocess.Popen[str], timeout: float = 60) -> Result:
-    out, err = p.communicate(timeout=timeout)
-    return Result(tuple(p.args[len(CLI):]), p.returncode, out, err)  # type: ignore[index]
-
-
-def run(*args: str, env: dict[str, str] | None = None) -> Result:
-    return finish(start(*args, env=env))
-
-
-def run_all(*commands: tuple[str, ...], env: dict[str, str] | None = None) -> list[Result]:
-    """Several invocations at once (they only read, or touch different events)."""
-    procs = [start(*c, env=env) for c in commands]
-    return [finish(p) for p in procs]
-
-
-def one_line_error(r: Result, code: int) -> str:
-    assert r.code == code, r
-    assert r.out == "", r
-    lines = r.err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("outboxpg: "), r
-    assert "Traceback" not in r.err
-    return lines[0]
-
-
-# -- a database with events in every state ---------------------------------------------------
-
-def build_dataset(conn: psycopg.Connection[Any]) -> dict[str, Any]:
-    """2 published, 4 dead (one with an event_type that looks like SQL injection (a subject token: no spaces)), one event held
-    back behind a dead one, one due pending event, one leased by worker 'w-test'."""
-    ids: dict[str, Any] = {}
-    ids["published"] = []
-    for agg in ("p-1", "p-2"):
-        i = insert(conn, "order", agg, "created")
-        (row,) = claim(conn, 1)
-        assert row["id"] == i and complete(conn, [i], row["lease_token"]) == 1
-        ids["published"].append(i)
-
-    def dead(name: str, aggregate_type: str, aggregate_id: str, event_type: str, error: str, **cols: Any) -> None:
-        i = insert(conn, aggregate_type, aggregate_id, event_type, **cols)
-        (row,) = claim(conn, 1)
-        assert row["id"] == i and fail(conn, i, row["lease_token"], error, True) == "dead"
-        ids[name] = i
-
-    dead("dead_o1", "order", "o-1", "created", "payload too large\n(limit 1048576 bytes)",
-         payload='{"order": "o-1", "items": [1, 2]}', headers='{"Trace-Id": "abc"}')
-    dead("dead_o2", "order", "o-2", "paid", "boom paid")
-    dead("dead_c1", "customer", "c-1", "created", "boom customer")
-    dead("dead_inj", "order", "o-3", "x'OR'1'='1", "boom inj", subject="outbox.inj")
-    ids["held"] = insert(conn, "order", "o-1", "shipped")          # held back behind dead_o1
-    ids["leased"] = insert(conn, "order", "o-7", "created")
-    (row,) = claim(conn, 5, worker="w-test")                        # the held one is skipped
-    assert row["id"] == ids["leased"]
-    ids["leased_claimed_at"] = conn.execute("SELECT claimed_at FROM outbox WHERE id = %s",
-                                            (ids["leased"],)).fetchone()[0]  # type: ignore[index]
-    ids["pending"] = insert(conn, "customer", "c-9", "created")
-    return ids
-
-
-@contextlib.contextmanager
-def producing_transaction(dsn: str, *aggregate_ids: str) -> Iterator[psycopg.Connection[Any]]:
-    """A session of its own with an open transaction that has inserted one event of each
-    aggregate (order/<id>): the commit-order guard holds those aggregates back until it ends. It
-    rolls back when the block ends."""
-    with psycopg.connect(dsn) as producer:
-        for aggregate_id in aggregate_ids:
-            insert(producer, "order", aggregate_id, "paid")
-        yield producer
-        producer.rollback()
-
-
-def last_claim_at(conn: psycopg.Connection[Any]) -> Any:
-    row = conn.execute("SELECT last_claim_at FROM outbox_intake").fetchone()
-    assert row is not None
-    return row[0]
 
 
 @pytest.fixture
 def data(conn: psycopg.Connection[Any]) -> dict[str, Any]:
     return build_dataset(conn)
-
-
-@pytest.fixture
-def operator_dsn(dsn: str) -> Iterator[str]:
-    """A login of its own, member of the outbox_operator group role (migration 0012): what a person
-    operating the outbox is meant to log in as. It may not read payloads or headers, nor yoyo's
-    bookkeeping, and changes events only through outbox_requeue / outbox_discard."""
-    name, password = f"outboxpg_cli_op_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
-    with psycopg.connect(dsn, autocommit=True) as c:
-        assert c.execute("SELECT to_regrole('outbox_operator')").fetchone() != (None,), \
-            "migration 0012 creates the outbox_operator role"
-        c.execute(sql.SQL("CREATE ROLE {} LOGIN PASSWORD {} IN ROLE outbox_operator").format(
-            sql.Identifier(name), sql.Literal(password)))
-    try:
-        yield make_conninfo(dsn, user=name, password=password)
-    finally:
-        with psycopg.connect(dsn, autocommit=True) as c:
-            c.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (name,))
-            c.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(name)))
 
 
 def state_of(conn: psycopg.Connection[Any], i: int) -> str:
@@ -312,6 +181,7 @@ def test_status_ok_on_an_idle_outbox_and_dsn_from_the_environment(dsn: str) -> N
 
 # -- dead list / show -------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_dead_list_filters(dsn: str, data: dict[str, Any]) -> None:
     d = ("dead", "list", "--dsn", dsn)
     (everything, created, one_aggregate, literal, injected, since_interval, since_ts, since_future, limited,
@@ -445,7 +315,7 @@ def _run_on_tty(args: list[str], answer: str) -> Result:
     master, slave = pty.openpty()
     try:
         p = subprocess.Popen([*CLI, *args], stdin=slave, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env=_env())
+                             text=True, env=cli_env())
         os.close(slave)
         assert p.stderr is not None
         err = ""
@@ -535,6 +405,7 @@ def test_database_without_the_schema(empty_dsn: str) -> None:
         assert SECRET not in r.err
 
 
+@pytest.mark.slow
 def test_schema_older_than_this_version(empty_dsn: str) -> None:
     steps = [p.name.removesuffix(".sql") for p in sorted(schema.migrations_dir().glob("[0-9]*.sql"))
              if not p.name.endswith(".rollback.sql")]

@@ -21,6 +21,7 @@ def test_an_event_that_arrives_before_the_commit_returns_is_counted() -> None:
     assert len(clock.latencies) == 2 and clock.started == {}
 
 
+@pytest.mark.slow
 def test_demo_counts_every_event(capsys: pytest.CaptureFixture[str]) -> None:
     assert run_demo(events=300, aggregates=10, rate=1000) == 0
     out = capsys.readouterr().out

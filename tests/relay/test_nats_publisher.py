@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from datetime import UTC, datetime
 from typing import Any
 
 import nats
@@ -14,17 +13,10 @@ import nats.js.errors
 import orjson
 import pytest
 from jetstream import make_stream
+from workers import event
 
 from outboxpg.events import OutboxEvent, PermanentError
 from outboxpg.relay.nats_publisher import NatsPublisher
-
-
-def event(i: int, subject: str, **kw: Any) -> OutboxEvent:
-    fields: dict[str, Any] = dict(id=i, subject=subject, aggregate_type="order", aggregate_id=str(i),
-                                  event_type="created", payload=b'{"i": %d}' % i, headers={},
-                                  msg_id=f"m-{uuid.uuid4()}", attempt=0, created_at=datetime.now(UTC))
-    fields.update(kw)
-    return OutboxEvent(**fields)
 
 
 async def test_outcomes_in_order_and_duplicates_counted(nats_server: Any) -> None:

@@ -16,12 +16,10 @@ from typing import Any
 import nats
 import psycopg
 import pytest
-from helpers import insert, set_settings
+from commands import Proc, run
+from helpers import fail_times, insert, set_settings
 from jetstream import make_stream
-from test_cli import run
-from test_cli_operator import _fail_times
-from test_privileges import login_roles
-from test_worker_config import Proc
+from roles import login_roles
 
 from outboxpg.embedded import EmbeddedNats
 
@@ -163,7 +161,7 @@ def test_start_check_warns_once_about_explicit_subjects_no_stream_captures(dsn: 
 
 def test_status_names_the_subject_of_events_failing_for_want_of_a_stream(conn: Conn, dsn: str) -> None:
     i = insert(conn, "invoice", "i-1", "issued", subject="billing.invoice.issued")
-    _fail_times(conn, i, NO_STREAM, 1)   # at the first failure already: it cannot come right by itself
+    fail_times(conn, i, NO_STREAM, 1)   # at the first failure already: it cannot come right by itself
     out = run("status", "--dsn", dsn).out
     assert ("! 1 event fails: no JetStream stream captures its subject ('billing.invoice.issued'; 1 attempts so "
             "far): add it to a stream (outboxpg-worker --ensure-stream NAME adds the explicit subjects of "

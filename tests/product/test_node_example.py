@@ -21,7 +21,7 @@ import pytest
 from helpers import insert
 from psycopg.conninfo import conninfo_to_dict
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "node"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "node"
 Conn = psycopg.Connection[Any]
 
 pytestmark = pytest.mark.skipif(shutil.which("node") is None,

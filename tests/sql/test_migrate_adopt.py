@@ -1,6 +1,6 @@
 """Databases installed by hand (issue 10): `outboxpg sql | psql`, then `outboxpg migrate`,
 `--status` and `--adopt`; `--status` as an outbox_operator (read only); the NOTICE of a rollback
-that keeps the group roles. The CLI runs as a subprocess, as in tests/test_cli.py."""
+that keeps the group roles. The CLI runs as a subprocess, as in tests/cli/test_cli.py."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import subprocess
 import uuid
 
 import psycopg
+from commands import one_line_error, run
 from helpers import psql_args, psql_env
 from psycopg import sql
-from test_cli import one_line_error, run
-from test_privileges import login_roles
+from roles import login_roles
 
 from outboxpg import schema
 

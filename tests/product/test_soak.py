@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
-SOAK = Path(__file__).resolve().parent.parent / "tools" / "soak.py"   # what bin/soak runs
+SOAK = Path(__file__).resolve().parents[2] / "tools" / "soak.py"   # what bin/soak runs
 sys.path.insert(0, str(SOAK.parent))
 from soak import FAULT_KINDS  # noqa: E402
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_short_soak_loses_nothing_duplicates_nothing_reorders_nothing():
     t0 = time.monotonic()

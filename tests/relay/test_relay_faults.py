@@ -14,7 +14,6 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -25,6 +24,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from commands import WORKER
 from helpers import Running, discard, insert, requeue
 from jetstream import NatsProxy, make_stream, read_stream
 
@@ -97,7 +97,6 @@ async def test_a_repair_wakes_an_idle_worker(dsn: str, conn: Conn, repair: str) 
 
 # -- a publisher slower than the lease ----------------------------------------------------------
 
-WORKER = str(Path(sys.executable).parent / "outboxpg-worker")
 
 SLOW_PUBLISHER = '''
 import os, time
@@ -127,6 +126,7 @@ def stop_worker(proc: subprocess.Popen[bytes]) -> int:
     return proc.returncode
 
 
+@pytest.mark.slow
 async def test_a_publisher_slower_than_the_lease_publishes_each_event_once(dsn: str, conn: Conn,
                                                                           tmp_path: Path) -> None:
     """Issue 13 (2): a sync fn(event) taking 50 ms, --lease 4 --publish-timeout 2, batches of

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,15 +23,15 @@ from typing import Any
 
 import psycopg
 import pytest
+from commands import WORKER, Proc
 from jetstream import make_stream
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
-from test_privileges import login_roles
+from roles import login_roles
 
 from outboxpg import enqueue
 from outboxpg.embedded import EmbeddedPostgres, find_nats_server, free_port
 
-WORKER = str(Path(sys.executable).parent / "outboxpg-worker")
 SECRET = "S3cr3t-pw-never-shown"
 Conn = psycopg.Connection[Any]
 
@@ -49,40 +47,6 @@ def one_line(r: subprocess.CompletedProcess[str], code: int) -> str:
     assert len(lines) == 1 and lines[0].startswith("outboxpg-worker: "), r.stderr
     assert SECRET not in r.stderr + r.stdout
     return lines[0]
-
-
-class Proc:
-    """A worker process whose log (stderr) the test reads while it runs."""
-
-    def __init__(self, tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> None:
-        self.log = tmp_path / f"worker-{time.monotonic_ns()}.log"
-        self.p = subprocess.Popen([WORKER, "--summary-interval", "3600", "--maintenance-interval", "0", *args],
-                                  stdout=subprocess.DEVNULL, stderr=self.log.open("wb"),
-                                  env={**os.environ, **(env or {})})
-
-    def text(self) -> str:
-        return self.log.read_text()
-
-    def count(self, needle: str) -> int:
-        return self.text().count(needle)
-
-    def wait_for(self, needle: str, timeout: float) -> None:
-        end = time.monotonic() + timeout
-        while needle not in self.text():
-            assert self.p.poll() is None, f"exited {self.p.returncode}: {self.text()}"
-            assert time.monotonic() < end, f"{needle!r} not logged within {timeout}s: {self.text()}"
-            time.sleep(0.05)
-
-    def stop(self) -> int:
-        if self.p.poll() is None:
-            self.p.send_signal(signal.SIGTERM)
-            try:
-                return self.p.wait(15)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait()
-                raise AssertionError(f"did not stop on SIGTERM: {self.text()}") from None
-        return self.p.returncode
 
 
 def wait_state(conn: Conn, i: int, state: str, timeout: float) -> float:

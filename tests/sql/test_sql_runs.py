@@ -330,6 +330,7 @@ class RunModel(RuleBasedStateMachine):
         assert heads <= {a for a, line in self.unfinished.items() if line}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_run_model(conn: Conn) -> None:
     from hypothesis import settings

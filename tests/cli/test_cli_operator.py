@@ -1,6 +1,6 @@
 """An operator's day (issue 10): `outboxpg status` run by the wrong login, on the wrong database,
 and while events fail over and over; the worker's log of failing publishes; `outboxpg dead show`
-of a large payload. The CLI runs as a subprocess, as in tests/test_cli.py."""
+of a large payload. The CLI runs as a subprocess, as in tests/cli/test_cli.py."""
 
 from __future__ import annotations
 
@@ -8,26 +8,19 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 import pytest
-from helpers import claim, fail, insert, make_due, release
+from commands import one_line_error, run, run_all
+from helpers import claim, fail, fail_times, insert
 from psycopg.conninfo import conninfo_to_dict
-from test_cli import one_line_error, run, run_all
-from test_privileges import Login, login_roles
+from roles import Login
 
 from outboxpg.events import OutboxEvent
 from outboxpg.worker import Worker, WorkerConfig
 
 Conn = psycopg.Connection[Any]
-
-
-@pytest.fixture
-def logins(dsn: str) -> Iterator[dict[str, Login]]:
-    with login_roles(dsn, producer="outbox_producer", worker="outbox_worker", operator="outbox_operator") as made:
-        yield made
 
 
 # -- the wrong login, the wrong database ------------------------------------------------------
@@ -56,22 +49,12 @@ def test_schema_not_installed_names_the_database(empty_dsn: str) -> None:
 
 # -- events failing right now -----------------------------------------------------------------
 
-def _fail_times(conn: Conn, i: int, error: str, times: int) -> None:
-    """Event ``i`` claimed and failed ``times`` times (whatever else the claims return is released)."""
-    for _ in range(times):
-        make_due(conn, [i])
-        rows = claim(conn, 100)
-        (row,) = [r for r in rows if r["id"] == i]
-        assert release(conn, [r["id"] for r in rows if r["id"] != i], row["lease_token"]) == len(rows) - 1
-        assert fail(conn, i, row["lease_token"], error) == "pending"
-
-
 def test_status_shows_events_failing_now_grouped_by_reason(dsn: str, conn: Conn) -> None:
     stuck = insert(conn, "order", "o-stuck", "created", subject="elsewhere.orders")
-    _fail_times(conn, stuck, "RuntimeError: no JetStream stream captures this subject (no responders)", 4)
+    fail_times(conn, stuck, "RuntimeError: no JetStream stream captures this subject (no responders)", 4)
     timeouts = [insert(conn, "order", f"o-{n}", "paid") for n in range(3)]
     for i in timeouts:
-        _fail_times(conn, i, "TimeoutError: no ack within 10 s\nsecond line", 1)
+        fail_times(conn, i, "TimeoutError: no ack within 10 s\nsecond line", 1)
     ok = insert(conn, "order", "o-fine", "created")
 
     text, js = run_all(("status", "--dsn", dsn), ("status", "--dsn", dsn, "--json"))
@@ -81,7 +64,7 @@ def test_status_shows_events_failing_now_grouped_by_reason(dsn: str, conn: Conn)
     assert [r[:3] for r in rows] == [["3", "1", "1"], ["1", "4", "4"]], section
     assert "TimeoutError: no ack within 10 s" in section and "second line" not in section
     assert "RuntimeError: no JetStream stream captures this subject (no responders)" in section
-    # No stream for a subject: the attention line names the subject (tests/test_stream_subjects.py).
+    # No stream for a subject: the attention line names the subject (tests/relay/test_stream_subjects.py).
     assert "! 1 event fails: no JetStream stream captures its subject ('elsewhere.orders'; 4 attempts so far)" \
         in text.out, text.out
     assert "TimeoutError" not in text.out.split("\nattention\n", 1)[1]
@@ -102,7 +85,7 @@ def test_status_shows_events_failing_now_grouped_by_reason(dsn: str, conn: Conn)
 
 def test_status_failing_as_an_operator_login(dsn: str, conn: Conn, logins: dict[str, Login]) -> None:
     i = insert(conn, "order", "o-1", "created")
-    _fail_times(conn, i, "boom", 3)
+    fail_times(conn, i, "boom", 3)
     obj = run("status", "--dsn", logins["operator"].dsn, "--json", "--health-only").json()
     assert [(f["reason"], f["events"], f["recurring"]) for f in obj["failing"]] == [("boom", 1, True)]
 

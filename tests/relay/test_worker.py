@@ -5,63 +5,18 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import psycopg
+import pytest
 from jetstream import make_stream, read_stream
+from workers import count_in, equals, start, wait_until
 
 from outboxpg import Event, enqueue, enqueue_many
 from outboxpg.events import OutboxEvent
 from outboxpg.locks import WAKEUP_LOCK
 from outboxpg.relay.nats_publisher import NatsPublisher
 from outboxpg.relay.publishers import FunctionPublisher
-from outboxpg.worker import Worker, WorkerConfig
-
-
-async def wait_until(pred: Callable[[], Awaitable[bool]], timeout: float, what: str, interval: float = 0.05) -> float:
-    """Poll ``pred`` until true; returns the seconds it took. Fails the test after ``timeout``."""
-    start = time.monotonic()
-    while not await pred():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(interval)
-    return time.monotonic() - start
-
-
-async def scalar(dsn: str, query: str, params: tuple[Any, ...] = ()) -> Any:
-    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as c:
-        row = await (await c.execute(query, params)).fetchone()
-        return row[0] if row else None
-
-
-def count_in(dsn: str, state: str) -> Callable[[], Awaitable[int]]:
-    async def f() -> int:
-        return int(await scalar(dsn, "SELECT count(*) FROM outbox WHERE state = %s", (state,)))
-    return f
-
-
-class Running:
-    """A Worker running as a task in this event loop."""
-
-    def __init__(self, worker: Worker) -> None:
-        self.worker = worker
-        self.task = asyncio.create_task(worker.run())
-
-    async def stop(self, timeout: float = 30) -> None:
-        self.worker.stop()
-        await asyncio.wait_for(self.task, timeout)
-
-    async def idle(self) -> bool:
-        if self.task.done():
-            self.task.result()
-        return self.worker.idle_lock.held and self.worker.listener.up
-
-
-def start(dsn: str, publisher: Any, **config: Any) -> Running:
-    config.setdefault("publish_timeout", 2.0)
-    config.setdefault("lease", 10.0)
-    return Running(Worker(WorkerConfig(dsn=dsn, **config), publisher))
 
 
 async def test_three_workers_deliver_every_event_once_in_aggregate_order(dsn, conn, nats_server, fast_retries):
@@ -75,7 +30,7 @@ async def test_three_workers_deliver_every_event_once_in_aggregate_order(dsn, co
             async with producer.transaction():
                 await enqueue_many(producer, [Event("order", str(i % 200), "updated", {"i": i})
                                               for i in range(chunk * 500, chunk * 500 + 500)])
-    await wait_until(lambda: _eq(count_in(dsn, "published"), 10_000), 120, "10,000 events published")
+    await wait_until(lambda: equals(count_in(dsn, "published"), 10_000), 120, "10,000 events published")
     for w in workers:
         await w.stop()
     assert sum(w.worker.stats.delivered for w in workers) == 10_000
@@ -94,10 +49,6 @@ async def test_three_workers_deliver_every_event_once_in_aggregate_order(dsn, co
         assert ids == sorted(ids), f"{aggregate} delivered out of id order"
 
 
-async def _eq(f: Callable[[], Awaitable[int]], n: int) -> bool:
-    return await f() == n
-
-
 async def test_failing_publisher_dead_letters_after_max_attempts_and_others_flow(dsn, conn, fast_retries):
     conn.execute("UPDATE outbox_settings SET max_attempts = 3")
     delivered: list[int] = []
@@ -111,8 +62,8 @@ async def test_failing_publisher_dead_letters_after_max_attempts_and_others_flow
     bad_second = enqueue(conn, "order", "bad", "paid", {})
     good = [enqueue(conn, "order", f"good{i % 10}", "created", {"i": i}) for i in range(50)]
     running = start(dsn, FunctionPublisher(publish), batch_size=20)
-    await wait_until(lambda: _eq(count_in(dsn, "published"), 50), 30, "good events published")
-    await wait_until(lambda: _eq(count_in(dsn, "dead"), 1), 30, "bad event dead")
+    await wait_until(lambda: equals(count_in(dsn, "published"), 50), 30, "good events published")
+    await wait_until(lambda: equals(count_in(dsn, "dead"), 1), 30, "bad event dead")
     await running.stop()
 
     state, attempts, error = conn.execute(
@@ -132,8 +83,8 @@ async def test_oversize_payload_is_dead_lettered_at_once(dsn, conn, nats_server,
     after = enqueue(conn, "blob", "1", "tagged", {})
     other = enqueue(conn, "blob", "2", "uploaded", {"blob": "small"})
     running = start(dsn, NatsPublisher(nats_server.url))
-    await wait_until(lambda: _eq(count_in(dsn, "dead"), 1), 20, "oversize event dead")
-    await wait_until(lambda: _eq(count_in(dsn, "published"), 1), 20, "the other aggregate's event published")
+    await wait_until(lambda: equals(count_in(dsn, "dead"), 1), 20, "oversize event dead")
+    await wait_until(lambda: equals(count_in(dsn, "published"), 1), 20, "the other aggregate's event published")
     await running.stop()
     state, attempts, error = conn.execute(
         "SELECT state, attempts, last_error FROM outbox WHERE id = %s", (huge,)).fetchone()
@@ -227,7 +178,7 @@ async def test_retry_wakes_worker_at_its_due_time_not_at_the_poll(dsn, conn):
     running = start(dsn, FunctionPublisher(publish), poll_interval=120)
     await wait_until(running.idle, 10, "worker idle")
     enqueue(conn, "order", "1", "created", {})
-    await wait_until(lambda: _eq(count_in(dsn, "published"), 1), 5, "event published on its retry")
+    await wait_until(lambda: equals(count_in(dsn, "published"), 1), 5, "event published on its retry")
     await running.stop()
     assert len(attempts) == 2
     assert 0.1 <= attempts[1] - attempts[0] < 2.0  # the 150-300 ms backoff, not the 120 s poll
@@ -242,7 +193,7 @@ async def test_poll_only_mode_uses_no_listen_and_no_lock(dsn, conn):
     running = start(dsn, FunctionPublisher(publish), poll_only=True, poll_interval=0.3)
     await asyncio.sleep(0.5)
     event_id = enqueue(conn, "order", "1", "created", {})
-    await wait_until(lambda: _eq(count_in(dsn, "published"), 1), 5, "event published by polling")
+    await wait_until(lambda: equals(count_in(dsn, "published"), 1), 5, "event published by polling")
     listening = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
                              "AND query = 'LISTEN outbox'").fetchone()[0]
     locks = conn.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'").fetchone()[0]
@@ -251,6 +202,7 @@ async def test_poll_only_mode_uses_no_listen_and_no_lock(dsn, conn):
     assert (listening, locks) == (0, 0)
 
 
+@pytest.mark.slow
 async def test_nats_outage_of_10s_under_load_delivers_everything_without_busy_loop(dsn, conn, own_nats_server):
     conn.execute("UPDATE outbox_settings SET backoff_base = '200 milliseconds', backoff_cap = '2 seconds'")
     stream = await make_stream(own_nats_server.url)
@@ -278,7 +230,7 @@ async def test_nats_outage_of_10s_under_load_delivers_everything_without_busy_lo
     claims_during_outage = running.worker.stats.claims - claims_at_stop
     own_nats_server.start()
     await load
-    await wait_until(lambda: _eq(count_in(dsn, "published"), written), 60, f"all {written} events published")
+    await wait_until(lambda: equals(count_in(dsn, "published"), written), 60, f"all {written} events published")
     await running.stop()
     assert await count_in(dsn, "dead")() == 0
     assert running.worker.stats.failed > 0, "the outage was felt"
@@ -308,7 +260,7 @@ def test_sync_function_publisher_works(dsn, conn):
 
     async def main() -> None:
         running = start(dsn, publish)  # a bare function is wrapped in FunctionPublisher
-        await wait_until(lambda: _eq(count_in(dsn, "published"), 5), 10, "published")
+        await wait_until(lambda: equals(count_in(dsn, "published"), 5), 10, "published")
         await running.stop()
 
     asyncio.run(main())
@@ -329,7 +281,7 @@ async def test_next_event_of_an_aggregate_follows_without_waiting_for_the_poll(d
     with conn.transaction():
         ids = [enqueue(conn, "order", "hot", "step", {"n": n}) for n in range(5)]
     t0 = time.monotonic()
-    await wait_until(lambda: _eq(count_in(dsn, "published"), 5), 10, "all five published")
+    await wait_until(lambda: equals(count_in(dsn, "published"), 5), 10, "all five published")
     await running.stop()
     assert [i for i, _ in seen] == ids
     assert seen[-1][1] - t0 < 3.0, "each next event was claimed right after the previous report"

@@ -456,7 +456,7 @@ def test_dead_letters_view(conn: Conn) -> None:
 # --------------------------------------------------------------------------------------------
 
 def test_one_event_per_aggregate_in_flight_oldest_first(conn: Conn) -> None:
-    set_settings(conn, max_run=1)       # runs: tests/test_sql_runs.py
+    set_settings(conn, max_run=1)       # runs: tests/sql/test_sql_runs.py
     ids = insert_series(conn, ["a", "b", "a", "b", "a"])
     a1, b1, a2, b2, a3 = ids
     rows = claim(conn, 10)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from collections import defaultdict
@@ -15,14 +14,13 @@ from typing import Any
 
 import psycopg
 import pytest
+from commands import WORKER
 from jetstream import make_stream, read_stream
 from pgbouncer import PgBouncer, find_pgbouncer
 
 from outboxpg import Event, enqueue_many
 from outboxpg.embedded import free_port
 from outboxpg.relay.pooler import behind_transaction_pooler
-
-WORKER = str(Path(sys.executable).parent / "outboxpg-worker")
 
 
 def spawn(dsn: str, nats_url: str, *extra: str, log: Path) -> subprocess.Popen[bytes]:
@@ -73,6 +71,7 @@ def no_advisory_locks(conn: psycopg.Connection[Any]) -> list[tuple[Any, ...]]:
                         "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())").fetchall()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("route", ["pgbouncer", "direct"])
 async def test_poll_only_delivers_5000_events_once_and_in_order(
         route, dsn, conn, nats_server, pgbouncer, tmp_path, capsys):
