@@ -39,6 +39,7 @@ from outboxpg.cli.common import (
     where_am_i,
     where_text,
 )
+from outboxpg.cli.options import OneLineParser
 from outboxpg.errors import EXIT_CONNECT, EXIT_FAILED, EXIT_SCHEMA, CliError, describe, first_line
 
 __all__ = ["CliError", "build_parser", "main"]
@@ -112,9 +113,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="outboxpg", description="A SQL-first transactional outbox for PostgreSQL.",
-                                     epilog="Exit codes: 0 ok, 1 failed or refused, 2 cannot connect or bad usage, "
-                                            "3 outbox schema missing or not up to date.")
+    parser = OneLineParser(prog="outboxpg", description="A SQL-first transactional outbox for PostgreSQL.",
+                            epilog="Exit codes: 0 ok, 1 failed or refused, 2 cannot connect or bad usage, "
+                                   "3 outbox schema missing or not up to date.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
