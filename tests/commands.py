@@ -15,12 +15,14 @@ from typing import Any
 
 import orjson
 
-WORKER = str(Path(sys.executable).parent / "outboxpg-worker")
-CLI = [sys.executable, "-m", "outboxpg.cli"]
+WORKER = str(Path(sys.executable).parent / "outboxpg-worker")   # the console script pip installed
+CLI = [sys.executable, "-m", "outboxpg.cli"]                      # outboxpg, with this interpreter
 
 
 @dataclass
 class Result:
+    """What one `outboxpg` invocation did: its arguments (after ``outboxpg``), exit code, stdout, stderr."""
+
     args: tuple[str, ...]
     code: int
     out: str
@@ -32,6 +34,7 @@ class Result:
 
 
 def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This environment without PG* and OUTBOXPG_DSN (a test names its database itself), plus ``extra``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PG") and k != "OUTBOXPG_DSN"}
     env.update(extra or {})
     return env
@@ -65,6 +68,8 @@ def run_all(*commands: tuple[str, ...], env: dict[str, str] | None = None) -> li
 
 
 def one_line_error(r: Result, code: int) -> str:
+    """The house rule for bad input: exit ``code``, nothing on stdout, one line 'outboxpg: ...' on
+    stderr and no traceback. Returns that line."""
     assert r.code == code, r
     assert r.out == "", r
     lines = r.err.splitlines()
