@@ -181,7 +181,6 @@ def test_status_ok_on_an_idle_outbox_and_dsn_from_the_environment(dsn: str) -> N
 
 # -- dead list / show -------------------------------------------------------------------------
 
-@pytest.mark.slow
 def test_dead_list_filters(dsn: str, data: dict[str, Any]) -> None:
     d = ("dead", "list", "--dsn", dsn)
     (everything, created, one_aggregate, literal, injected, since_interval, since_ts, since_future, limited,
@@ -426,7 +425,6 @@ def test_database_without_the_schema(empty_dsn: str) -> None:
         assert SECRET not in r.err
 
 
-@pytest.mark.slow
 def test_schema_older_than_this_version(empty_dsn: str) -> None:
     steps = [p.name.removesuffix(".sql") for p in sorted(schema.migrations_dir().glob("[0-9]*.sql"))
              if not p.name.endswith(".rollback.sql")]
