@@ -2,7 +2,7 @@
 
 Each function is listed with its exact argument types (as ``regprocedure`` prints them, which is
 what ``to_regprocedure()`` reads), who may call it (the group roles of 0012), whether it runs as
-its owner (SECURITY DEFINER) and its SET clauses. tests/test_sql_api.py checks the list against
+its owner (SECURITY DEFINER) and its SET clauses. tests/sql/test_sql_api.py checks the list against
 ``pg_proc`` of a fresh install, both ways: a step that adds a function, drops one or changes its
 arguments fails there until the function is listed here. Whatever else needs a list of
 signatures takes it from here: the worker's start-up check (``WORKER_CALLS``), the command

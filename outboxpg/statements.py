@@ -5,7 +5,7 @@ start-up checks, the wakeup connection, the metrics sample, the producer's inser
 The command line reads the views (outbox_health, outbox_stats, outbox_dead_letters,
 outbox_failing, outbox_partitions) and calls the functions; it reads the table itself only for
 what no view holds: one event's every column (``outboxpg dead show``), the state of ids that are
-not dead, and the row locks a repair takes. tests/test_statements.py fails on a SQL literal
+not dead, and the row locks a repair takes. tests/product/test_statements.py fails on a SQL literal
 anywhere else in the package.
 
 Statements with ``{}`` are psycopg ``sql.SQL`` templates: identifiers and fixed fragments are

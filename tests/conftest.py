@@ -13,15 +13,19 @@ once with `outboxpg.schema.migrate`, so every test starts from the real install.
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 import pytest
 from hypothesis import HealthCheck, settings
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
 from pytest_postgresql import factories
 from pytest_postgresql.executors import NoopExecutor
 from pytest_postgresql.janitor import DatabaseJanitor
+from roles import Login, login_roles
 
 from outboxpg import schema
 from outboxpg.embedded import EmbeddedNats, EmbeddedPostgres
@@ -139,3 +143,31 @@ def pgbouncer(pg_server: NoopExecutor) -> Iterator[Any]:
         pytest.skip(why)
     with PgBouncer(binary, pg_server.host, pg_server.port, pg_server.user, pg_server.password) as bouncer:
         yield bouncer
+
+
+# -- logins ------------------------------------------------------------------------------------
+
+@pytest.fixture
+def operator_dsn(dsn: str) -> Iterator[str]:
+    """A login of its own, member of the outbox_operator group role (migration 0012): what a person
+    operating the outbox is meant to log in as. It may not read payloads or headers, nor yoyo's
+    bookkeeping, and changes events only through outbox_requeue / outbox_discard."""
+    name, password = f"outboxpg_cli_op_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    with psycopg.connect(dsn, autocommit=True) as c:
+        assert c.execute("SELECT to_regrole('outbox_operator')").fetchone() != (None,), \
+            "migration 0012 creates the outbox_operator role"
+        c.execute(sql.SQL("CREATE ROLE {} LOGIN PASSWORD {} IN ROLE outbox_operator").format(
+            sql.Identifier(name), sql.Literal(password)))
+    try:
+        yield make_conninfo(dsn, user=name, password=password)
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as c:
+            c.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (name,))
+            c.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(name)))
+
+
+@pytest.fixture
+def logins(dsn: str) -> Iterator[dict[str, Login]]:
+    """A producer, a worker and an operator login, members of the three group roles."""
+    with login_roles(dsn, producer="outbox_producer", worker="outbox_worker", operator="outbox_operator") as made:
+        yield made

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
+import subprocess
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import psycopg
+import pytest
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import dict_row
@@ -129,6 +133,16 @@ def make_due(conn: psycopg.Connection[Any], ids: list[int]) -> None:
                  (ids,))
 
 
+def fail_times(conn: psycopg.Connection[Any], i: int, error: str, times: int) -> None:
+    """Event ``i`` claimed and failed ``times`` times (whatever else the claims return is released)."""
+    for _ in range(times):
+        make_due(conn, [i])
+        rows = claim(conn, 100)
+        (row,) = [r for r in rows if r["id"] == i]
+        assert release(conn, [r["id"] for r in rows if r["id"] != i], row["lease_token"]) == len(rows) - 1
+        assert fail(conn, i, row["lease_token"], error) == "pending"
+
+
 def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, interval: float = 0.005,
                message: str = "condition") -> None:
     deadline = time.monotonic() + timeout
@@ -233,6 +247,42 @@ class Running:
         self.worker = worker
         self.task = asyncio.create_task(worker.run())
 
-    async def stop(self) -> None:
+    async def stop(self, timeout: float = 30) -> None:
         self.worker.stop()
-        await asyncio.wait_for(self.task, 30)
+        await asyncio.wait_for(self.task, timeout)
+
+    async def idle(self) -> bool:
+        """True once the worker waits for work: it holds the wakeup lock and listens. Raises what
+        the worker died of, if it did."""
+        if self.task.done():
+            self.task.result()
+        return self.worker.idle_lock.held and self.worker.listener.up
+
+
+# -- the psql files of sql/ ---------------------------------------------------------------------
+
+SQL_DIR = Path(__file__).resolve().parent.parent / "sql"
+
+
+def psql() -> str:
+    exe = shutil.which("psql")
+    if exe is None:
+        pytest.skip("psql (the PostgreSQL client) is not installed on this machine")
+    return exe
+
+
+def start_psql(dsn: str, *args: str, input: str | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen([psql(), "-X", "-v", "ON_ERROR_STOP=1", *psql_args(dsn), *args],
+                            stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=psql_env(dsn))
+
+
+def finish_psql(p: subprocess.Popen[str], input: str | None = None) -> tuple[int, str, str]:
+    out, err = p.communicate(input=input, timeout=60)
+    return p.returncode, out, err
+
+
+def run_files(dsn: str, *runs: tuple[str, ...]) -> list[tuple[int, str, str]]:
+    """Each run: (file name, psql arguments...), all at once."""
+    procs = [start_psql(dsn, *extra, "-f", str(SQL_DIR / f"{name}.sql")) for name, *extra in runs]
+    return [finish_psql(p) for p in procs]

@@ -11,6 +11,7 @@ import dataclasses
 import os
 import sys
 import typing
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from outboxpg.errors import EXIT_USAGE, CliError
@@ -30,12 +31,22 @@ def env_name(f: dataclasses.Field[Any]) -> str:
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """An ArgumentParser whose usage errors are one line ('prog: argument --x: ...'), exit 2,
-    without the usage block."""
+    """An ArgumentParser whose usage errors are one line, exit 2, without the usage block:
+    'tool: argument --x: ... (see tool sub --help)'. Its subcommands' parsers are of this class too
+    (argparse makes them of the parent's class); an argument none of them knows is an error of the
+    (sub)command it follows, so the hint names that one's --help."""
 
     def error(self, message: str) -> NoReturn:
-        print(f"{self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
+        tool = self.prog.split()[0]   # a subcommand's prog is 'tool sub'
+        print(f"{tool}: {message} (see {self.prog} --help)", file=sys.stderr)
         sys.exit(EXIT_USAGE)
+
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        parsed, unknown = super().parse_known_args(args, namespace)
+        if unknown:
+            self.error(f"unrecognized arguments: {' '.join(unknown)}")
+        return parsed, unknown
 
 
 def _parse(kind: type, text: str, where: str, choices: tuple[str, ...] | None) -> Any:

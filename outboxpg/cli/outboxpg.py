@@ -117,8 +117,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     # Usage errors are one line (exit 2), in every subcommand too.
     parser = OneLineParser(prog="outboxpg", description="A SQL-first transactional outbox for PostgreSQL.",
-                                     epilog="Exit codes: 0 ok, 1 failed or refused, 2 cannot connect or bad usage, "
-                                            "3 outbox schema missing or not up to date.")
+                            epilog="Exit codes: 0 ok, 1 failed or refused, 2 cannot connect or bad usage, "
+                                   "3 outbox schema missing or not up to date.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=OneLineParser)
 

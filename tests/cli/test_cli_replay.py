@@ -1,0 +1,165 @@
+"""`outboxpg replay` (outbox_replay, migration 0018) as a user runs it: a subprocess against a real
+PostgreSQL, output and exit codes checked, as in tests/cli/test_cli.py."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import psycopg
+import pytest
+from commands import Result, one_line_error, run, run_all, run_on_tty
+from helpers import claim, complete, fail, insert
+from roles import login_roles
+
+Conn = psycopg.Connection[Any]
+
+
+def publish_all(conn: Conn) -> None:
+    while rows := claim(conn, 100):
+        complete(conn, [r["id"] for r in rows], rows[0]["lease_token"])
+
+
+@pytest.fixture
+def shop(conn: Conn) -> dict[str, list[int]]:
+    """Published: order o-1 created, paid, shipped; order o-2 created; customer c-1 created. A dead
+    order o-3 and a pending order o-1 event, not published."""
+    ids: dict[str, list[int]] = {"o-1": [], "o-2": [], "c-1": []}
+    for agg, kind, event_type in (("o-1", "order", "created"), ("o-2", "order", "created"),
+                                  ("o-1", "order", "paid"), ("c-1", "customer", "created"),
+                                  ("o-1", "order", "shipped")):
+        ids[agg].append(insert(conn, kind, agg, event_type))
+    publish_all(conn)
+    dead = insert(conn, "order", "o-3", "created")
+    (row,) = claim(conn, 1)
+    fail(conn, dead, row["lease_token"], "boom", True)
+    ids["not_published"] = [dead, insert(conn, "order", "o-1", "delivered")]
+    return ids
+
+
+def copies(conn: Conn, since_id: int) -> list[tuple[int, str, str]]:
+    """(original id, msg_id, original's msg_id) of each copy made after ``since_id``."""
+    return conn.execute(
+        "SELECT (c.headers->>'Outbox-Replay-Of')::bigint, c.msg_id, o.msg_id FROM outbox c "
+        "JOIN outbox o ON o.id = (c.headers->>'Outbox-Replay-Of')::bigint WHERE c.id > %s ORDER BY c.id",
+        (since_id,)).fetchall()
+
+
+def max_id(conn: Conn) -> int:
+    return int(conn.execute("SELECT max(id) FROM outbox").fetchone()[0])  # type: ignore[index]
+
+
+def test_dry_run_shows_how_many_and_which_and_changes_nothing(dsn: str, conn: Conn, shop: dict[str, list[int]]) -> None:
+    last = max_id(conn)
+    dry, new_ids, none = run_all(
+        ("replay", "--dsn", dsn, "--aggregate-type", "order", "--dry-run"),
+        ("replay", "--dsn", dsn, "--aggregate-id", "o-1", "--event-type", "paid", "--new-msg-id", "--dry-run"),
+        ("replay", "--dsn", dsn, "--aggregate-id", "o-3", "--dry-run"))          # dead, not published
+    o1 = shop["o-1"]
+    assert dry.code == 0 and dry.err == "", dry
+    lines = dry.out.splitlines()
+    assert lines[0] == "Would replay 4 published events:"
+    assert re.fullmatch(rf"  ids {o1[0]}\.\.{o1[2]}, created \S+ \S+ \.\. \S+ \S+, 2 aggregates", lines[1]), lines[1]
+    assert [line.split() for line in lines[4:6]] == [["order", "created", "2"], ["order", "paid", "1"]]
+    assert [line.split() for line in lines[6:7]] == [["order", "shipped", "1"]]
+    assert lines[7:] == ["the copies keep their msg_id: JetStream drops those whose original is still inside the "
+                         "stream's duplicate window (--new-msg-id delivers them again)", "(dry run: nothing changed)"]
+    assert new_ids.code == 0 and new_ids.out.splitlines()[0] == "Would replay 1 published event:", new_ids
+    assert f"  ids {o1[1]}..{o1[1]}, " in new_ids.out and "1 aggregate\n" in new_ids.out
+    assert "each copy gets a new msg_id: JetStream stores it again (a forced redelivery)" in new_ids.out
+    assert (none.code, none.out, none.err) == (0, "no published events match: nothing to replay\n", ""), none
+    assert max_id(conn) == last
+
+
+
+def test_several_events_need_confirmation_and_no_tty_refuses(dsn: str, conn: Conn, shop: dict[str, list[int]]) -> None:
+    last = max_id(conn)
+    r = run("replay", "--dsn", dsn, "--aggregate-id", "o-1")
+    assert one_line_error(r, 1) == \
+        "outboxpg: refusing to replay 3 events without confirmation: stdin is not a terminal (pass --yes)"
+    assert max_id(conn) == last
+
+
+def test_one_event_needs_no_confirmation_and_keeps_its_msg_id(dsn: str, conn: Conn, shop: dict[str, list[int]]) -> None:
+    last, paid = max_id(conn), shop["o-1"][1]
+    r = run("replay", "--dsn", dsn, "--id", str(paid))
+    assert (r.code, r.out, r.err) == (0, f"replayed 1 event as new events (same msg_id): {paid}\n", ""), r
+    ((original, msg_id, original_msg_id),) = copies(conn, last)
+    assert original == paid and msg_id == original_msg_id
+
+
+def test_ids_repeated_or_listed_with_yes_and_new_msg_id(dsn: str, conn: Conn, shop: dict[str, list[int]]) -> None:
+    last = max_id(conn)
+    o1, c1 = shop["o-1"], shop["c-1"]
+    # Ids that are not published (dead, pending) are left out; the other filters narrow further (AND).
+    r = run("replay", "--dsn", dsn, f"--id={o1[2]},{c1[0]}", "--id", str(o1[0]),
+            "--id", ",".join(map(str, shop["not_published"])), "--new-msg-id", "--yes")
+    dead, pending = shop["not_published"]
+    assert (r.code, r.err) == (1, f"outboxpg: not published, left alone: {dead} (dead), {pending} (pending)\n"), r
+    assert r.out == f"replayed 3 events as new events (new msg_id): {o1[0]}, {c1[0]}, {o1[2]}\n"
+    made = copies(conn, last)
+    assert [m[0] for m in made] == [o1[0], c1[0], o1[2]]          # in the originals' order
+    assert all(msg_id != original for _, msg_id, original in made)
+    narrowed, nothing = run_all(("replay", "--dsn", dsn, "--id", f"{o1[0]},{c1[0]}", "--aggregate-type", "customer"),
+                                ("replay", "--dsn", dsn, "--id", f"{dead},424242"))
+    assert (narrowed.code, narrowed.out, narrowed.err) == \
+        (0, f"replayed 1 event as new events (same msg_id): {c1[0]}\n", ""), narrowed
+    assert (nothing.code, nothing.out, nothing.err) == \
+        (1, "no published events match: nothing to replay\n",
+         f"outboxpg: not published, left alone: {dead} (dead), 424242 (no such event)\n"), nothing
+
+
+def test_confirmation_on_a_terminal(dsn: str, conn: Conn, shop: dict[str, list[int]]) -> None:
+    last = max_id(conn)
+    args = ["replay", "--dsn", dsn, "--aggregate-type", "order", "--since", "1 hour"]
+    no = run_on_tty(args, "n\n")
+    assert no.code == 1 and no.out == "", no
+    assert "About to replay 4 published events:" in no.err and "Replay these 4 published events? [y/N]" in no.err
+    assert no.err.rstrip().endswith("outboxpg: cancelled: nothing changed")
+    assert max_id(conn) == last
+    yes = run_on_tty(args, "y\n")
+    assert yes.code == 0 and yes.out.startswith("replayed 4 events as new events (same msg_id): "), yes
+    assert [m[0] for m in copies(conn, last)] == [*sorted(shop["o-1"] + shop["o-2"])]
+
+
+def test_bad_input_is_one_line(dsn: str, conn: Conn, shop: dict[str, list[int]]) -> None:
+    last = max_id(conn)
+    no_filter, new_msg_id_only, bad_id, bad_since, backwards, unknown = run_all(
+        ("replay", "--dsn", dsn),
+        ("replay", "--dsn", dsn, "--new-msg-id", "--yes"),
+        ("replay", "--dsn", dsn, "--id", "5,x"),
+        ("replay", "--dsn", dsn, "--since", "next blue moon"),
+        ("replay", "--dsn", dsn, "--since", "1 hour", "--until", "2 hours"),
+        ("replay", "--dsn", dsn, "--aggregate", "order"))
+    refused = ("outboxpg: which events? give --id, --aggregate-type, --aggregate-id, --event-type, --since or --until "
+               "(replaying every published event is refused)")
+    assert one_line_error(no_filter, 2) == refused
+    assert one_line_error(new_msg_id_only, 2) == refused
+    assert _usage_error(bad_id) == ("outboxpg replay: argument --id: not a comma-separated list of whole numbers: "
+                                    "'5,x' (see outboxpg replay --help)")
+    assert one_line_error(bad_since, 1) == "outboxpg: --since: neither a timestamp nor an interval: 'next blue moon'"
+    assert re.fullmatch(r"outboxpg: outbox_replay: since \(.+\) is not before until \(.+\)",
+                        one_line_error(backwards, 2)), backwards
+    assert _usage_error(unknown) == ("outboxpg replay: ambiguous option: --aggregate could match --aggregate-type, "
+                                     "--aggregate-id (see outboxpg replay --help)")
+    assert max_id(conn) == last
+
+
+def _usage_error(r: Result) -> str:
+    assert (r.code, r.out) == (2, ""), r
+    lines = r.err.splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.err, r
+    return lines[0]
+
+
+def test_a_worker_login_is_denied(dsn: str, conn: Conn, shop: dict[str, list[int]]) -> None:
+    last = max_id(conn)
+    with login_roles(dsn, worker="outbox_worker", operator="outbox_operator") as logins:
+        worker, operator = logins["worker"], logins["operator"]
+        denied, allowed = run_all(("replay", "--dsn", worker.dsn, "--id", str(shop["o-2"][0])),
+                                  ("replay", "--dsn", operator.dsn, "--id", str(shop["o-2"][0])))
+    line = one_line_error(denied, 1)
+    assert line.startswith(f"outboxpg: role '{worker.name}' may not "), line
+    assert "permission denied" in line and "GRANT outbox_operator TO" in line, line
+    assert allowed.code == 0 and allowed.out == f"replayed 1 event as new events (same msg_id): {shop['o-2'][0]}\n"
+    assert [m[0] for m in copies(conn, last)] == shop["o-2"]

@@ -1,0 +1,287 @@
+"""The worker against a real PostgreSQL and a real nats-server (issue: outboxpg-worker)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from typing import Any
+
+import psycopg
+import pytest
+from jetstream import make_stream, read_stream
+from workers import count_in, equals, start, wait_until
+
+from outboxpg import Event, enqueue, enqueue_many
+from outboxpg.events import OutboxEvent
+from outboxpg.locks import WAKEUP_LOCK
+from outboxpg.relay.nats_publisher import NatsPublisher
+from outboxpg.relay.publishers import FunctionPublisher
+
+
+async def test_three_workers_deliver_every_event_once_in_aggregate_order(dsn, conn, nats_server, fast_retries):
+    stream = await make_stream(nats_server.url)
+    conn.execute("UPDATE outbox_settings SET subject_prefix = %s", (stream.prefix,))
+    workers = [start(dsn, NatsPublisher(nats_server.url), batch_size=50, concurrency=3, name=f"w{i}")
+               for i in range(3)]
+    # 10,000 events of 200 aggregates, written in 20 business transactions while the workers run.
+    async with await psycopg.AsyncConnection.connect(dsn) as producer:
+        for chunk in range(20):
+            async with producer.transaction():
+                await enqueue_many(producer, [Event("order", str(i % 200), "updated", {"i": i})
+                                              for i in range(chunk * 500, chunk * 500 + 500)])
+    await wait_until(lambda: equals(count_in(dsn, "published"), 10_000), 120, "10,000 events published")
+    for w in workers:
+        await w.stop()
+    assert sum(w.worker.stats.delivered for w in workers) == 10_000
+
+    msgs = await read_stream(stream)
+    await stream.nc.close()
+    rows = conn.execute("SELECT id, msg_id, aggregate_type || '/' || aggregate_id FROM outbox").fetchall()
+    assert len(msgs) == 10_000
+    assert len({m.msg_id for m in msgs}) == 10_000
+    assert {(m.outbox_id, m.msg_id, m.aggregate) for m in msgs} == set(rows)
+    per_aggregate: dict[str, list[int]] = defaultdict(list)
+    for m in msgs:  # stream order
+        per_aggregate[m.aggregate].append(m.outbox_id)
+    assert len(per_aggregate) == 200
+    for aggregate, ids in per_aggregate.items():
+        assert ids == sorted(ids), f"{aggregate} delivered out of id order"
+
+
+async def test_failing_publisher_dead_letters_after_max_attempts_and_others_flow(dsn, conn, fast_retries):
+    conn.execute("UPDATE outbox_settings SET max_attempts = 3")
+    delivered: list[int] = []
+
+    async def publish(event: OutboxEvent) -> None:
+        if event.aggregate_id == "bad":
+            raise RuntimeError("downstream says no")
+        delivered.append(event.id)
+
+    bad_first = enqueue(conn, "order", "bad", "created", {})
+    bad_second = enqueue(conn, "order", "bad", "paid", {})
+    good = [enqueue(conn, "order", f"good{i % 10}", "created", {"i": i}) for i in range(50)]
+    running = start(dsn, FunctionPublisher(publish), batch_size=20)
+    await wait_until(lambda: equals(count_in(dsn, "published"), 50), 30, "good events published")
+    await wait_until(lambda: equals(count_in(dsn, "dead"), 1), 30, "bad event dead")
+    await running.stop()
+
+    state, attempts, error = conn.execute(
+        "SELECT state, attempts, last_error FROM outbox WHERE id = %s", (bad_first,)).fetchone()
+    assert (state, attempts) == ("dead", 3)
+    assert "downstream says no" in error
+    # Its aggregate's later event waits behind it; it was never handed out.
+    assert conn.execute("SELECT state, attempts FROM outbox WHERE id = %s", (bad_second,)).fetchone() == ("pending", 0)
+    assert sorted(delivered) == sorted(good)
+    assert running.worker.stats.dead == 1
+
+
+async def test_oversize_payload_is_dead_lettered_at_once(dsn, conn, nats_server, fast_retries):
+    stream = await make_stream(nats_server.url)
+    conn.execute("UPDATE outbox_settings SET subject_prefix = %s", (stream.prefix,))
+    huge = enqueue(conn, "blob", "1", "uploaded", {"blob": "x" * 1_200_000})
+    after = enqueue(conn, "blob", "1", "tagged", {})
+    other = enqueue(conn, "blob", "2", "uploaded", {"blob": "small"})
+    running = start(dsn, NatsPublisher(nats_server.url))
+    await wait_until(lambda: equals(count_in(dsn, "dead"), 1), 20, "oversize event dead")
+    await wait_until(lambda: equals(count_in(dsn, "published"), 1), 20, "the other aggregate's event published")
+    await running.stop()
+    state, attempts, error = conn.execute(
+        "SELECT state, attempts, last_error FROM outbox WHERE id = %s", (huge,)).fetchone()
+    assert (state, attempts) == ("dead", 1)
+    assert "max_payload" in error
+    assert conn.execute("SELECT state FROM outbox WHERE id = %s", (after,)).fetchone() == ("pending",)
+    assert conn.execute("SELECT state FROM outbox WHERE id = %s", (other,)).fetchone() == ("published",)
+    msgs = await read_stream(stream)
+    await stream.nc.close()
+    assert [m.outbox_id for m in msgs] == [other]
+
+
+async def test_listen_connection_killed_worker_reconnects_and_delivers_within_2s(dsn, conn):
+    seen: dict[int, float] = {}
+
+    async def publish(event: OutboxEvent) -> None:
+        seen[event.id] = time.monotonic()
+
+    running = start(dsn, FunctionPublisher(publish), poll_interval=120)
+    await wait_until(running.idle, 10, "worker idle")
+    killed = conn.execute("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                          "WHERE datname = current_database() AND query = 'LISTEN outbox'").fetchone()[0]
+    assert killed == 1
+    t0 = time.monotonic()
+    event_id = enqueue(conn, "order", "1", "created", {})
+    await wait_until(lambda: _has(seen, event_id), 2.0, "event delivered after LISTEN backend was killed")
+    await wait_until(running.idle, 5, "worker idle again")
+    assert running.worker.listener.reconnects == 1
+    # And the wakeup path works again: a new event arrives without any poll.
+    t1 = time.monotonic()
+    second = enqueue(conn, "order", "2", "created", {})
+    await wait_until(lambda: _has(seen, second), 2.0, "event delivered by notification")
+    await running.stop()
+    assert seen[event_id] - t0 < 2.0 and seen[second] - t1 < 2.0
+
+
+async def test_idle_lock_connection_killed_worker_retakes_it(dsn, conn):
+    seen: dict[int, float] = {}
+
+    async def publish(event: OutboxEvent) -> None:
+        seen[event.id] = time.monotonic()
+
+    running = start(dsn, FunctionPublisher(publish), poll_interval=120)
+    await wait_until(running.idle, 10, "worker idle")
+    holder = "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND classid = %s AND objid = %s AND granted"
+    old_pid = conn.execute(holder, WAKEUP_LOCK).fetchone()[0]
+    conn.execute("SELECT pg_terminate_backend(%s)", (old_pid,))
+
+    async def retaken() -> bool:
+        row = conn.execute(holder, WAKEUP_LOCK).fetchone()
+        return row is not None and row[0] != old_pid
+    await wait_until(retaken, 5, "wakeup lock taken again on a new connection")
+    event_id = enqueue(conn, "order", "1", "created", {})
+    await wait_until(lambda: _has(seen, event_id), 2.0, "event delivered by notification")
+    await running.stop()
+
+
+async def _has(d: dict[int, float], key: int) -> bool:
+    return key in d
+
+
+async def test_idle_worker_does_not_poll_busily_and_is_woken_by_notify(dsn, conn):
+    seen: dict[int, float] = {}
+
+    async def publish(event: OutboxEvent) -> None:
+        seen[event.id] = time.monotonic()
+
+    running = start(dsn, FunctionPublisher(publish), poll_interval=1.0)
+    await wait_until(running.idle, 10, "worker idle")
+    claims_before = running.worker.stats.claims
+    await asyncio.sleep(3.2)
+    idle_claims = running.worker.stats.claims - claims_before
+    # One claim per fallback poll (1 s here), nothing in between.
+    assert 2 <= idle_claims <= 5, idle_claims
+    t0 = time.monotonic()
+    event_id = enqueue(conn, "order", "1", "created", {})
+    await wait_until(lambda: _has(seen, event_id), 1.0, "event delivered", interval=0.005)
+    await running.stop()
+    assert seen[event_id] - t0 < 0.5, "woken by NOTIFY, not by the 1 s poll"
+
+
+async def test_retry_wakes_worker_at_its_due_time_not_at_the_poll(dsn, conn):
+    conn.execute("UPDATE outbox_settings SET backoff_base = '300 milliseconds', backoff_cap = '300 milliseconds'")
+    attempts: list[float] = []
+
+    async def publish(event: OutboxEvent) -> None:
+        attempts.append(time.monotonic())
+        if len(attempts) == 1:
+            raise RuntimeError("first attempt fails")
+
+    running = start(dsn, FunctionPublisher(publish), poll_interval=120)
+    await wait_until(running.idle, 10, "worker idle")
+    enqueue(conn, "order", "1", "created", {})
+    await wait_until(lambda: equals(count_in(dsn, "published"), 1), 5, "event published on its retry")
+    await running.stop()
+    assert len(attempts) == 2
+    assert 0.1 <= attempts[1] - attempts[0] < 2.0  # the 150-300 ms backoff, not the 120 s poll
+
+
+async def test_poll_only_mode_uses_no_listen_and_no_lock(dsn, conn):
+    seen: list[int] = []
+
+    async def publish(event: OutboxEvent) -> None:
+        seen.append(event.id)
+
+    running = start(dsn, FunctionPublisher(publish), poll_only=True, poll_interval=0.3)
+    await asyncio.sleep(0.5)
+    event_id = enqueue(conn, "order", "1", "created", {})
+    await wait_until(lambda: equals(count_in(dsn, "published"), 1), 5, "event published by polling")
+    listening = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                             "AND query = 'LISTEN outbox'").fetchone()[0]
+    locks = conn.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'").fetchone()[0]
+    await running.stop()
+    assert seen == [event_id]
+    assert (listening, locks) == (0, 0)
+
+
+@pytest.mark.slow
+async def test_nats_outage_of_10s_under_load_delivers_everything_without_busy_loop(dsn, conn, own_nats_server):
+    conn.execute("UPDATE outbox_settings SET backoff_base = '200 milliseconds', backoff_cap = '2 seconds'")
+    stream = await make_stream(own_nats_server.url)
+    await stream.nc.close()
+    conn.execute("UPDATE outbox_settings SET subject_prefix = %s", (stream.prefix,))
+    running = start(dsn, NatsPublisher(own_nats_server.url), batch_size=100, publish_timeout=0.5, lease=5)
+    written = 0
+
+    async def produce(seconds: float) -> None:
+        nonlocal written
+        async with await psycopg.AsyncConnection.connect(dsn) as producer:
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                async with producer.transaction():
+                    await enqueue_many(producer, [Event("order", str((written + i) % 50), "updated", {"n": written + i})
+                                                  for i in range(20)])
+                written += 20
+                await asyncio.sleep(0.1)
+
+    load = asyncio.create_task(produce(15))
+    await asyncio.sleep(2)
+    own_nats_server.stop()
+    claims_at_stop = running.worker.stats.claims
+    await asyncio.sleep(10)
+    claims_during_outage = running.worker.stats.claims - claims_at_stop
+    own_nats_server.start()
+    await load
+    await wait_until(lambda: equals(count_in(dsn, "published"), written), 60, f"all {written} events published")
+    await running.stop()
+    assert await count_in(dsn, "dead")() == 0
+    assert running.worker.stats.failed > 0, "the outage was felt"
+    # Every claim during the outage waited out its publish timeout or a backoff: no spinning.
+    assert claims_during_outage < 200, claims_during_outage
+    stream = await make_stream_reader(own_nats_server.url, stream.name, stream.prefix)
+    msgs = await read_stream(stream)
+    await stream.nc.close()
+    assert len({m.msg_id for m in msgs}) == written == len(msgs)
+
+
+async def make_stream_reader(url: str, name: str, prefix: str) -> Any:
+    import nats
+    from jetstream import StreamHandle
+
+    nc = await nats.connect(url)
+    return StreamHandle(nc, nc.jetstream(), name, prefix)
+
+
+def test_sync_function_publisher_works(dsn, conn):
+    seen: list[int] = []
+
+    def publish(event: OutboxEvent) -> None:
+        seen.append(event.id)
+
+    ids = [enqueue(conn, "order", str(i), "created", {"i": i}) for i in range(5)]
+
+    async def main() -> None:
+        running = start(dsn, publish)  # a bare function is wrapped in FunctionPublisher
+        await wait_until(lambda: equals(count_in(dsn, "published"), 5), 10, "published")
+        await running.stop()
+
+    asyncio.run(main())
+    assert sorted(seen) == ids
+
+
+async def test_next_event_of_an_aggregate_follows_without_waiting_for_the_poll(dsn, conn):
+    """Events of one aggregate go out one after another; each is claimable only once the
+    previous one is reported, and no NOTIFY announces that: the worker must not sleep then."""
+    seen: list[tuple[int, float]] = []
+
+    async def publish(event: OutboxEvent) -> None:
+        await asyncio.sleep(0.02)  # a slow broker: the report comes well after the next claim
+        seen.append((event.id, time.monotonic()))
+
+    running = start(dsn, FunctionPublisher(publish), poll_interval=120)
+    await wait_until(running.idle, 10, "worker idle")
+    with conn.transaction():
+        ids = [enqueue(conn, "order", "hot", "step", {"n": n}) for n in range(5)]
+    t0 = time.monotonic()
+    await wait_until(lambda: equals(count_in(dsn, "published"), 5), 10, "all five published")
+    await running.stop()
+    assert [i for i, _ in seen] == ids
+    assert seen[-1][1] - t0 < 3.0, "each next event was claimed right after the previous report"

@@ -1,0 +1,57 @@
+"""The worker running in this test's event loop (``start``, a ``helpers.Running``), waiting on
+what it does (``wait_until``, ``count_in``), and events made by hand for a publisher."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import psycopg
+from helpers import Running
+
+from outboxpg.events import OutboxEvent
+from outboxpg.worker import Worker, WorkerConfig
+
+
+async def wait_until(pred: Callable[[], Awaitable[bool]], timeout: float, what: str, interval: float = 0.05) -> float:
+    """Poll ``pred`` until true; returns the seconds it took. Fails the test after ``timeout``."""
+    start = time.monotonic()
+    while not await pred():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(interval)
+    return time.monotonic() - start
+
+
+async def scalar(dsn: str, query: str, params: tuple[Any, ...] = ()) -> Any:
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as c:
+        row = await (await c.execute(query, params)).fetchone()
+        return row[0] if row else None
+
+
+def count_in(dsn: str, state: str) -> Callable[[], Awaitable[int]]:
+    async def f() -> int:
+        return int(await scalar(dsn, "SELECT count(*) FROM outbox WHERE state = %s", (state,)))
+    return f
+
+
+def start(dsn: str, publisher: Any, **config: Any) -> Running:
+    config.setdefault("publish_timeout", 2.0)
+    config.setdefault("lease", 10.0)
+    return Running(Worker(WorkerConfig(dsn=dsn, **config), publisher))
+
+
+async def equals(f: Callable[[], Awaitable[int]], n: int) -> bool:
+    return await f() == n
+
+
+def event(i: int, subject: str, **kw: Any) -> OutboxEvent:
+    fields: dict[str, Any] = dict(id=i, subject=subject, aggregate_type="order", aggregate_id=str(i),
+                                  event_type="created", payload=b'{"i": %d}' % i, headers={},
+                                  msg_id=f"m-{uuid.uuid4()}", attempt=0, created_at=datetime.now(UTC))
+    fields.update(kw)
+    return OutboxEvent(**fields)
