@@ -105,8 +105,8 @@ REFRESH_HEADS = _f("outbox_refresh_heads", "text[]", "text[]",   # inside the re
 # -- triggers: they fire as the role that writes the table, without any EXECUTE grant -----------
 WAKE_WORKERS = _f("outbox_wake_workers", trigger=True)        # 0003: NOTIFY idle workers
 FORGET_DELETED = _f("outbox_forget_deleted", trigger=True)    # 0005: rows deleted by hand take their heads along
-HOLD_HORIZON = _f("outbox_hold_horizon", trigger=True)        # 0013: the commit-order guard
-ASSIGN_ID = _f("outbox_assign_id", trigger=True)              # 0013: an aggregate's lock before its event's id
+# 0013: an aggregate's lock before its event's id; since 0025 also the transaction's horizon
+ASSIGN_ID = _f("outbox_assign_id", trigger=True)
 
 FUNCTIONS: tuple[SqlFunction, ...] = (
     CLAIM, COMPLETE, FAIL, RELEASE, EXTEND, NEXT_WAKEUP, UNFINISHED_SUBJECTS, WORKER_IDLE, WORKER_BUSY,
@@ -114,7 +114,7 @@ FUNCTIONS: tuple[SqlFunction, ...] = (
     IDEMPOTENCY_TAKE, IDEMPOTENCY_EVENT, IDEMPOTENCY_FORGET,
     AGGREGATE_KEY, RETRY_DELAY,
     COMMIT_GUARD, COMMIT_HORIZON, TAKE_IN, REFRESH_HEADS,
-    WAKE_WORKERS, FORGET_DELETED, HOLD_HORIZON, ASSIGN_ID,
+    WAKE_WORKERS, FORGET_DELETED, ASSIGN_ID,
 )
 
 # What outboxpg-worker checks at start (exists, and this login may execute it), in this order:
