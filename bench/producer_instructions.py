@@ -31,8 +31,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# postgres --single -j ends a command at ";" followed by an empty line: one transaction each.
 INSERT = ("PREPARE ins(text) AS INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
-          "VALUES ('order', $1, 'created', '{\"n\":1}');\n")
+          "VALUES ('order', $1, 'created', '{\"n\":1}');\n\n")
 
 
 def bindir() -> Path:
@@ -61,7 +62,7 @@ def migrations_of(rev: str, into: Path) -> Path:
 
 
 def instructions(bin_: Path, data: Path, db: str, n: int) -> int:
-    script = INSERT + "".join(f"EXECUTE ins('{i % 1000}');\n" for i in range(n))
+    script = INSERT + "".join(f"EXECUTE ins('{i % 1000}');\n\n" for i in range(n))
     p = as_postgres("valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
                     str(bin_ / "postgres"), "--single", "-D", str(data), "-j", db,
                     input=script, capture_output=True)

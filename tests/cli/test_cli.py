@@ -352,7 +352,7 @@ def test_usage_errors_are_one_line_naming_the_help_to_read() -> None:
         ("--bogus", "status"): "unrecognized arguments: --bogus (see outboxpg --help)",
         ("--bogus",): "the following arguments are required: COMMAND (see outboxpg --help)",
         ("nosuch",): "argument COMMAND: invalid choice: 'nosuch' (choose from 'migrate', 'sql', 'status', "
-                     "'maintain', 'dead', 'demo') (see outboxpg --help)",
+                     "'maintain', 'dead', 'replay', 'demo') (see outboxpg --help)",
         ("status", "--watch", "abc"): "argument --watch: not a number of seconds: 'abc' (see outboxpg status --help)",
         ("migrate", "--steps", "x"): "argument --steps: invalid int value: 'x' (see outboxpg migrate --help)",
         ("dead", "list", "--bogus"): "unrecognized arguments: --bogus (see outboxpg dead list --help)",

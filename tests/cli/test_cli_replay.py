@@ -135,12 +135,12 @@ def test_bad_input_is_one_line(dsn: str, conn: Conn, shop: dict[str, list[int]])
                "(replaying every published event is refused)")
     assert one_line_error(no_filter, 2) == refused
     assert one_line_error(new_msg_id_only, 2) == refused
-    assert _usage_error(bad_id) == ("outboxpg replay: argument --id: not a comma-separated list of whole numbers: "
+    assert _usage_error(bad_id) == ("outboxpg: argument --id: not a comma-separated list of whole numbers: "
                                     "'5,x' (see outboxpg replay --help)")
     assert one_line_error(bad_since, 1) == "outboxpg: --since: neither a timestamp nor an interval: 'next blue moon'"
     assert re.fullmatch(r"outboxpg: outbox_replay: since \(.+\) is not before until \(.+\)",
                         one_line_error(backwards, 2)), backwards
-    assert _usage_error(unknown) == ("outboxpg replay: ambiguous option: --aggregate could match --aggregate-type, "
+    assert _usage_error(unknown) == ("outboxpg: ambiguous option: --aggregate could match --aggregate-type, "
                                      "--aggregate-id (see outboxpg replay --help)")
     assert max_id(conn) == last
 

@@ -90,18 +90,25 @@ def test_a_sequence_reset_without_is_called_holds_back_more_never_less(dsn, conn
     assert claim_ids(conn) == [first, later]
 
 
-def test_settings_are_read_once_per_transaction(dsn, conn):
-    """The guard's settings are read at a transaction's first event (0020), so a transaction
-    that writes in several statements names its aggregates by one limit throughout."""
-    conn.execute("UPDATE outbox_settings SET commit_order_max_aggregates = 2")
+def test_the_first_aggregate_is_named_without_reading_the_settings(dsn, conn):
+    """A transaction's first event names its aggregate whatever the settings say (0025: they are
+    read only for a second aggregate): with commit_order_max_aggregates 0 the second one makes it
+    hold back every newer event; with the guard off it names no more (and claims ignore names)."""
+    conn.execute("UPDATE outbox_settings SET commit_order_max_aggregates = 0")
     with psycopg.connect(dsn) as slow:
         enqueue(slow, "order", "a", "x", {})
-        conn.execute("UPDATE outbox_settings SET commit_order_max_aggregates = 16")
+        enqueue(slow, "order", "a", "y", {})
+        held = "SELECT aggregates, all_newer FROM outbox_open_producers() WHERE pid = %s"
+        assert conn.execute(held, (slow.info.backend_pid,)).fetchone() == (1, False)
         enqueue(slow, "order", "b", "x", {})
-        enqueue(slow, "order", "c", "x", {})                     # a third: past the limit of 2
-        held = conn.execute("SELECT aggregates, all_newer FROM outbox_open_producers() WHERE pid = %s",
-                            (slow.info.backend_pid,)).fetchone()
-        assert held == (2, True)
+        assert conn.execute(held, (slow.info.backend_pid,)).fetchone() == (1, True)
+        slow.rollback()
+    conn.execute("UPDATE outbox_settings SET commit_order_max_aggregates = 16, commit_order_guard = false")
+    with psycopg.connect(dsn) as slow:
+        enqueue(slow, "order", "a", "x", {})
+        enqueue(slow, "order", "b", "x", {})
+        enqueue(slow, "order", "c", "x", {})
+        assert conn.execute(held, (slow.info.backend_pid,)).fetchone() == (1, False)
         slow.rollback()
 
 
