@@ -1,8 +1,8 @@
 -- outboxpg 0020: the commit-order triggers (0013) cost producers less.
 --
--- Measured (callgrind, instructions per one-event INSERT transaction, PREPAREd as pgbench -M
--- prepared sends it; BENCHMARKS.md, "Issue 12, third session"): 3451e34, before the per-aggregate
--- guard, 417,000; 0013's triggers 478,000 (+15 %); these 436,000 (+5 %). Where 0013 spent it:
+-- Measured (bench/producer_instructions.py, callgrind, instructions per one-event INSERT
+-- transaction): 0013's triggers 555,000, these 541,000 (3451e34, before the per-aggregate guard:
+-- 426,000). Where 0013 spent it:
 --
 --   * outbox_hold_horizon ran two queries per statement: `SELECT * FROM outbox_settings` (a whole
 --     row into a record) and `SELECT last_value, is_called FROM outbox_id_seq`. The sequence is

@@ -17,7 +17,7 @@
 -- one-event transaction pays for all of them.
 --
 -- Measured (bench/producer_instructions.py, instructions per one-event INSERT transaction, each
--- its own transaction): 3451e34 426,000; 0024 558,000 (+31 %); this step: see BENCHMARKS.md.
+-- its own transaction): 3451e34 426,000; 0024 558,000 (+31 %); this step 462,000 (+8 %).
 --
 -- The setting outboxpg.held_aggregates is the trigger's own, set for the transaction: an
 -- application must not set it (outboxpg.name_aggregates is not used any more).
