@@ -191,6 +191,12 @@ def _blank(env: Env) -> None:
     """A database without the outbox schema (README: installing it with psql, then --adopt)."""
 
 
+@scenario("empty")
+def _empty(env: Env) -> None:
+    """The outbox schema installed, no event yet (README: scheduled events, idempotent enqueue)."""
+    _migrate(env)
+
+
 @scenario("node-example", lambda env: {
     "cd examples/node && npm ci --silent": f"cd {env.tmp / 'node'} && npm ci --silent --prefer-offline",
     "postgresql://relay@db/shop": "postgresql://{PGUSER}@{PGHOST}:{PGPORT}/{PGDATABASE}"})
