@@ -942,6 +942,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args)
     except KeyboardInterrupt:
+        say("interrupted: every process, server and namespace started here is stopped and removed; "
+            "the worker logs are kept (their directory is in the first line)")
         return 130
 
 
