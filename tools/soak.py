@@ -1,6 +1,8 @@
 """Chaos soak: producers, three outboxpg-worker processes and seeded faults, then a checker.
 
     bin/soak --minutes 3 --seed 42          (python tools/soak.py ..., from the checkout)
+    bin/soak --distributed --seconds 180 --seed 42   (root: a JetStream cluster, a replicated
+                                            PostgreSQL, workers on hosts of their own; tools/soak_distributed.py)
 
 Everything runs on throwaway servers started here (EmbeddedPostgres, EmbeddedNats) and everything
 started here is stopped here. See RELIABILITY.md for what is injected, what is checked and how the
