@@ -1,6 +1,8 @@
 """Chaos soak: producers, three outboxpg-worker processes and seeded faults, then a checker.
 
     bin/soak --minutes 3 --seed 42          (python tools/soak.py ..., from the checkout)
+    bin/soak --distributed --seconds 180 --seed 42   (root: a JetStream cluster, a replicated
+                                            PostgreSQL, workers on hosts of their own; tools/soak_distributed.py)
 
 Everything runs on throwaway servers started here (EmbeddedPostgres, EmbeddedNats) and everything
 started here is stopped here. See RELIABILITY.md for what is injected, what is checked and how the
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -39,6 +42,11 @@ from outboxpg.events import NotSent, runs_of
 
 FAULT_KINDS = ("kill9", "sigterm", "pg_terminate", "pg_restart_fast", "pg_restart_immediate",
                "nats_outage", "sigstop")
+# --distributed: a 3-node JetStream cluster, a primary with a synchronous standby, workers on hosts
+# of their own (network namespaces); these kinds join the ones above (but nats_outage: a node kill
+# is the cluster's outage).
+DISTRIBUTED_KINDS = ("nats_node_kill9", "nats_leader_kill9", "pg_failover", "net_cut_pg", "net_cut_nats",
+                     "slow_publisher", "poison", "held_snapshot")
 SUBJECT_PREFIX = "soak"
 STREAM = "SOAK"
 WORKER_APP = "soak-worker"
@@ -64,6 +72,11 @@ class FlakyPublisher:
                                    on_duplicate=lambda seq: self._note(f"dup {seq}"))
         stats_dir = os.environ.get("OUTBOXPG_SOAK_STATS_DIR")
         self._stats = open(Path(stats_dir) / f"pub-{os.getpid()}.log", "a", buffering=1) if stats_dir else None
+        # The slow_publisher fault: while this file holds a time (time.time()) still to come, each
+        # batch waits 0.2 s .. OUTBOXPG_SOAK_SLOW_MAX s before it is published.
+        worker = os.environ.get("OUTBOXPG_SOAK_WORKER", "")
+        self._slow_flag = Path(stats_dir) / f"slow-{worker}" if stats_dir and worker else None
+        self.slow_max = float(os.environ.get("OUTBOXPG_SOAK_SLOW_MAX", "5"))
 
     def _note(self, what: str) -> None:
         if self._stats is not None:
@@ -72,7 +85,20 @@ class FlakyPublisher:
     async def start(self) -> None:
         await self.inner.start()
 
+    async def _maybe_slow(self) -> None:
+        if self._slow_flag is None:
+            return
+        try:
+            until = float(self._slow_flag.read_text())
+        except (OSError, ValueError):
+            return
+        if time.time() < until:
+            delay = self.rng.uniform(0.2, self.slow_max)
+            self._note(f"slow {delay:.2f}")
+            await asyncio.sleep(delay)
+
     async def publish_batch(self, events: Any) -> list[BaseException | None]:
+        await self._maybe_slow()
         outcomes: list[BaseException | None] = [None] * len(events)
         keep = []
         # A failure ends its run: the aggregate's later events of the batch are not sent (as a
@@ -108,6 +134,7 @@ class Ledger:
     lock: threading.Lock = field(default_factory=threading.Lock)
     committed: dict[str, tuple[str, float]] = field(default_factory=dict)   # msg_id -> (aggregate, commit time)
     rolled_back: set[str] = field(default_factory=set)
+    poison_dead: set[str] = field(default_factory=set)   # committed over max_payload: must die, unsent
     tx: Counter[str] = field(default_factory=Counter)
 
     def commit(self, events: list[tuple[str, str]], at: float, how: str) -> None:
@@ -223,12 +250,16 @@ def _resolve(dsn: str, bid: str, stop: threading.Event) -> bool | None:
 
 
 class Workers:
-    def __init__(self, count: int, dsn: str, nats_url: str, workdir: Path, seed: int, args: argparse.Namespace) -> None:
+    def __init__(self, count: int, dsn: str, nats_url: str, workdir: Path, seed: int, args: argparse.Namespace,
+                 prefixes: list[list[str]] | None = None) -> None:
         self.binary = str(Path(sys.executable).parent / "outboxpg-worker")
         self.dsn, self.workdir, self.args = dsn, workdir, args
+        # Worker i runs under prefixes[i] (``ip netns exec <its host>`` with --distributed).
+        self.prefixes = prefixes or [[] for _ in range(count)]
         self.env = {**os.environ, "OUTBOXPG_SOAK_NATS_URL": nats_url, "OUTBOXPG_SOAK_SEED": str(seed),
                     "OUTBOXPG_SOAK_FAIL_RATE": str(args.fail_rate),
                     "OUTBOXPG_SOAK_ACK_TIMEOUT": str(args.publish_timeout),
+                    "OUTBOXPG_SOAK_SLOW_MAX": str(args.lease + 1.0),
                     "OUTBOXPG_SOAK_STATS_DIR": str(workdir),
                     # The workers load FlakyPublisher from this file: --publisher soak:FlakyPublisher.
                     "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent),
@@ -249,10 +280,11 @@ class Workers:
         log = (self.workdir / f"{self.name(i)}.{self.spawns[i]}.log").open("wb")
         a = self.args
         self.procs[i] = subprocess.Popen(
-            [self.binary, "--dsn", self.dsn, "--name", self.name(i), "--batch-size", "50", "--concurrency", "2",
+            [*self.prefixes[i], self.binary, "--dsn", self.dsn, "--name", self.name(i), "--batch-size", "50",
+             "--concurrency", "2",
              "--lease", str(a.lease), "--publish-timeout", str(a.publish_timeout), "--poll-interval", "2",
              "--summary-interval", "10", "--publisher", "soak:FlakyPublisher"],
-            stdout=log, stderr=subprocess.STDOUT, env=self.env)
+            stdout=log, stderr=subprocess.STDOUT, env={**self.env, "OUTBOXPG_SOAK_WORKER": self.name(i)})
         log.close()
 
     def start(self) -> None:
@@ -347,7 +379,7 @@ def monitor(dsn: str, faults: list[FaultRecord], lock: threading.Lock, stop: thr
 # The run
 
 
-def _setup(dsn: str, nats_url: str) -> None:
+def _setup(dsn: str, nats_url: str, replicas: int = 1) -> None:
     from outboxpg import schema
 
     schema.migrate(dsn)
@@ -360,13 +392,43 @@ def _setup(dsn: str, nats_url: str) -> None:
     async def make_stream() -> None:
         import nats
         from nats.js.api import StreamConfig
+        from nats.js.errors import Error as JsError
 
-        nc = await nats.connect(nats_url)
-        await nc.jetstream().add_stream(StreamConfig(name=STREAM, subjects=[f"{SUBJECT_PREFIX}.>"],
-                                                     duplicate_window=600))
-        await nc.close()
+        nc = await nats.connect(servers=nats_url.split(","))
+        try:
+            # A cluster that has just started may have no meta leader yet: ask again for 30 s.
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    await nc.jetstream().add_stream(StreamConfig(name=STREAM, subjects=[f"{SUBJECT_PREFIX}.>"],
+                                                                 duplicate_window=600, num_replicas=replicas))
+                    return
+                except (JsError, TimeoutError, nats.errors.Error):
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.5)
+        finally:
+            await nc.close()
 
     asyncio.run(make_stream())
+
+
+@dataclass
+class Rig:
+    """The servers the soak runs on: single ones, or (--distributed) a replicated PostgreSQL, a
+    JetStream cluster and hosts for the workers."""
+    admin_dsn: str            # the soak's own connections (producers, monitor, chaos, checker)
+    worker_dsn: str
+    nats_url: str             # comma-separated with a cluster
+    workdir: Path
+    pg: Any = None            # EmbeddedPostgres (single)
+    ns: Any = None            # EmbeddedNats (single)
+    replicated: Any = None    # soak_distributed.ReplicatedPg
+    cluster: Any = None       # soak_distributed.NatsCluster
+    hosts: Any = None         # soak_distributed.Hosts
+
+    def primary(self) -> Any:
+        return self.replicated.primary if self.replicated is not None else self.pg
 
 
 def catch_mid_batch(proc: subprocess.Popen[bytes], name: str, admin_dsn: str, limit: float = 3.0) -> int:
@@ -390,8 +452,11 @@ def catch_mid_batch(proc: subprocess.Popen[bytes], name: str, admin_dsn: str, li
         return held
 
 
-def inject(kind: str, rng: random.Random, workers: Workers, pg: Any, ns: Any, admin_dsn: str,
-           lease: float, rec: FaultRecord, ledger: Ledger) -> None:
+
+
+def inject(kind: str, rng: random.Random, workers: Workers, rig: Rig, lease: float, rec: FaultRecord,
+           ledger: Ledger) -> None:
+    admin_dsn = rig.admin_dsn
     if kind in ("kill9", "sigterm", "sigstop"):
         i, proc = workers.pick(rng)
         rec.detail = f"{workers.name(i)} pid {proc.pid}"
@@ -426,60 +491,182 @@ def inject(kind: str, rng: random.Random, workers: Workers, pg: Any, ns: Any, ad
     elif kind.startswith("pg_restart_"):
         t0 = time.monotonic()
         rec.armed = True
-        pg.restart(kind.removeprefix("pg_restart_"))
+        rig.primary().restart(kind.removeprefix("pg_restart_"))
         rec.detail = f"down/up in {time.monotonic() - t0:.2f}s"
     elif kind == "nats_outage":
         down = rng.uniform(2.0, 4.0)
         rec.armed = True
-        ns.stop()
+        rig.ns.stop()
         time.sleep(down)
-        ns.start()
+        rig.ns.start()
         rec.detail = f"down {down:.1f}s"
+    elif kind in ("nats_node_kill9", "nats_leader_kill9"):
+        from soak_distributed import stream_leader
+
+        cluster = rig.cluster
+        try:
+            leader = asyncio.run(stream_leader(rig.nats_url, STREAM))
+        except Exception:  # noqa: BLE001 - no answer is an answer: no known leader right now
+            leader = None
+        nodes = list(range(len(cluster.procs)))
+        if kind == "nats_leader_kill9" and leader is not None:
+            victim = cluster.index_of(leader)
+        else:
+            others = [i for i in nodes if leader is None or cluster.server_name(i) != leader]
+            victim = rng.choice(others)
+        down = rng.uniform(2.0, 4.0)
+        rec.armed = True
+        cluster.kill_node(victim)
+        time.sleep(down)
+        t0 = time.monotonic()
+        cluster.start_node(victim)
+        role = "stream leader" if cluster.server_name(victim) == leader else "follower"
+        rec.detail = (f"{cluster.server_name(victim)} ({role}{', leader unknown' if leader is None else ''}) "
+                      f"SIGKILLed, down {down:.1f}s, "
+                      f"back in {time.monotonic() - t0:.2f}s")
+    elif kind == "pg_failover":
+        rec.armed = True
+        rec.detail = rig.replicated.fail_over(rng.uniform(0.5, 2.0))
+    elif kind in ("net_cut_pg", "net_cut_nats"):
+        # Cut a worker's host off while it holds leases where possible (caught as kill9 does):
+        # its reports for them hang until the link is back, long after the leases expired and
+        # other workers took the events over; then they must change nothing (fencing).
+        i, proc = workers.pick(rng)
+        service = rig.hosts.pg_addr if kind == "net_cut_pg" else rig.hosts.nats_addr
+        cut = lease + rng.uniform(1.5, 3.0)
+        held = catch_mid_batch(proc, workers.name(i), admin_dsn)
+        rec.injected, rec.waiting, rec.armed = time.monotonic(), ledger.snapshot(), True
+        try:
+            rig.hosts.cut(i, service)
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        try:
+            time.sleep(cut)
+        finally:
+            rig.hosts.restore(i, service)
+        rec.detail = (f"{workers.name(i)} ({rig.hosts.netns(i)}) holding {held} leases cut from "
+                      f"{'PostgreSQL' if kind == 'net_cut_pg' else 'NATS'} for {cut:.1f}s (lease {lease:g}s)")
+    elif kind == "slow_publisher":
+        i = rng.randrange(len(workers.procs))
+        window = lease + rng.uniform(2.0, 4.0)
+        flag = rig.workdir / f"slow-{workers.name(i)}"
+        rec.armed = True
+        flag.write_text(str(time.time() + window))
+        try:
+            time.sleep(window)
+        finally:
+            flag.unlink(missing_ok=True)
+        rec.detail = f"{workers.name(i)}: each batch waits 0.2-{lease + 1:g}s before publishing, for {window:.1f}s"
+    elif kind == "poison":
+        rec.armed = True
+        rec.detail = _poison(admin_dsn, rig.nats_url, ledger)
+    elif kind == "held_snapshot":
+        hold = rng.uniform(1.5 * lease, 2.5 * lease)
+        with psycopg.connect(admin_dsn, autocommit=True, application_name="soak-snapshot") as c:
+            c.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+            c.execute("SELECT count(*) FROM outbox")          # takes the snapshot; then idle
+            rec.armed = True
+            time.sleep(hold)
+            c.execute("ROLLBACK")
+        rec.detail = f"REPEATABLE READ snapshot held idle {hold:.1f}s"
     else:
         raise ValueError(kind)
 
 
-def run(args: argparse.Namespace) -> int:
-    from outboxpg.embedded import EmbeddedNats, EmbeddedPostgres
+def _poison(admin_dsn: str, nats_url: str, ledger: Ledger) -> str:
+    """One transaction: two events whose messages come just under the server's max_payload
+    (they must be delivered) and one just over it (it must die at once, unsent, and block
+    nothing: each on an aggregate of its own)."""
+    import nats
 
+    from outboxpg import Event, enqueue_many
+
+    async def max_payload() -> int:
+        nc = await nats.connect(servers=nats_url.split(","))
+        try:
+            return int(nc.max_payload)
+        finally:
+            await nc.close()
+
+    limit = asyncio.run(max_payload())
+    under = [(str(uuid.uuid4()), f"poison/fits-{uuid.uuid4().hex[:8]}") for _ in range(2)]
+    over = (str(uuid.uuid4()), f"poison/over-{uuid.uuid4().hex[:8]}")
+    # The headers (msg_id, ids, aggregate, trace) take a few hundred bytes: 2 KiB under is near.
+    items = [Event("poison", agg.split("/")[1], "big", {"pad": "u" * (limit - 2048)}, msg_id=m) for m, agg in under]
+    items.append(Event("poison", over[1].split("/")[1], "big", {"pad": "o" * (limit + 512)}, msg_id=over[0]))
+    with psycopg.connect(admin_dsn, application_name=PRODUCER_APP) as c:
+        enqueue_many(c, items)
+        c.commit()
+    ledger.commit(under, time.time(), "poison_committed")
+    with ledger.lock:
+        ledger.poison_dead.add(over[0])
+    return f"2 events of ~{limit - 2048} bytes, 1 of {limit + 512} (max_payload {limit})"
+
+
+def kinds_for(args: argparse.Namespace) -> tuple[str, ...]:
+    available = (tuple(k for k in FAULT_KINDS if k != "nats_outage") + DISTRIBUTED_KINDS
+                 if args.distributed else FAULT_KINDS)
+    if not args.kinds:
+        return available
+    wanted = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
+    unknown = [k for k in wanted if k not in available]
+    if unknown or not wanted:
+        raise ValueError(f"--kinds: {', '.join(unknown) or 'none given'} not among "
+                         f"{', '.join(available)}{'' if args.distributed else ' (more with --distributed)'}")
+    return wanted
+
+
+def run(args: argparse.Namespace) -> int:
     duration = args.seconds if args.seconds is not None else args.minutes * 60
+    kinds = kinds_for(args)
+    if args.distributed:
+        import soak_distributed
+
+        try:
+            soak_distributed.check_available()
+        except soak_distributed.Unavailable as e:
+            print(f"soak: {e}", file=sys.stderr, flush=True)
+            return 2
+        for what in soak_distributed.sweep_stale():
+            say(f"removed {what} left by a soak no longer running")
     rng = random.Random(args.seed)
     workdir = Path(tempfile.mkdtemp(prefix="outboxpg-soak-"))
     say(f"seed={args.seed} run={duration:g}s workers={args.workers} producers={args.producers} "
-        f"lease={args.lease}s publish_timeout={args.publish_timeout}s fail_rate={args.fail_rate} logs={workdir}")
+        f"lease={args.lease}s publish_timeout={args.publish_timeout}s fail_rate={args.fail_rate} "
+        f"distributed={'yes' if args.distributed else 'no'} logs={workdir}")
     ledger = Ledger()
     faults: list[FaultRecord] = []
     flock = threading.Lock()
     stop_producers, stop_monitor = threading.Event(), threading.Event()
-    # EmbeddedPostgres commits synchronously: an immediate-mode restart forgets no acknowledged
-    # commit, so any loss the checker finds is outboxpg's.
-    with EmbeddedPostgres() as pg, EmbeddedNats() as ns:
-        _setup(pg.dsn, ns.url)
-        worker_dsn = f"{pg.dsn} application_name={WORKER_APP}"
-        workers = Workers(args.workers, worker_dsn, ns.url, workdir, args.seed, args)
+    with contextlib.ExitStack() as servers:
+        rig = _servers(servers, args, workdir)
+        say(f"servers: {rig.admin_dsn} / {rig.nats_url}")
+        _setup(rig.admin_dsn, rig.nats_url, replicas=3 if args.distributed else 1)
+        prefixes = [rig.hosts.exec_prefix(i) for i in range(args.workers)] if rig.hosts is not None else None
+        workers = Workers(args.workers, rig.worker_dsn, rig.nats_url, workdir, args.seed, args, prefixes)
         threads: list[threading.Thread] = []
-        mon = threading.Thread(target=monitor, args=(pg.dsn, faults, flock, stop_monitor), daemon=True)
+        mon = threading.Thread(target=monitor, args=(rig.admin_dsn, faults, flock, stop_monitor), daemon=True)
         try:
             workers.start()
             mon.start()
             for k in range(args.producers):
-                t = threading.Thread(target=producer, args=(k, pg.dsn, ledger, stop_producers, args.seed),
+                t = threading.Thread(target=producer, args=(k, rig.admin_dsn, ledger, stop_producers, args.seed),
                                      name=f"soak-producer-{k}", daemon=True)
                 t.start()
                 threads.append(t)
             t_start = time.monotonic()
             end = t_start + duration
             # Every kind once, in a seeded order, then seeded random kinds until the time is up.
-            schedule = list(FAULT_KINDS)
+            schedule = list(kinds)
             rng.shuffle(schedule)
-            gap = min(12.0, max(2.0, (duration - 8.0) / (len(FAULT_KINDS) + 2)))
+            gap = min(12.0, max(2.0, (duration - 8.0) / (len(kinds) + 2)))
             time.sleep(min(3.0, duration / 10))
             while schedule or time.monotonic() < end:
-                kind = schedule.pop(0) if schedule else rng.choice(FAULT_KINDS)
+                kind = schedule.pop(0) if schedule else rng.choice(kinds)
                 rec = FaultRecord(kind, time.monotonic(), waiting=ledger.snapshot())
                 with flock:
                     faults.append(rec)   # watched by the monitor from the moment inject() arms it
-                inject(kind, rng, workers, pg, ns, pg.dsn, args.lease, rec, ledger)
+                inject(kind, rng, workers, rig, args.lease, rec, ledger)
                 rec.lifted = time.monotonic()
                 say(f"fault {len(faults):3d} {kind:21s} {rec.detail}")
                 if not schedule and time.monotonic() + gap * 0.5 >= end:
@@ -490,7 +677,7 @@ def run(args: argparse.Namespace) -> int:
             for t in threads:
                 t.join(30)
             say(f"producers stopped after {ran_for:.1f}s; draining (at most {args.drain:g}s)")
-            drained, drain_time = _drain(pg.dsn, len(ledger.committed), args.drain)
+            drained, drain_time = _drain(rig.admin_dsn, len(ledger.committed), args.drain, ledger.poison_dead)
             say(f"drain {'done' if drained else 'TIMED OUT'} in {drain_time:.1f}s")
             time.sleep(0.6)   # the recovery monitor's last look (it polls every 0.25 s)
             stop_monitor.set()
@@ -499,7 +686,8 @@ def run(args: argparse.Namespace) -> int:
             stop_producers.set()
             stop_monitor.set()
             workers.stop_all()
-        report = asyncio.run(check(pg.dsn, ns.url, ledger, faults, workers, workdir, ran_for, drained, drain_time))
+        report = asyncio.run(check(rig.admin_dsn, rig.nats_url, ledger, faults, workers, workdir, ran_for, drained,
+                                   drain_time, kinds, args.seed))
     print(report["table"], flush=True)
     print("SOAK_RESULT " + json.dumps({k: v for k, v in report.items() if k != "table"}), flush=True)
     ok = report["ok"]
@@ -510,13 +698,35 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _drain(dsn: str, committed: int, limit: float) -> tuple[bool, float]:
+def _servers(stack: contextlib.ExitStack, args: argparse.Namespace, workdir: Path) -> Rig:
+    """Start the servers (stopped and removed by ``stack``, in the reverse order)."""
+    if not args.distributed:
+        from outboxpg.embedded import EmbeddedNats, EmbeddedPostgres
+
+        # EmbeddedPostgres commits synchronously: an immediate-mode restart forgets no acknowledged
+        # commit, so any loss the checker finds is outboxpg's.
+        pg = stack.enter_context(EmbeddedPostgres())
+        ns = stack.enter_context(EmbeddedNats())
+        return Rig(pg.dsn, f"{pg.dsn} application_name={WORKER_APP}", ns.url, workdir, pg=pg, ns=ns)
+    from soak_distributed import Hosts, NatsCluster, ReplicatedPg
+
+    hosts = stack.enter_context(Hosts(args.workers))
+    # Synchronous replication: a COMMIT is acknowledged once the standby has its WAL, so the
+    # promotion loses no acknowledged commit and the ledger needs no allowance for lost ones.
+    replicated = stack.enter_context(ReplicatedPg(hosts.pg_addr, f"10.{hosts.net}.0.0/16"))
+    cluster = stack.enter_context(NatsCluster(hosts.nats_addr))
+    return Rig(replicated.dsn("127.0.0.1"), f"{replicated.dsn(hosts.pg_addr)} application_name={WORKER_APP}",
+               cluster.url, workdir, replicated=replicated, cluster=cluster, hosts=hosts)
+
+
+def _drain(dsn: str, committed: int, limit: float, expected_dead: set[str]) -> tuple[bool, float]:
     t0 = time.monotonic()
     with psycopg.connect(dsn, autocommit=True) as c:
         while time.monotonic() - t0 < limit:
             published, unfinished = _row(
                 c, "SELECT count(*) FILTER (WHERE state = 'published'), "
-                   "count(*) FILTER (WHERE state IN ('pending', 'processing', 'dead')) FROM outbox")
+                   "count(*) FILTER (WHERE state IN ('pending', 'processing', 'dead') "
+                   "AND NOT (msg_id::text = ANY(%s))) FROM outbox", (list(expected_dead),))
             if unfinished == 0 and published >= committed:
                 return True, time.monotonic() - t0
             time.sleep(0.25)
@@ -531,7 +741,7 @@ async def read_all(nats_url: str) -> list[tuple[int, str, int, str, datetime | N
     """(seq, msg_id, outbox id, aggregate, stream timestamp) of every message, in stream order."""
     import nats
 
-    nc = await nats.connect(nats_url)
+    nc = await nats.connect(servers=nats_url.split(","))
     try:
         js = nc.jetstream()
         info = await js.stream_info(STREAM)
@@ -555,16 +765,17 @@ def _pct(values: list[float], p: float) -> float:
 
 
 async def check(dsn: str, nats_url: str, ledger: Ledger, faults: list[FaultRecord], workers: Workers,
-                workdir: Path, ran_for: float, drained: bool, drain_time: float) -> dict[str, Any]:
+                workdir: Path, ran_for: float, drained: bool, drain_time: float,
+                kinds: tuple[str, ...] = FAULT_KINDS, seed: int | None = None) -> dict[str, Any]:
     msgs = await read_all(nats_url)
     with psycopg.connect(dsn, autocommit=True) as c:
         rows = c.execute("SELECT msg_id, id, aggregate_type || '/' || aggregate_id, state::text, attempts "
                          "FROM outbox").fetchall()
         business = _row(c, "SELECT count(*), coalesce(sum(events), 0) FROM soak_business")
     db = {r[0]: r for r in rows}
-    committed, rolled_back = ledger.committed, ledger.rolled_back
+    committed, rolled_back, poison = ledger.committed, ledger.rolled_back, ledger.poison_dead
     stream_ids = Counter(m[1] for m in msgs)
-    states = Counter(r[3] for r in rows)
+    states = Counter(r[3] for r in rows if r[0] not in poison)
 
     inv: list[tuple[str, bool, str]] = []
 
@@ -591,11 +802,14 @@ async def check(dsn: str, nats_url: str, ledger: Ledger, faults: list[FaultRecor
               f"{len(disorder)} out of order" + (f", e.g. {disorder[:3]}" if disorder else ""))
     mismatched = [m for seq, m, oid, agg, _ in msgs if m in db and (db[m][1] != oid or db[m][2] != agg)]
     invariant("stream headers match the outbox row", not mismatched, f"{len(mismatched)} mismatched")
+    poison_wrong = [m for m in poison if m in stream_ids or m not in db or db[m][3] != "dead"]
+    invariant("poison over max_payload: dead, not in stream", not poison_wrong,
+              f"{len(poison)} poison events, {len(poison_wrong)} not dead or in the stream")
     unfinished = {s: n for s, n in states.items() if s != "published"}
     invariant("outbox: nothing pending, processing or dead", not unfinished and drained,
               f"states {dict(states)}, drained in {drain_time:.1f}s" if drained else f"NOT drained: {dict(states)}")
     not_in_db = [m for m in committed if m not in db]
-    extra_in_db = [m for m in db if m not in committed]
+    extra_in_db = [m for m in db if m not in committed and m not in poison]
     invariant("outbox rows = events the producers saw commit", not not_in_db and not extra_in_db,
               f"{len(not_in_db)} committed but absent, {len(extra_in_db)} present but not recorded")
     unresolved = ledger.tx["unresolved_events"]
@@ -620,12 +834,24 @@ async def check(dsn: str, nats_url: str, ledger: Ledger, faults: list[FaultRecor
     by_kind: dict[str, list[FaultRecord]] = defaultdict(list)
     for fault in faults:
         by_kind[fault.kind].append(fault)
+    # Worst commit->stream latency around each fault: events committed from 1 s before it struck
+    # until 1 s after it was lifted or recovered (whichever came later).
+    to_wall = time.time() - time.monotonic()
+    latency_of = [(commit_at[m[1]], m[4].timestamp() - commit_at[m[1]])
+                  for m in msgs if m[1] in commit_at and m[4] is not None]
+
+    def worst_around(f: FaultRecord) -> float:
+        start = f.injected + to_wall - 1.0
+        stop = max(f.lifted, f.recovered or f.lifted) + to_wall + 1.0
+        return max((lag for at, lag in latency_of if start <= at <= stop), default=0.0)
+
+    worst_by_kind = {k: max((worst_around(f) for f in v), default=0.0) for k, v in by_kind.items()}
 
     lines: list[str] = []
     w = lines.append
     w("")
     w("=" * 78)
-    w(f"outboxpg chaos soak: ran {ran_for:.1f}s, drain {drain_time:.1f}s")
+    w(f"outboxpg chaos soak: seed {seed}, ran {ran_for:.1f}s, drain {drain_time:.1f}s")
     w("-" * 78)
     w(f"{'transactions committed':44s} {ledger.tx['committed'] + ledger.tx['held_open_committed']:>10d}")
     w(f"{'  of which held open 1-3 s':44s} {ledger.tx['held_open_committed']:>10d}")
@@ -636,6 +862,8 @@ async def check(dsn: str, nats_url: str, ledger: Ledger, faults: list[FaultRecor
     w(f"{'business rows / their events (PostgreSQL)':44s} {business[0]:>10d} / {business[1]}")
     w(f"{'events committed':44s} {len(committed):>10d}")
     w(f"{'events rolled back / aborted (must be absent)':44s} {len(rolled_back):>10d}")
+    if poison:
+        w(f"{'poison events over max_payload (must die)':44s} {len(poison):>10d}")
     w(f"{'events delivered (unique msg_ids in stream)':44s} {len(stream_ids):>10d}")
     w(f"{'messages in stream':44s} {len(msgs):>10d}")
     w(f"{'events lost':44s} {len(lost):>10d}")
@@ -651,15 +879,17 @@ async def check(dsn: str, nats_url: str, ledger: Ledger, faults: list[FaultRecor
     w(f"{'worker log: Traceback / ERROR / lease_lost':44s} {worker_errors['Traceback']:>6d} / "
       f"{worker_errors['level=ERROR']} / {worker_errors['event=lease_lost']}")
     w("-" * 78)
-    w("recovery: seconds until every event committed before the fault was injected is published")
-    w(f"{'fault':22s} {'count':>5s} {'after lifted: median':>21s} {'max':>6s} "
-      f"{'after injected: max':>20s} {'never':>5s}")
-    for kind in FAULT_KINDS:
+    w("recovery: seconds until every event committed before the fault was injected is published;")
+    w("worst latency: max commit->stream of events committed from 1 s before the fault to 1 s after it ended")
+    w(f"{'fault':20s} {'count':>5s} {'after lifted: median':>20s} {'max':>6s} "
+      f"{'after injected: max':>19s} {'never':>5s} {'worst lat':>9s}")
+    for kind in kinds:
         recs = by_kind.get(kind, [])
         rts = [max(0.0, f.recovered - f.lifted) for f in recs if f.recovered is not None]
         rti = [max(0.0, f.recovered - f.injected) for f in recs if f.recovered is not None]
-        w(f"{kind:22s} {len(recs):>5d} {_pct(rts, .5):>21.2f} {max(rts, default=0):>6.2f} "
-          f"{max(rti, default=0):>20.2f} {sum(1 for f in recs if f.recovered is None):>5d}")
+        w(f"{kind:20s} {len(recs):>5d} {_pct(rts, .5):>20.2f} {max(rts, default=0):>6.2f} "
+          f"{max(rti, default=0):>19.2f} {sum(1 for f in recs if f.recovered is None):>5d} "
+          f"{worst_by_kind.get(kind, 0.0):>9.2f}")
     w(f"{'publish failures (5%)':22s} {injected_fail:>5d}")
     w("-" * 78)
     for name, ok, detail in inv:
@@ -672,6 +902,7 @@ async def check(dsn: str, nats_url: str, ledger: Ledger, faults: list[FaultRecor
         "lost": len(lost), "out_of_order": len(disorder), "duplicates_stored": sum(n - 1 for n in dups.values()),
         "duplicate_acks": dup_acks, "injected_publish_failures": injected_fail,
         "latency_max": max(lat, default=0.0), "faults": {k: len(v) for k, v in by_kind.items()},
+        "seed": seed, "latency_worst_around": worst_by_kind, "poison_dead": len(poison),
         "recovery_max": {k: max((max(0.0, f.recovered - f.lifted) for f in v if f.recovered is not None), default=None)
                          for k, v in by_kind.items()},
         "recovery_after_injected_max": {
@@ -695,9 +926,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fail-rate", type=float, default=0.05, help="fraction of publishes the workers fail on purpose")
     p.add_argument("--drain", type=float, default=120.0, help="seconds allowed for the backlog to drain")
     p.add_argument("--keep", action="store_true", help="keep worker logs even when every check passes")
+    p.add_argument("--distributed", action="store_true",
+                   help="3-node JetStream cluster, primary + synchronous standby, workers in network namespaces "
+                        f"(root, `ip netns`); adds the kinds {', '.join(DISTRIBUTED_KINDS)}")
+    p.add_argument("--kinds", default="", help="comma-separated fault kinds to inject (default: every kind)")
     args = p.parse_args(argv)
     if args.seconds is None and args.minutes <= 0 or args.seconds is not None and args.seconds <= 0:
         p.error("run time must be positive")
+    try:
+        kinds_for(args)
+    except ValueError as e:
+        p.error(str(e))
     def _terminate(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt  # unwinds through the finally blocks: everything started is stopped
 
@@ -705,6 +944,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args)
     except KeyboardInterrupt:
+        say("interrupted: every process, server and namespace started here is stopped and removed; "
+            "the worker logs are kept (their directory is in the first line)")
         return 130
 
 
