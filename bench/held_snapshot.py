@@ -64,7 +64,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
-from key_mix import log, pct  # noqa: E402  (bench/, beside this file)
+import processes  # noqa: E402  (bench/, beside this file)
+from key_mix import log, pct  # noqa: E402
 from outboxpg import schema  # noqa: E402
 from outboxpg.embedded import EmbeddedNats  # noqa: E402
 
@@ -186,15 +187,7 @@ class Bench:
             await nc.close()
 
     def stop(self, p: subprocess.Popen[Any]) -> None:
-        if p.poll() is None:
-            os.kill(p.pid, signal.SIGTERM)
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                os.kill(p.pid, signal.SIGKILL)
-                p.wait()
-        if p in self.procs:
-            self.procs.remove(p)
+        processes.stop(p, self.procs)
 
     def cleanup(self) -> None:
         for p in list(self.procs):

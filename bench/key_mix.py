@@ -88,6 +88,7 @@ sys.path.insert(0, str(HERE))
 import outboxpg  # noqa: E402  (the working tree's producer helpers: enqueue_many for phase 5)
 from outboxpg.schema import yoyo_uri  # noqa: E402
 from outboxpg.nats_publisher import supports_atomic_batch  # noqa: E402
+import processes
 from proc_cpu import CpuMeter, QuietWaiter  # noqa: E402
 
 PGBENCH_INSERT = HERE / "pgbench_insert_one.sql"
@@ -391,15 +392,7 @@ class Bench:
         return "".join(f.read_text(errors="replace").splitlines(True)[-lines:])
 
     def stop_worker(self, p: subprocess.Popen[bytes]) -> None:
-        if p.poll() is None:
-            os.kill(p.pid, signal.SIGTERM)
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                os.kill(p.pid, signal.SIGKILL)
-                p.wait()
-        if p in self.procs:
-            self.procs.remove(p)
+        processes.stop(p, self.procs)
 
     def stop_all(self) -> None:
         for p in list(self.procs):

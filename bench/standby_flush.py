@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import time
 import uuid
 

@@ -49,6 +49,15 @@ async def equals(f: Callable[[], Awaitable[int]], n: int) -> bool:
     return await f() == n
 
 
+def all_in(dsn: str, state: str, n: int) -> Callable[[], Awaitable[bool]]:
+    """For wait_until: are ``n`` events in ``state``?"""
+    count = count_in(dsn, state)
+
+    async def check() -> bool:
+        return await equals(count, n)
+    return check
+
+
 def event(i: int, subject: str, **kw: Any) -> OutboxEvent:
     fields: dict[str, Any] = dict(id=i, subject=subject, aggregate_type="order", aggregate_id=str(i),
                                   event_type="created", payload=b'{"i": %d}' % i, headers={},

@@ -4,12 +4,9 @@ them; a run long enough for atomic batches carries them too; the command's flags
 
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +16,7 @@ from cloudevents.core.bindings.http import HTTPMessage, from_binary_event, to_bi
 from cloudevents.core.v1.event import CloudEvent
 from helpers import Running
 from jetstream import make_stream
+from workers import all_in, wait_until
 
 from outboxpg import Event, enqueue, enqueue_many
 from outboxpg.cloudevents import CloudEvents, default_source
@@ -27,22 +25,6 @@ from outboxpg.worker import Worker, WorkerConfig
 
 WORKER = str(Path(sys.executable).parent / "outboxpg-worker")
 CE_NAMES = ["ce-specversion", "ce-id", "ce-source", "ce-type", "ce-subject", "ce-time", "content-type"]
-
-
-async def wait_until(pred: Callable[[], Awaitable[bool]], timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while not await pred():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
-def all_published(dsn: str, n: int) -> Callable[[], Awaitable[bool]]:
-    async def check() -> bool:
-        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as c:
-            row = await (await c.execute("SELECT count(*) FROM outbox WHERE state = 'published'")).fetchone()
-            return row is not None and row[0] == n
-    return check
 
 
 def rows_by_msg_id(conn: psycopg.Connection[Any]) -> dict[str, dict[str, Any]]:
@@ -79,7 +61,7 @@ async def test_stored_messages_parse_as_cloudevents_with_the_required_attributes
     publisher = NatsPublisher(nats_server.url, cloudevents=CloudEvents(default_source(database)))
     running = Running(Worker(WorkerConfig(dsn=dsn, poll_interval=0.2), publisher))
     try:
-        await wait_until(all_published(dsn, 42), 30, "42 events published")
+        await wait_until(all_in(dsn, "published", 42), 30, "42 events published")
     finally:
         await running.stop()
     rows = rows_by_msg_id(conn)
@@ -197,7 +179,7 @@ async def test_outboxpg_worker_cloudevents_from_the_environment(dsn, conn, nats_
         proc = subprocess.Popen([WORKER, "--dsn", dsn, "--nats-url", nats_server.url, "--poll-interval", "0.2", *extra],
                                 stdout=subprocess.DEVNULL, stderr=log.open("wb"), env={**os.environ, **env})
         try:
-            await wait_until(all_published(dsn, n + 1), 30, f"event {n} published")
+            await wait_until(all_in(dsn, "published", n + 1), 30, f"event {n} published")
         finally:
             proc.terminate()
             assert proc.wait(20) == 0

@@ -4,12 +4,9 @@ span per published event, a child of that context (OpenTelemetry SDK, in-memory 
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
-import time
 import uuid
-from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -22,6 +19,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import NoOpTracerProvider, SpanKind, StatusCode, format_span_id, format_trace_id
+from workers import all_in, wait_until
 
 from outboxpg import Event, enqueue, enqueue_many
 from outboxpg.events import OutboxEvent, PermanentError
@@ -121,22 +119,6 @@ print(publish_tracer() is not None)
     assert (r.returncode, r.stdout) == (0, "True\n"), r.stderr
 
 
-async def wait_until(pred: Callable[[], Awaitable[bool]], timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while not await pred():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
-def published(dsn: str, n: int) -> Callable[[], Awaitable[bool]]:
-    async def check() -> bool:
-        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as c:
-            row = await (await c.execute("SELECT count(*) FROM outbox WHERE state = 'published'")).fetchone()
-            return row is not None and row[0] == n
-    return check
-
-
 def publish_spans(exporter: InMemorySpanExporter) -> dict[str, ReadableSpan]:
     """The worker's spans by msg_id."""
     return {s.attributes["messaging.message.id"]: s for s in exporter.get_finished_spans()
@@ -162,7 +144,7 @@ async def test_end_to_end_enqueue_in_a_span_to_the_nats_message_and_the_worker_s
     publisher = NatsPublisher(nats_server.url, tracer_provider=provider)
     running = Running(Worker(WorkerConfig(dsn=dsn, poll_interval=0.2), publisher))
     try:
-        await wait_until(published(dsn, 3), 30, "3 events published")
+        await wait_until(all_in(dsn, "published", 3), 30, "3 events published")
     finally:
         await running.stop()
 
@@ -253,7 +235,7 @@ async def test_outboxpg_worker_with_a_global_sdk_provider_records_child_spans(ds
                              "--nats-url", nats_server.url, "--poll-interval", "0.2", "--cloudevents"],
                             stdout=subprocess.DEVNULL, stderr=log.open("wb"))
     try:
-        await wait_until(published(dsn, 1), 30, "the event published")
+        await wait_until(all_in(dsn, "published", 1), 30, "the event published")
     finally:
         proc.terminate()
         assert proc.wait(20) == 0
