@@ -61,6 +61,9 @@ class Enqueued(int):
         self.duplicate = duplicate
         return self
 
+    # As text it is the id, as any int (str(), f-strings, SQL parameters); repr says the rest.
+    __str__ = int.__repr__
+
     def __repr__(self) -> str:
         return f"Enqueued({int(self)}, duplicate={self.duplicate})"
 

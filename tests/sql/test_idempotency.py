@@ -159,6 +159,8 @@ def test_python_helpers_return_the_holder_and_say_it_was_a_duplicate(conn):
     assert isinstance(first, Enqueued) and not first.duplicate
     second = enqueue(conn, "order", "1", "paid", {"again": True}, idempotency_key="py-1")
     assert second == first and second.duplicate
+    assert (str(second), f"{second}", repr(second)) == (str(int(first)), str(int(first)),
+                                                        f"Enqueued({int(first)}, duplicate=True)")
     plain = enqueue(conn, "order", "1", "paid", {})
     assert isinstance(plain, int) and not plain.duplicate
     assert enqueue_many(conn, [Event("order", "2", "x", {}, idempotency_key="py-1"),
