@@ -60,6 +60,11 @@ def claim(conn: psycopg.Connection[Any], batch: int | None = 10, lease: str | No
         return cur.execute("SELECT * FROM outbox_claim(%s, %s::interval, %s)", (batch, lease, worker)).fetchall()
 
 
+def claim_ids(conn: psycopg.Connection[Any], n: int = 100) -> list[int]:
+    """The ids outbox_claim(n) hands out, in its order."""
+    return [r[0] for r in conn.execute("SELECT id FROM outbox_claim(%s)", (n,)).fetchall()]
+
+
 def complete(conn: psycopg.Connection[Any], ids: list[int] | None, token: Any) -> int:
     row = conn.execute("SELECT outbox_complete(%s::bigint[], %s::uuid)", (ids, token)).fetchone()
     assert row is not None

@@ -12,15 +12,12 @@ import time
 
 import psycopg
 import pytest
+from helpers import claim_ids
 from workers import start, wait_until
 
 from outboxpg import Event, enqueue, enqueue_many
 from outboxpg.events import OutboxEvent
 from outboxpg.relay.publishers import FunctionPublisher
-
-
-def claim_ids(conn: psycopg.Connection) -> list[int]:
-    return [r[0] for r in conn.execute("SELECT id FROM outbox_claim(100)").fetchall()]
 
 
 def test_lower_id_committing_last_is_still_delivered_first(dsn, conn):

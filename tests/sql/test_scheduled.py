@@ -10,16 +10,13 @@ from typing import Any
 
 import psycopg
 import pytest
+from helpers import claim_ids
 from roles import denied
 from workers import start, wait_until
 
 from outboxpg import Event, enqueue, enqueue_many
 from outboxpg.events import OutboxEvent
 from outboxpg.relay.publishers import FunctionPublisher
-
-
-def claim_ids(conn: psycopg.Connection[Any], n: int = 100) -> list[int]:
-    return [r[0] for r in conn.execute("SELECT id FROM outbox_claim(%s)", (n,)).fetchall()]
 
 
 def insert(conn: psycopg.Connection[Any], agg: str, deliver_at: str | None = None) -> int:
