@@ -100,6 +100,14 @@ SELECT coalesce(sum(s.n_dead_tup) FILTER (WHERE s.relid <> 'outbox_heads'::regcl
  WHERE s.relid IN (SELECT inhrelid FROM pg_inherits WHERE inhparent = 'outbox'::regclass)
     OR s.relid = 'outbox_heads'::regclass
 """
+# Index entries read (live or not: a held snapshot keeps dead ones from being skipped), per
+# index; an outbox partition's index counts under its partitioned parent.
+_INDEX_READS = """
+SELECT coalesce((SELECT i.inhparent::regclass::text FROM pg_inherits i WHERE i.inhrelid = s.indexrelid),
+                s.indexrelname) AS name, sum(s.idx_tup_read)::bigint
+  FROM pg_stat_user_indexes s
+ GROUP BY 1
+"""
 _CLAIM_STATS = ("SELECT coalesce(sum(calls), 0)::bigint, coalesce(sum(total_time), 0)::float8 "
                 "FROM pg_stat_user_functions WHERE funcname = 'outbox_claim'")
 
@@ -119,6 +127,7 @@ class Phase:
     delivered: int = 0
     latency: list[float] = field(default_factory=list)
     worker_claims: list[float] = field(default_factory=list)
+    index_reads: dict[str, int] = field(default_factory=dict)
 
     @property
     def seconds(self) -> float:
@@ -236,6 +245,7 @@ class Bench:
         calls, total = c.execute(_CLAIM_STATS).fetchone()  # type: ignore[misc]
         phase.claim_calls, phase.claim_ms = int(calls), float(total)
         phase.dead_outbox, phase.dead_heads = c.execute(_DEAD).fetchone()  # type: ignore[misc]
+        phase.index_reads = {str(name): int(n) for name, n in c.execute(_INDEX_READS).fetchall()}
         phase.backlog, phase.xmin_holders = c.execute(
             "SELECT backlog, xmin_holders FROM outbox_health").fetchone()  # type: ignore[misc]
 
@@ -299,12 +309,14 @@ class Bench:
         claims = [(float(at), float(ms)) for at, ms in
                   (line.split() for line in self.claims_file.read_text().splitlines() if line.strip())]
         calls, ms = start.claim_calls, start.claim_ms     # cumulative so far: the phases' differences
+        reads = start.index_reads
         for phase in phases:
             phase.delivered = sum(1 for got, _ in self.received if phase.start <= got < phase.end)
             phase.latency = [(got - t) * 1000 for got, t in self.received if phase.start <= t < phase.end]
             phase.worker_claims = [ms for at, ms in claims if phase.start <= at < phase.end]
             (calls, phase.claim_calls), (ms, phase.claim_ms) = ((phase.claim_calls, phase.claim_calls - calls),
                                                                  (phase.claim_ms, phase.claim_ms - ms))
+            (reads, phase.index_reads) = (phase.index_reads, {k: v - reads.get(k, 0) for k, v in phase.index_reads.items()})
         return phases
 
     def hold(self) -> psycopg.Connection[Any]:
@@ -333,6 +345,19 @@ def report(b: Bench, phases: list[Phase]) -> None:
             f"{statistics.median(wc) if wc else float('nan'):>8.2f}ms {pct(wc, 0.99):>6.1f}ms "
             f"{pct(p.latency, 0.5):>7.1f}ms {pct(p.latency, 0.99):>7.1f}ms {max(p.latency, default=float('nan')):>7.0f}ms "
             f"{p.dead_outbox:>11,} {p.dead_heads:>8,} {p.backlog:>8,} {p.xmin_holders:>12}")
+    log("latency p50 / p99 / max ms per 20 s of commit time (where in the run the slow ones are):")
+    t0 = phases[0].start
+    windows: dict[int, list[float]] = {}
+    for got, t in b.received:
+        if phases[0].start <= t < phases[-1].end:
+            windows.setdefault(int((t - t0) // 20), []).append((got - t) * 1000)
+    for w in sorted(windows):
+        lat = windows[w]
+        log(f"  {w * 20:>4}-{w * 20 + 20:<4} s  {pct(lat, 0.5):>8.1f} {pct(lat, 0.99):>8.1f} {max(lat):>8.0f}")
+    log("index entries read per claim call (all callers' reads, the most read first):")
+    for p in phases:
+        top = sorted(p.index_reads.items(), key=lambda kv: -kv[1])[:5]
+        log(f"  {p.name:<8} " + ", ".join(f"{k} {v / max(p.claim_calls, 1):,.0f}" for k, v in top if v))
     before, during = phases[0], phases[1]
     if before.delivered and during.seconds:
         ratio = (during.delivered / during.seconds) / (before.delivered / before.seconds)

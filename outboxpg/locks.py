@@ -7,8 +7,8 @@ Two-key locks are (classid, objid) in pg_locks, with objsubid = 2; 1868724336 is
 
 from __future__ import annotations
 
-__all__ = ["AGGREGATE_LOCK_CLASS", "ALL_AGGREGATES_LOCK", "LOCK_CLASS", "MAINTENANCE_LOCK", "PRODUCING_LOCK",
-           "WAKEUP_LOCK"]
+__all__ = ["AGGREGATE_LOCK_CLASS", "ALL_AGGREGATES_LOCK", "HEADS_WRITER_LOCK_CLASS", "LOCK_CLASS", "MAINTENANCE_LOCK",
+           "PRODUCING_LOCK", "WAKEUP_LOCK"]
 
 LOCK_CLASS = 1868724336             # the first key of outboxpg's own two-key locks
 
@@ -28,3 +28,8 @@ ALL_AGGREGATES_LOCK = (LOCK_CLASS, 4)
 # (AGGREGATE_LOCK_CLASS, outbox_aggregate_key(aggregate_type, aggregate_id)): a producing
 # transaction's lock on each aggregate it wrote (0013); claims look for them in pg_locks.
 AGGREGATE_LOCK_CLASS = 1868724337
+
+# (HEADS_WRITER_LOCK_CLASS, its clock in centiseconds modulo 2^32): a transaction that writes
+# outbox_heads.ready_at (a claim, a report, a repair) announces since when (0026); the claims
+# raise the floor under the due heads no higher than the oldest of them.
+HEADS_WRITER_LOCK_CLASS = 1868724338

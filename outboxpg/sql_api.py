@@ -102,6 +102,10 @@ COMMIT_HORIZON = _f("outbox_commit_horizon")        # inside claim
 TAKE_IN = _f("outbox_take_in", "bigint", "bigint", "integer", settings=(*PLANNER, "enable_sort=off", *PATH))
 REFRESH_HEADS = _f("outbox_refresh_heads", "text[]", "text[]",   # inside the report and repair functions
                    settings=(*PLANNER, *PATH))
+# 0026: the floor under the due heads (inside claim) and the writers' announcement (claim, refresh)
+HEADS_FLOOR = _f("outbox_heads_floor", settings=("plan_cache_mode=force_generic_plan", "enable_seqscan=off",
+                                                  "enable_bitmapscan=off", "jit=off", *PATH))
+HEADS_WRITING = _f("outbox_heads_writing")
 # -- triggers: they fire as the role that writes the table, without any EXECUTE grant -----------
 WAKE_WORKERS = _f("outbox_wake_workers", trigger=True)        # 0003: NOTIFY idle workers
 FORGET_DELETED = _f("outbox_forget_deleted", trigger=True)    # 0005: rows deleted by hand take their heads along
@@ -113,7 +117,7 @@ FUNCTIONS: tuple[SqlFunction, ...] = (
     MAINTAIN, HEALTH_ROW, OPEN_PRODUCERS, XMIN_HOLDERS, REQUEUE, DISCARD, REPLAY, REPLAY_CANDIDATES, CANCEL,
     IDEMPOTENCY_TAKE, IDEMPOTENCY_EVENT, IDEMPOTENCY_FORGET,
     AGGREGATE_KEY, RETRY_DELAY,
-    COMMIT_GUARD, COMMIT_HORIZON, TAKE_IN, REFRESH_HEADS,
+    COMMIT_GUARD, COMMIT_HORIZON, TAKE_IN, REFRESH_HEADS, HEADS_FLOOR, HEADS_WRITING,
     WAKE_WORKERS, FORGET_DELETED, ASSIGN_ID,
 )
 

@@ -36,7 +36,7 @@ def snapshot(conn: psycopg.Connection[Any]) -> list[tuple[Any, ...]]:
 def test_every_advisory_lock_key_of_the_sql_is_named_in_outboxpg_locks() -> None:
     """The SQL spells the lock keys out; outboxpg.locks names them for Python and the tests."""
     named_pairs = {v for v in vars(locks).values() if isinstance(v, tuple)}
-    classes = {locks.LOCK_CLASS, locks.AGGREGATE_LOCK_CLASS}
+    classes = {locks.LOCK_CLASS, locks.AGGREGATE_LOCK_CLASS, locks.HEADS_WRITER_LOCK_CLASS}
     migrations = sorted((SQL_DIR.parent / "migrations").glob("*.sql"))
     seen_pairs, seen_classes = set(), set()
     for path in [*migrations, *SQL_DIR.glob("*.sql")]:
