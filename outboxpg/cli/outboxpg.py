@@ -155,7 +155,12 @@ def _fail(message: str, code: int, secrets: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    words = list(sys.argv[1:] if argv is None else argv)
+    if words and words[0].startswith("-") and words[0].split("=")[0] not in ("-h", "--help", "--version"):
+        # Before the command only --help and --version exist: say so, not "COMMAND is required".
+        parser.error(f"unrecognized arguments: {words[0]}")
+    args = parser.parse_args(words)
     restore_double_dash(args, ("dsn", "event_type", "aggregate_type", "aggregate_id", "since", "until", "reason"))
     secrets = secrets_of(resolve_dsn(args))
     try:

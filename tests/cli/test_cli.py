@@ -350,7 +350,7 @@ def test_usage_errors_are_one_line_naming_the_help_to_read() -> None:
     expected = {
         ("status", "--bogus"): "unrecognized arguments: --bogus (see outboxpg status --help)",
         ("--bogus", "status"): "unrecognized arguments: --bogus (see outboxpg --help)",
-        ("--bogus",): "the following arguments are required: COMMAND (see outboxpg --help)",
+        ("--bogus",): "unrecognized arguments: --bogus (see outboxpg --help)",
         ("nosuch",): "argument COMMAND: invalid choice: 'nosuch' (choose from 'migrate', 'sql', 'status', "
                      "'maintain', 'dead', 'replay', 'demo') (see outboxpg --help)",
         ("status", "--watch", "abc"): "argument --watch: not a number of seconds: 'abc' (see outboxpg status --help)",
