@@ -23,7 +23,7 @@ from soak import FAULT_KINDS  # noqa: E402
 @pytest.mark.timeout(240)
 def test_short_soak_loses_nothing_duplicates_nothing_reorders_nothing():
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, str(SOAK), "--seconds", "40", "--seed", "7"],
+    r = subprocess.run([sys.executable, str(SOAK), "--seconds", "28", "--seed", "7"],
                        capture_output=True, text=True, timeout=220)
     elapsed = time.monotonic() - t0
     out = r.stdout + r.stderr
