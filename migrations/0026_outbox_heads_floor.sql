@@ -73,7 +73,7 @@ AS $$
 DECLARE
     floor_at    timestamptz := to_timestamp(coalesce(pg_sequence_last_value('outbox_heads_floor_us'), 0) / 1000000.0);
     at          timestamptz := clock_timestamp();
-    at_cs       bigint := floor(extract(epoch FROM clock_timestamp()) * 100)::bigint;
+    at_cs       bigint := floor(extract(epoch FROM at) * 100)::bigint;     -- `at` in the writers' unit
     writers     timestamptz;
     first_ready timestamptz;
     raised      timestamptz;
