@@ -10,7 +10,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 import pytest
@@ -20,6 +20,8 @@ from psycopg.rows import dict_row
 
 from outboxpg.locks import WAKEUP_LOCK  # noqa: F401 (the tests import it from here)
 from outboxpg.worker import Worker
+
+T = TypeVar("T")
 
 
 def connect(dsn: str, autocommit: bool = True, lock_timeout: str = "10s") -> psycopg.Connection[Any]:
@@ -291,3 +293,14 @@ def run_files(dsn: str, *runs: tuple[str, ...]) -> list[tuple[int, str, str]]:
     """Each run: (file name, psql arguments...), all at once."""
     procs = [start_psql(dsn, *extra, "-f", str(SQL_DIR / f"{name}.sql")) for name, *extra in runs]
     return [finish_psql(p) for p in procs]
+
+
+def entries_read(conn: psycopg.Connection[Any], index: str, action: Callable[[], T]) -> tuple[int, T]:
+    """Index entries of ``index`` that ``action`` reads on this connection, and what it returns.
+    (The backend's own counts not yet reported, read before and after: they also hold earlier
+    transactions' counts until the backend reports them.)"""
+    count = sql.SQL("SELECT pg_stat_get_xact_tuples_returned({}::regclass)").format(sql.Literal(index))
+    (before,) = conn.execute(count).fetchone()  # type: ignore[misc]
+    result = action()
+    (after,) = conn.execute(count).fetchone()  # type: ignore[misc]
+    return int(after) - int(before), result

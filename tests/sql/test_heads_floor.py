@@ -6,32 +6,18 @@ announced itself), one given back by a claim that rolled back, one the commit-or
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import psycopg
-from helpers import claim, claim_ids, complete, connect, fail, insert, requeue
-from psycopg import sql
+from helpers import claim, claim_ids, complete, connect, entries_read, fail, insert, requeue
 
 Conn = psycopg.Connection[Any]
-T = TypeVar("T")
 
 
 def floor_us(conn: Conn) -> int:
     row = conn.execute("SELECT coalesce(pg_sequence_last_value('outbox_heads_floor_us'), 0)").fetchone()
     assert row is not None
     return int(row[0])
-
-
-def entries_read(conn: Conn, index: str, action: Callable[[], T]) -> tuple[int, T]:
-    """Index entries of ``index`` that ``action`` reads on this connection, and what it returns.
-    (The backend's own counts not yet reported, read before and after: they also hold earlier
-    transactions' counts until the backend reports them.)"""
-    count = sql.SQL("SELECT pg_stat_get_xact_tuples_returned({}::regclass)").format(sql.Literal(index))
-    (before,) = conn.execute(count).fetchone()  # type: ignore[misc]
-    result = action()
-    (after,) = conn.execute(count).fetchone()  # type: ignore[misc]
-    return int(after) - int(before), result
 
 
 def ready_index_reads_of_one_claim(conn: Conn) -> tuple[int, list[int]]:
