@@ -141,6 +141,8 @@ SELECT o.id,
                THEN 'due, but its aggregate''s head in outbox_heads says held by a dead letter (ready_at NULL)'
            WHEN blocker.id IS NULL AND hd.ready_at > now()
                THEN format('due, but its aggregate''s head in outbox_heads is not ready before %s', hd.ready_at)
+           WHEN blocker.id IS NULL AND hd.leased_until > now()
+               THEN format('due, but its aggregate''s head in outbox_heads is leased to a run until %s', hd.leased_until)
            WHEN (SELECT last_claim_at FROM intake) IS NULL
                THEN 'due: waiting for a worker to claim it (no worker has ever claimed)'
            ELSE format('due: waiting for a worker to claim it (last claim %s ago)',

@@ -390,3 +390,15 @@ def test_health_sql_says_when_a_due_events_head_is_not_ready(dsn: str, conn: psy
     assert re.search(rf"^\s*{first} \| order .*\| due, but its aggregate's head in outbox_heads is not ready before ",
                      out, re.M), out
     assert "due: waiting for a worker" not in out
+
+
+def test_health_sql_says_when_a_due_events_head_is_leased(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """Since 0028 a run in flight holds its head through leased_until, not ready_at."""
+    first = insert(conn, "order", "o-1")
+    assert [r["id"] for r in claim(conn, 10)] == [first]   # its head leased; the event put back by hand
+    conn.execute("UPDATE outbox SET state = 'pending', lease_token = NULL, locked_until = NULL, attempts = 0 "
+                 "WHERE id = %s", (first,))
+    ((code, out, err),) = run_files(dsn, ("health",))
+    assert code == 0, err
+    assert re.search(rf"^\s*{first} \| order .*\| due, but its aggregate's head in outbox_heads is leased to a run until ",
+                     out, re.M), out
