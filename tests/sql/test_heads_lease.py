@@ -10,6 +10,8 @@ from typing import Any
 import psycopg
 from helpers import claim, claim_ids, complete, connect, entries_read, insert
 
+from outboxpg import schema
+
 Conn = psycopg.Connection[Any]
 
 
@@ -61,3 +63,25 @@ def test_under_a_held_snapshot_an_aggregate_reads_one_dead_key_entry_per_event(d
     # 41 events: the intake's insert, the claim's update (before 0028) and the report's lock each
     # walk the key's entries. Seen: 81 with 0028, 162 with 0027.
     assert reads < 120, reads
+
+
+def test_rolling_0028_back_keeps_a_run_in_flight_held(empty_dsn: str) -> None:
+    """Its rollback gives a leased head its lease's end as ready_at (how 0027 holds a run), so a
+    run in flight during the rollback is not handed out again; migrating again works."""
+    schema.migrate(empty_dsn)
+    with connect(empty_dsn) as conn:
+        first = insert(conn, "order", "o-1")
+        (row,) = claim(conn, 10, lease="10 minutes")
+        assert row["id"] == first
+        second = insert(conn, "order", "o-1")
+        other = insert(conn, "order", "o-2")
+    assert schema.rollback(empty_dsn) == ["0028_outbox_heads_lease"]
+    with connect(empty_dsn) as conn:
+        held = conn.execute("SELECT ready_at = %s FROM outbox_heads WHERE aggregate_id = 'o-1'",
+                            (row["locked_until"],)).fetchone()
+        assert held == (True,)
+        assert claim_ids(conn) == [other]             # not o-1's next event: its run is out
+    assert schema.migrate(empty_dsn) == ["0028_outbox_heads_lease"]
+    with connect(empty_dsn) as conn:
+        assert complete(conn, [first], row["lease_token"]) == 1
+        assert claim_ids(conn) == [second]
