@@ -243,7 +243,6 @@ DECLARE
     n       integer;
     g       record;
     upto    bigint;
-    took_in boolean;
     remaining  integer;
     empty_types text[] := '{}';
     empty_ids   text[] := '{}';
@@ -295,8 +294,7 @@ BEGIN
         g.open_below := g.last_id;
         g.held_keys := '{}';
     END IF;
-    took_in := upto IS NOT NULL;
-    IF NOT took_in THEN
+    IF upto IS NULL THEN
         -- 0027: another claim holds the intake row: the mark, not a walk of the row's versions.
         upto := coalesce(pg_sequence_last_value('outbox_intake_mark'), 0);
     END IF;
