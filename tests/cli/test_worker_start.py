@@ -20,6 +20,7 @@ import pytest
 from commands import WORKER
 
 from outboxpg import Event, enqueue_many
+from outboxpg.locks import WAKEUP_LOCK
 
 CLI = str(Path(sys.executable).parent / "outboxpg")
 Conn = psycopg.Connection[Any]
@@ -236,10 +237,12 @@ def test_worker_connections_name_the_worker_in_pg_stat_activity(conn: Conn, runn
                           "outboxpg-worker relay-7 (wakeup lock)"}, names
     # The lock a DBA wonders about is held by the connection named for it. The worker lets it go
     # while it claims (a maintenance pass, a wakeup): wait until it is idle and holds it again.
-    wait_for(conn, "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
-                   "WHERE l.locktype = 'advisory' AND l.granted AND a.datname = current_database()", 1)
-    held = conn.execute("SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
-                        "WHERE l.locktype = 'advisory' AND l.granted AND a.datname = current_database()").fetchall()
+    # Only the wakeup lock: a claim holds advisory locks of its own while its transaction runs.
+    wakeup = ("FROM pg_locks l JOIN pg_stat_activity a USING (pid) WHERE l.locktype = 'advisory' AND l.granted "
+              f"AND (l.classid, l.objid, l.objsubid) = ({WAKEUP_LOCK[0]}, {WAKEUP_LOCK[1]}, 2) "
+              "AND a.datname = current_database()")
+    wait_for(conn, "SELECT count(*) " + wakeup, 1)
+    held = conn.execute("SELECT a.application_name " + wakeup).fetchall()
     assert held == [("outboxpg-worker relay-7 (wakeup lock)",)], held
 
 
