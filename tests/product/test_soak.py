@@ -20,6 +20,7 @@ from soak import FAULT_KINDS  # noqa: E402
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("soak")   # never beside the other soak (bin/test: --dist loadgroup)
 @pytest.mark.timeout(240)
 def test_short_soak_loses_nothing_duplicates_nothing_reorders_nothing():
     t0 = time.monotonic()
@@ -55,6 +56,7 @@ def _distributed_unavailable() -> str | None:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("soak")   # never beside the other soak (bin/test: --dist loadgroup)
 @pytest.mark.timeout(300)
 def test_short_distributed_soak_each_distributed_fault_once():
     """--distributed: a 3-node JetStream cluster (R3), a primary with a synchronous standby, the
