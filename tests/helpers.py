@@ -304,3 +304,11 @@ def entries_read(conn: psycopg.Connection[Any], index: str, action: Callable[[],
     result = action()
     (after,) = conn.execute(count).fetchone()  # type: ignore[misc]
     return int(after) - int(before), result
+
+
+def heads_updates(conn: psycopg.Connection[Any]) -> tuple[int, int]:
+    """Updates of outbox_heads by this backend's current transaction so far: (all, HOT)."""
+    row = conn.execute("SELECT pg_stat_get_xact_tuples_updated('outbox_heads'::regclass), "
+                       "pg_stat_get_xact_tuples_hot_updated('outbox_heads'::regclass)").fetchone()
+    assert row is not None
+    return int(row[0]), int(row[1])

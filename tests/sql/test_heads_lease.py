@@ -8,19 +8,11 @@ from __future__ import annotations
 from typing import Any
 
 import psycopg
-from helpers import claim, claim_ids, complete, connect, entries_read, insert
+from helpers import claim, claim_ids, complete, connect, entries_read, heads_updates, insert
 
 from outboxpg import schema
 
 Conn = psycopg.Connection[Any]
-
-
-def hot_updates_of_heads(conn: Conn) -> tuple[int, int]:
-    """Updates of outbox_heads by this backend's current transaction so far: (all, HOT)."""
-    row = conn.execute("SELECT pg_stat_get_xact_tuples_updated('outbox_heads'::regclass), "
-                       "pg_stat_get_xact_tuples_hot_updated('outbox_heads'::regclass)").fetchone()
-    assert row is not None
-    return int(row[0]), int(row[1])
 
 
 def test_a_claim_leases_its_heads_with_hot_updates(conn: Conn) -> None:
@@ -28,9 +20,9 @@ def test_a_claim_leases_its_heads_with_hot_updates(conn: Conn) -> None:
         insert(conn, "order", f"a{i}")
     assert claim_ids(conn, 1) != []                    # takes the 20 events in (and leases one)
     conn.execute("BEGIN")
-    before = hot_updates_of_heads(conn)
+    before = heads_updates(conn)
     taken = claim(conn, 100)
-    after = hot_updates_of_heads(conn)
+    after = heads_updates(conn)
     conn.execute("COMMIT")
     assert len(taken) == 19
     updated, hot = after[0] - before[0], after[1] - before[1]

@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 import psycopg
-from helpers import claim, complete, connect, entries_read, insert
+from helpers import claim, complete, connect, entries_read, heads_updates, insert
 
 Conn = psycopg.Connection[Any]
 
@@ -22,23 +22,15 @@ def head(conn: Conn, aggregate_id: str) -> tuple[Any, ...]:
     return tuple(row)
 
 
-def head_updates(conn: Conn) -> tuple[int, int]:
-    """Updates of outbox_heads by this backend's current transaction so far: (all, HOT)."""
-    row = conn.execute("SELECT pg_stat_get_xact_tuples_updated('outbox_heads'::regclass), "
-                       "pg_stat_get_xact_tuples_hot_updated('outbox_heads'::regclass)").fetchone()
-    assert row is not None
-    return int(row[0]), int(row[1])
-
-
 def test_a_report_that_leaves_its_head_due_is_a_hot_update(conn: Conn) -> None:
     first, second = insert(conn, "order", "busy"), insert(conn, "order", "busy")
     (row,) = claim(conn, 1)
     assert row["id"] == first
     _, ready = head(conn, "busy")
     conn.execute("BEGIN")
-    before = head_updates(conn)
+    before = heads_updates(conn)
     assert complete(conn, [first], row["lease_token"]) == 1
-    after = head_updates(conn)
+    after = heads_updates(conn)
     conn.execute("COMMIT")
     # Seen with 0028: (1, 0): ready_at and head_id moved in outbox_heads_ready_idx.
     assert (after[0] - before[0], after[1] - before[1]) == (1, 1)
