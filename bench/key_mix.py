@@ -4,6 +4,7 @@ working tree, side by side in one run.
     .venv/bin/python bench/key_mix.py             # full run (about 12-15 minutes)
     .venv/bin/python bench/key_mix.py --quick     # smaller counts, shorter phases (about 2-3 minutes)
     .venv/bin/python bench/key_mix.py --only 1    # one phase (or several: --only 2,5 / --only claim)
+    .venv/bin/python bench/key_mix.py --only 1 --no-atomic   # the drains through the fallback
 
 OLD is commit 3451e34 (--old-commit): its migrations/ and outboxpg/ are taken with `git archive`
 into a temp dir, the migrations applied with yoyo, and its own worker run from there. NEW is the
@@ -352,7 +353,8 @@ class Bench:
             # allow_atomic where the server has atomic batch publish (2.12+), as the worker's
             # --ensure-stream creates it: the new worker then publishes long runs as atomic
             # batches; the old one publishes as before (the option changes nothing else).
-            atomic = True if supports_atomic_batch(nc) else None
+            # --no-atomic: streams without it, to measure the worker's fallback (sequential acks).
+            atomic = True if self.args.atomic and supports_atomic_batch(nc) else None
             await js.add_stream(StreamConfig(name=s.stream, subjects=[f"{s.prefix}.>"], duplicate_window=600,
                                              allow_atomic=atomic))
             self.streams.add(s.stream)
@@ -1033,6 +1035,9 @@ def main() -> int:
     ap.add_argument("--check-order", action=argparse.BooleanOptionalAction, default=None,
                     help="read each worker drain's stream back and check per-aggregate order "
                          "(default: on with --quick, off in the full run)")
+    ap.add_argument("--atomic", action=argparse.BooleanOptionalAction, default=True,
+                    help="create the streams with allow_atomic where the server has atomic batch publish "
+                         "(default); --no-atomic measures the worker's fallback, sequential acks")
     ap.add_argument("--quiet-wait", type=float, default=None,
                     help="seconds in all (default 30, quick 0) that the run may spend waiting, before a drain, "
                          "for a second in which other users take < 10%% of the CPU")
@@ -1080,7 +1085,8 @@ def main() -> int:
             extra = f"; max_run = {s.max_run}" if "max_run" in s.settings else "; no max_run setting"
             log(f"  {s.label}: {s.desc}; {s.steps} migration steps, digest {s.digest}{extra}")
         log(f"phases: {', '.join(f'{k} {PHASES[k]}' for k in phases)}; order check of worker drains: "
-            f"{'on' if args.check_order else 'off'}")
+            f"{'on' if args.check_order else 'off'}; streams "
+            f"{'with allow_atomic where the server has it' if args.atomic else 'without allow_atomic (--no-atomic)'}")
         for key in phases:
             t0 = time.monotonic()
             try:
