@@ -4,11 +4,12 @@
 -- no row version of outbox_heads made since its snapshot can be removed. A busy aggregate's head
 -- is written twice a run (the claim's lease, the report), HOT while its page has room; once the
 -- page is full, the next version goes to another page and adds an entry of its key to
--- outbox_heads_pkey. Every report locks its aggregates' heads by key (outbox_refresh_heads),
+-- outbox_heads_pkey, and so does each new head when the head was dropped (its line ran empty)
+-- and made again by the intake. Every report locks its aggregates' heads by key (outbox_refresh_heads),
 -- and that lookup read every entry of the key from the oldest, and the versions each points at,
 -- to find the one live version at the end. Measured with 10 busy aggregates at 2,000 events/s
--- and a snapshot held 120 s (BENCHMARKS.md, seventh session): the lock took 1.97 ms a report
--- (992 buffers), outbox_complete 2.82 ms.
+-- and a snapshot held 120 s (BENCHMARKS.md, seventh session): the lock took 1.74 and 1.95 ms a
+-- report in two runs (1,243 and 1,078 buffers), outbox_complete 2.50 and 2.79 ms.
 --
 -- What. The lookup reads the key's entries from the newest down and stops at the first version
 -- its snapshot sees (LIMIT 1: a unique key has one). btree orders the entries of one key by
@@ -22,7 +23,8 @@
 -- Left as it was: the intake's INSERT ... ON CONFLICT. It also makes heads anew (an aggregate
 -- whose line ran empty had its head dropped), and then no version of the key is live: a look
 -- from the newest entry would read all of them, and the insert's uniqueness check again (tried:
--- the intake's time per claim went from 1.20 to 2.07 ms in the case above).
+-- in one run of the case above the intake's two statements took 1.32 + 0.75 ms a claim, where
+-- 0029's insert had taken 1.20 ms in the run before).
 -- depends: 0029_outbox_heads_turn
 DO $$ BEGIN PERFORM set_config('search_path', format('%I, pg_temp', current_schema()), false); END $$;
 

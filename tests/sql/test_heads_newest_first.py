@@ -1,7 +1,8 @@
 """0030: a report locks its aggregates' heads by key from the newest entry of outbox_heads_pkey
 down and stops at the version it sees. Up to 0029 it read every entry of the key from the
-oldest: under a held snapshot a busy aggregate's head leaves one behind each time its page
-fills, and every report of the aggregate walked them all."""
+oldest: under a held snapshot a busy aggregate's key gains one each time its head's page fills
+and each time the head is dropped and made again, and every report of the aggregate walked them
+all. The live version is the newest entry's in both cases."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def key_entries(conn: Conn, aggregate_id: str) -> int:
     return reads
 
 
-def busy_head_under_held_snapshot(dsn: str, conn: Conn, holder: Conn) -> int:
+def busy_head_under_held_snapshot(conn: Conn, holder: Conn) -> int:
     """300 runs of one aggregate whose head stays (one event always waits) while ``holder``
     holds a snapshot; returns the entries its key then has in outbox_heads_pkey."""
     insert(conn, "order", "busy")
@@ -42,7 +43,7 @@ def busy_head_under_held_snapshot(dsn: str, conn: Conn, holder: Conn) -> int:
 def test_under_a_held_snapshot_a_report_finds_a_busy_head_without_walking_its_old_entries(
         dsn: str, conn: Conn) -> None:
     with connect(dsn, autocommit=False) as holder:
-        entries = busy_head_under_held_snapshot(dsn, conn, holder)
+        entries = busy_head_under_held_snapshot(conn, holder)
         assert entries >= 5, entries                    # the case this is about (7 seen)
         insert(conn, "order", "busy")
         (row,) = claim(conn, 1)
