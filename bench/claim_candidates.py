@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -48,10 +47,12 @@ from typing import Any
 
 import psycopg
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.conninfo import make_conninfo
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from sql_core import run_pgbench  # noqa: E402  (bench/, beside this file: one pgbench runner)
 
 from outboxpg import schema  # noqa: E402
 
@@ -283,14 +284,8 @@ class Bench:
 
     # --- C: producer cost --------------------------------------------------------------------------
     def pgbench(self, clients: int) -> float:
-        d = conninfo_to_dict(self.dsn)
-        cmd = [self.args.pgbench, "-n", "-M", "prepared", "-f", str(ROOT / "bench" / "pgbench_insert_one.sql"),
-               "-c", str(clients), "-j", str(min(2, clients)), "-T", str(self.args.insert_seconds),
-               "-h", str(d.get("host", "127.0.0.1")), "-p", str(d.get("port", 5432)),
-               "-U", str(d.get("user", "postgres")), self.dbname]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=self.args.insert_seconds + 60, check=True).stdout
-        m = re.search(r"tps = ([0-9.]+)", out)
-        return float(m.group(1)) if m else 0.0
+        tps, _, _ = run_pgbench(self.args.pgbench, self.dsn, clients, self.args.insert_seconds)
+        return tps
 
     def phase_c(self) -> None:
         log(f"C. producer INSERT, one event per transaction (pgbench -T {self.args.insert_seconds}, 100,000 "
@@ -373,7 +368,7 @@ def main() -> int:
     except KeyboardInterrupt:
         log("interrupted")
         return 130
-    except (psycopg.Error, subprocess.SubprocessError, OSError) as e:
+    except (psycopg.Error, subprocess.SubprocessError, OSError, RuntimeError) as e:
         log(f"claim_candidates: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else e}")
         return 1
     finally:
