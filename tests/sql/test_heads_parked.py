@@ -1,0 +1,141 @@
+"""0031: a busy aggregate's head is parked, not dropped, when its line runs empty, and the intake
+brings it back. Up to 0030 the head was dropped and made again between two events: under a held
+snapshot each new head added an entry of its key to outbox_heads_pkey, and the intake's INSERT ...
+ON CONFLICT read them all, from the oldest, on every event of the aggregate."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+from helpers import claim, claim_ids, complete, connect, entries_read, heads_updates, insert
+
+from outboxpg import schema
+
+Conn = psycopg.Connection[Any]
+
+
+def head(conn: Conn, aggregate_id: str) -> dict[str, Any] | None:
+    row = conn.execute(
+        "SELECT head_id, opened_id, parked, ready_at, leased_until - clock_timestamp() AS left_ FROM outbox_heads "
+        "WHERE aggregate_type = 'order' AND aggregate_id = %s", (aggregate_id,)).fetchone()
+    if row is None:
+        return None
+    return dict(zip(("head_id", "opened_id", "parked", "ready_at", "left"), row, strict=True))
+
+
+def one_run(conn: Conn) -> int:
+    """Claims one event and completes it; returns its id."""
+    (row,) = claim(conn, 1)
+    assert complete(conn, [row["id"]], row["lease_token"]) == 1
+    return int(row["id"])
+
+
+def park_busy(conn: Conn, aggregate_id: str = "busy") -> None:
+    """Two runs of one aggregate, its line empty after the second: its head is parked."""
+    insert(conn, "order", aggregate_id)
+    insert(conn, "order", aggregate_id)
+    one_run(conn)
+    one_run(conn)
+
+
+def test_a_busy_head_whose_line_runs_empty_is_parked_and_comes_back_with_hot_updates(conn: Conn) -> None:
+    insert(conn, "order", "busy")
+    insert(conn, "order", "busy")
+    one_run(conn)
+    (row,) = claim(conn, 1)
+    ready = head(conn, "busy")
+    assert ready is not None and not ready["parked"]
+    conn.execute("BEGIN")
+    before = heads_updates(conn)
+    assert complete(conn, [row["id"]], row["lease_token"]) == 1      # its line is empty now
+    after = heads_updates(conn)
+    conn.execute("COMMIT")
+    assert (after[0] - before[0], after[1] - before[1]) == (1, 1)    # parked: one HOT update
+    parked = head(conn, "busy")
+    assert parked is not None and parked["parked"]
+    assert parked["ready_at"] == ready["ready_at"]                   # kept: no move in the index
+    assert 0 < parked["left"].total_seconds() <= 1.0
+    assert parked["head_id"] > row["id"]                             # above every finished event
+    assert claim_ids(conn) == []                                     # no candidate
+
+    third = insert(conn, "order", "busy")
+    conn.execute("BEGIN")
+    before = heads_updates(conn)
+    (row,) = claim(conn, 10)
+    after = heads_updates(conn)
+    conn.execute("COMMIT")
+    assert row["id"] == third
+    # The intake brings it back and the claim leases it: two updates, both HOT. Up to 0030: a
+    # new head (an insert), then the lease.
+    assert (after[0] - before[0], after[1] - before[1]) == (2, 2)
+    back = head(conn, "busy")
+    assert back is not None and not back["parked"] and back["ready_at"] == ready["ready_at"]
+
+
+def test_a_head_that_served_one_run_is_dropped(conn: Conn) -> None:
+    insert(conn, "order", "once")
+    one_run(conn)
+    assert head(conn, "once") is None
+
+
+def test_under_a_held_snapshot_the_intake_finds_a_busy_head_without_walking_its_key(
+        dsn: str, conn: Conn) -> None:
+    with connect(dsn, autocommit=False) as holder:
+        holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        holder.execute("SELECT count(*) FROM outbox").fetchone()     # the snapshot is taken
+        insert(conn, "order", "busy")
+        for _ in range(200):
+            insert(conn, "order", "busy")                             # its line never empty here
+            one_run(conn)
+        # 200 times: the line runs empty, the next event comes.
+        one_run(conn)
+        for _ in range(200):
+            insert(conn, "order", "busy")
+            one_run(conn)
+        insert(conn, "order", "busy")
+        reads, ids = entries_read(conn, "outbox_heads_pkey", lambda: claim_ids(conn, 10))
+        holder.rollback()
+    assert len(ids) == 1
+    # Seen with 0030: 208 (the head made again 200 times, each new head an entry of its key,
+    # all of which the intake's insert reads).
+    assert reads <= 5, reads
+
+
+def test_a_parked_head_whose_second_is_up_is_dropped_and_hides_no_due_event(conn: Conn) -> None:
+    park_busy(conn, "a")
+    park_busy(conn, "b")
+    conn.execute("UPDATE outbox_heads SET leased_until = clock_timestamp() - interval '1 millisecond' WHERE parked")
+    other = insert(conn, "order", "other")
+    # A claim of one: the expired parked heads come first among the due heads (the oldest
+    # ready_at) but are no candidates; both are dropped.
+    assert claim_ids(conn, 1) == [other]
+    assert head(conn, "a") is None and head(conn, "b") is None
+
+
+def test_a_parked_head_wakes_no_worker(conn: Conn) -> None:
+    park_busy(conn)
+    assert conn.execute("SELECT outbox_next_wakeup()").fetchone() == (None,)
+    insert(conn, "order", "busy")
+    # A new event is due now (the worker is woken by NOTIFY; its claim's intake brings the head back).
+    assert claim_ids(conn) != []
+
+
+def test_rolling_0031_back_drops_the_parked_heads(empty_dsn: str) -> None:
+    schema.migrate(empty_dsn)
+    with connect(empty_dsn) as conn:
+        park_busy(conn)
+        waiting = insert(conn, "order", "busy")         # not taken in yet: its head is parked
+    ids = schema.step_ids()
+    step = "0031_outbox_heads_parked"
+    since = ids[ids.index(step):]
+    assert schema.rollback(empty_dsn, count=len(since)) == since[::-1]
+    with connect(empty_dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM outbox_heads").fetchone() == (0,)
+        assert claim_ids(conn) == [waiting]             # 0030's intake makes its head again
+    assert schema.migrate(empty_dsn) == since
+    with connect(empty_dsn) as conn:
+        later = insert(conn, "order", "busy")
+        assert claim_ids(conn) == []                    # its run is out
+        assert conn.execute("SELECT parked FROM outbox_heads").fetchall() == [(False,)]
+        assert later > waiting
