@@ -549,3 +549,4 @@ $$;
 -- makes its head anew).
 DELETE FROM outbox_heads WHERE parked;
 ALTER TABLE outbox_heads DROP COLUMN parked;
+ALTER TABLE outbox_heads DROP COLUMN runs;

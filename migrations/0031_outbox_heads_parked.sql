@@ -11,16 +11,20 @@
 -- of the hold, the intake 2.4-2.6 ms a claim, commit -> JetStream p99 54.9 and 58.4 ms.
 --
 -- What.
+--   * A head counts its runs: each report that moves it on to a next event adds one (runs, a
+--     column in no index).
 --   * A report that finds no event left keeps the head, parked, when it was leased to the run
---     being reported and has served more than one run of its aggregate (head_id past
---     opened_id): a busy aggregate between two events. Parking changes only columns in no index
---     (parked, leased_until: one second from now, head_id), so it is a HOT update. A head that
---     served one run is dropped as before: an aggregate with an event now and then leaves no
---     parked head behind.
---   * The intake looks its heads up from the newest entry of their key (as the reports do since
---     0030), finds a parked head live at once, and brings it back with a HOT update (parked
---     false, leased_until NULL): due again at the ready_at it kept. Only the heads it does not
---     find are inserted.
+--     being reported and has counted 3 runs or more: a busy aggregate between two events.
+--     Parking changes only columns in no index (parked, leased_until: one second from now,
+--     head_id), so it is a HOT update. Other heads are dropped as before: an aggregate with an
+--     event now and then, or a short burst, leaves no parked head behind.
+--   * The intake brings a parked head back with a HOT update (parked false, leased_until
+--     NULL): due again at the ready_at it kept, and its key gains no entry. It looks the heads of
+--     busy aggregates (those with an event among the ones just below its cursor) up from the
+--     newest entry of their key, as the reports do since 0030, and finds a parked one at once;
+--     the other keys go straight to its INSERT ... ON CONFLICT, whose conflict update brings a
+--     parked head back too. Looking every key up first would read a key with no live head twice
+--     (the look walks all its entries, then the insert's check).
 --   * A parked head is no claim candidate. One whose second is up is dropped by a claim that
 --     finds it among the first 16 due heads (those under which the floor, 0026, waits), after
 --     outbox_refresh_heads has looked at its events, like a head found empty. It keeps its
@@ -29,20 +33,26 @@
 --   * outbox_next_wakeup leaves parked heads out: their second running out makes nothing due.
 --
 -- What it costs: a parked head is read (one index entry, not locked) by the claims that pass it
--- in the due heads, for at most a second after its aggregate's last event, and the floor waits
--- under it that long. The intake reads a key twice for a head it makes anew (the look, then
--- the insert's uniqueness check); few entries unless that aggregate was busy under a held
--- snapshot and then quiet for more than a second. A head that comes back is due at the ready_at
--- it kept, at most a second and one turn (0029) old: ahead of heads that came due since, as a
--- busy head within its turn is.
+-- in the due heads, for about a second after its aggregate's last event, and the floor waits
+-- under it that long. A head that comes back is due at the ready_at it kept, at most a second
+-- and one turn (0029) old: ahead of heads that came due since, as a busy head within its turn
+-- is. The intake reads the ids just below its cursor (twice as many as it takes in, at least
+-- 50) to know which aggregates are busy. Tried first and measured (BENCHMARKS.md, eighth
+-- session): parking every head moved on once, and an intake that looked every key up from its
+-- newest entry. With 10,000 aggregates at 2,000 events/s and a held snapshot, many heads were
+-- parked and then waited to be dropped with the floor under them (9,124 entries of
+-- outbox_heads_ready_idx read per claim), and every head made anew had its key read twice.
 -- depends: 0030_outbox_heads_newest_first
 DO $$ BEGIN PERFORM set_config('search_path', format('%I, pg_temp', current_schema()), false); END $$;
 
 ALTER TABLE outbox_heads ADD COLUMN parked boolean NOT NULL DEFAULT false;
 COMMENT ON COLUMN outbox_heads.parked IS
     'The aggregate has no unfinished event; its head is kept for leased_until, for the intake to bring back (0031).';
+ALTER TABLE outbox_heads ADD COLUMN runs integer NOT NULL DEFAULT 0;
+COMMENT ON COLUMN outbox_heads.runs IS
+    'How many times a report moved the head on to a next event; 3 or more and it is parked rather than dropped (0031).';
 
--- 0029's intake: live heads found from the newest entry of their key, parked ones revived (marked 0031).
+-- 0029's intake: busy heads found from the newest entry of their key, parked ones brought back (marked 0031).
 CREATE OR REPLACE FUNCTION outbox_take_in(settled bigint, last_id bigint, chunk integer) RETURNS bigint
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -65,6 +75,7 @@ DECLARE
     firsts  bigint[];
     live_tids tid[];                            -- 0031: the heads that exist, locked
     live_ns   bigint[];                         -- 0031: their places in types / ids / firsts
+    recent    integer[];                        -- 0031: the aggregates just below the cursor
     seen    bigint;
     top     bigint;
     at      timestamptz := clock_timestamp();   -- 0026: one time for all the heads made here
@@ -114,15 +125,22 @@ BEGIN
         -- and their head dropped, since (a run reads its aggregate's line beyond the cursor).
         -- The claim that takes the head finds the truth (a lease running: it waits for its end;
         -- no event left: the head is dropped).
-        -- 0031: the heads that exist first, each from the newest entry of its key down to the
-        -- first version this sees (as outbox_refresh_heads finds them, 0030). A busy
-        -- aggregate's head is parked rather than dropped when its line runs empty
-        -- (outbox_refresh_heads), so it is found at once, live; INSERT ... ON CONFLICT read
-        -- every entry of the key from the oldest before it reached the live one.
+        -- 0031: the heads of busy aggregates first, each from the newest entry of its key down
+        -- to the first version this sees (as outbox_refresh_heads finds them, 0030), locked in
+        -- key order: a busy aggregate's head is kept, parked, between two of its events, and
+        -- found at once, where INSERT ... ON CONFLICT reads every entry of the key from the
+        -- oldest before it reaches the live one at the newest. Busy: it has an event among the
+        -- ones just below the cursor (twice as many as this intake read, at least 50). Not
+        -- every key: for a key with no live head (dropped, to be made again) that look reads
+        -- all of its entries, and the insert's check then reads them again.
+        recent := ARRAY(SELECT outbox_aggregate_key(o.aggregate_type, o.aggregate_id)
+                          FROM outbox o
+                         WHERE o.id > upto - greatest(2 * seen, 50) AND o.id <= upto);
         SELECT array_agg(h.tid), array_agg(s.n)
           INTO live_tids, live_ns
           FROM (SELECT s.t COLLATE "C" AS t, s.i COLLATE "C" AS i, s.n
                   FROM unnest(types, ids) WITH ORDINALITY AS s(t, i, n)
+                 WHERE outbox_aggregate_key(s.t, s.i) = ANY (recent)   -- a collision: one look more
                  ORDER BY 1, 2) s
          CROSS JOIN LATERAL (
                SELECT h.ctid AS tid FROM outbox_heads h
@@ -145,8 +163,8 @@ BEGIN
                AND (h.parked OR h.head_id > firsts[l.n]);
         END IF;
 
-        -- The others are made. One intake runs at a time (the intake row), so none of them has
-        -- been made since the look above; ON CONFLICT all the same.
+        -- The others are made, or found by the insert's check: a parked head of an aggregate
+        -- whose events paused is brought back there, with the same HOT update.
         -- 0029: opened_id, the first event's id, orders the heads made here among themselves.
         INSERT INTO outbox_heads AS h (aggregate_type, aggregate_id, lock_key, head_id, ready_at, opened_id)
         -- 0026: the clock, not now(): a head's ready_at is never below the time its writer
@@ -155,8 +173,10 @@ BEGIN
           FROM unnest(types, ids, firsts) WITH ORDINALITY AS s(t, i, f, n)
          WHERE s.n <> ALL (coalesce(live_ns, '{}'))
         ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE
-           SET head_id = excluded.head_id
-         WHERE h.head_id > excluded.head_id;
+           SET head_id = least(h.head_id, excluded.head_id),
+               leased_until = CASE WHEN h.parked THEN NULL ELSE h.leased_until END,
+               parked = false
+         WHERE h.parked OR h.head_id > excluded.head_id;
     END IF;
 
     -- Past everything read (all of it when fewer than chunk came back), never past the horizon.
@@ -220,11 +240,11 @@ BEGIN
     WITH firsts AS MATERIALIZED (
         SELECT h.aggregate_type, h.aggregate_id, h.tid, f.id,
                -- 0031: no event left, but the head was leased to the run this reports and has
-               -- served more than one run of its aggregate (head_id moved past opened_id): a
-               -- busy aggregate between two events. It is parked for a second instead of
-               -- dropped; the intake brings it back (outbox_take_in).
+               -- been moved on to a next event at least 3 times (runs): a busy aggregate between
+               -- two events. It is parked for a second instead of dropped; the intake brings it
+               -- back (outbox_take_in).
                f.id IS NULL AND h.leased_until IS NOT NULL AND h.leased_until >= at
-                   AND h.head_id > h.opened_id AS park,
+                   AND h.runs >= 3 AS park,
                CASE
                     -- 0029: its next event is due, and the head came due less than 250 ms ago:
                     -- it keeps its place (its turn), and this update is HOT (only head_id and
@@ -236,7 +256,7 @@ BEGIN
                     WHEN f.state = 'pending' THEN greatest(at, f.next_attempt_at)
                     WHEN f.state = 'processing' THEN greatest(at, f.locked_until)
                END AS ready_at
-          FROM (SELECT h.aggregate_type, h.aggregate_id, h.head_id, h.opened_id, h.ready_at, h.leased_until,
+          FROM (SELECT h.aggregate_type, h.aggregate_id, h.head_id, h.runs, h.ready_at, h.leased_until,
                        h.ctid AS tid
                   FROM outbox_heads h
                  WHERE h.ctid = ANY (tids)) h                        -- 0026: locked above
@@ -262,6 +282,7 @@ BEGIN
            leased_until = CASE WHEN f.park THEN at + interval '1 second'
                                ELSE NULL END,          -- 0028: its events were looked at
            parked   = f.park,                          -- 0031
+           runs     = CASE WHEN f.park THEN h.runs ELSE h.runs + 1 END,   -- 0031: counted, never reset
            ready_at = CASE WHEN f.park THEN h.ready_at ELSE f.ready_at END   -- 0029: see firsts
       FROM firsts f
      WHERE h.ctid = ANY (ARRAY(SELECT f2.tid FROM firsts f2 WHERE f2.id IS NOT NULL OR f2.park))

@@ -407,9 +407,9 @@ def test_health_sql_says_when_a_due_events_head_is_leased(dsn: str, conn: psycop
 def test_health_sql_says_when_a_due_events_head_is_parked(dsn: str, conn: psycopg.Connection[Any]) -> None:
     """Since 0031 a busy aggregate between two events keeps its head, parked; a new event waits
     for the next claim's intake to bring it back, not for a run to end."""
-    insert(conn, "order", "o-1")
-    insert(conn, "order", "o-1")
-    for _ in range(2):                                      # two runs: its line empty after the second
+    for _ in range(4):
+        insert(conn, "order", "o-1")
+    for _ in range(4):                                      # its head moved on 3 times, then its line empty
         (row,) = claim(conn, 1)
         assert complete(conn, [row["id"]], row["lease_token"]) == 1
     waiting = insert(conn, "order", "o-1")
