@@ -36,12 +36,13 @@
 -- in the due heads, for about a second after its aggregate's last event, and the floor waits
 -- under it that long. A head that comes back is due at the ready_at it kept, at most a second
 -- and one turn (0029) old: ahead of heads that came due since, as a busy head within its turn
--- is. The intake reads the ids just below its cursor (twice as many as it takes in, at least
--- 50) to know which aggregates are busy. Tried first and measured (BENCHMARKS.md, eighth
--- session): parking every head moved on once, and an intake that looked every key up from its
--- newest entry. With 10,000 aggregates at 2,000 events/s and a held snapshot, many heads were
--- parked and then waited to be dropped with the floor under them (9,124 entries of
--- outbox_heads_ready_idx read per claim), and every head made anew had its key read twice.
+-- is. An intake that has caught up reads the ids just below its cursor (twice as many as it
+-- takes in, 50 to 500) to know which aggregates are busy. Tried first and measured
+-- (BENCHMARKS.md, eighth session): parking every head moved on once, and an intake that looked
+-- every key up from its newest entry. With 10,000 aggregates at 2,000 events/s and a held
+-- snapshot, many heads were parked and then waited to be dropped with the floor under them
+-- (9,124 entries of outbox_heads_ready_idx read per claim), and every head made anew had its
+-- key read twice.
 -- depends: 0030_outbox_heads_newest_first
 DO $$ BEGIN PERFORM set_config('search_path', format('%I, pg_temp', current_schema()), false); END $$;
 
@@ -75,7 +76,7 @@ DECLARE
     firsts  bigint[];
     live_tids tid[];                            -- 0031: the heads that exist, locked
     live_ns   bigint[];                         -- 0031: their places in types / ids / firsts
-    recent    integer[];                        -- 0031: the aggregates just below the cursor
+    recent    integer[];                        -- 0031: the aggregates just below the cursor (keys)
     seen    bigint;
     top     bigint;
     at      timestamptz := clock_timestamp();   -- 0026: one time for all the heads made here
@@ -130,12 +131,16 @@ BEGIN
         -- key order: a busy aggregate's head is kept, parked, between two of its events, and
         -- found at once, where INSERT ... ON CONFLICT reads every entry of the key from the
         -- oldest before it reaches the live one at the newest. Busy: it has an event among the
-        -- ones just below the cursor (twice as many as this intake read, at least 50). Not
+        -- ones just below the cursor (twice as many as this intake read, 50 to 500), looked for
+        -- only when this intake read fewer than a chunk: one catching up on a backlog reads
+        -- chunks of thousands, and its insert brings parked heads back as well. Not
         -- every key: for a key with no live head (dropped, to be made again) that look reads
         -- all of its entries, and the insert's check then reads them again.
-        recent := ARRAY(SELECT outbox_aggregate_key(o.aggregate_type, o.aggregate_id)
-                          FROM outbox o
-                         WHERE o.id > upto - greatest(2 * seen, 50) AND o.id <= upto);
+        IF seen < chunk THEN
+            recent := ARRAY(SELECT outbox_aggregate_key(o.aggregate_type, o.aggregate_id)
+                              FROM outbox o
+                             WHERE o.id > upto - least(greatest(2 * seen, 50), 500) AND o.id <= upto);
+        END IF;
         SELECT array_agg(h.tid), array_agg(s.n)
           INTO live_tids, live_ns
           FROM (SELECT s.t COLLATE "C" AS t, s.i COLLATE "C" AS i, s.n
