@@ -141,6 +141,8 @@ SELECT o.id,
                THEN 'due, but its aggregate''s head in outbox_heads says held by a dead letter (ready_at NULL)'
            WHEN blocker.id IS NULL AND hd.ready_at > now()
                THEN format('due, but its aggregate''s head in outbox_heads is not ready before %s', hd.ready_at)
+           WHEN blocker.id IS NULL AND hd.parked
+               THEN 'due: its aggregate''s head in outbox_heads is parked (0031); the next claim takes the event in and brings the head back'
            WHEN blocker.id IS NULL AND hd.leased_until > now()
                THEN format('due, but its aggregate''s head in outbox_heads is leased to a run until %s', hd.leased_until)
            WHEN (SELECT last_claim_at FROM intake) IS NULL

@@ -402,3 +402,18 @@ def test_health_sql_says_when_a_due_events_head_is_leased(dsn: str, conn: psycop
     assert code == 0, err
     assert re.search(rf"^\s*{first} \| order .*\| due, but its aggregate's head in outbox_heads is leased to a run until ",
                      out, re.M), out
+
+
+def test_health_sql_says_when_a_due_events_head_is_parked(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """Since 0031 a busy aggregate between two events keeps its head, parked; a new event waits
+    for the next claim's intake to bring it back, not for a run to end."""
+    for _ in range(4):
+        insert(conn, "order", "o-1")
+    for _ in range(4):                                      # its head moved on 3 times, then its line empty
+        (row,) = claim(conn, 1)
+        assert complete(conn, [row["id"]], row["lease_token"]) == 1
+    waiting = insert(conn, "order", "o-1")
+    ((code, out, err),) = run_files(dsn, ("health",))
+    assert code == 0, err
+    assert re.search(rf"^\s*{waiting} \| order .*\| due: its aggregate's head in outbox_heads is parked \(0031\); "
+                     r"the next claim takes the event in and brings the head back", out, re.M), out

@@ -1,0 +1,227 @@
+"""0031: a busy aggregate's head is parked, not dropped, when its line runs empty, and the intake
+brings it back. Up to 0030 the head was dropped and made again between two events: under a held
+snapshot each new head added an entry of its key to outbox_heads_pkey, and the intake's INSERT ...
+ON CONFLICT read them all, from the oldest, on every event of the aggregate."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+from helpers import Background, claim, claim_ids, complete, connect, entries_read, heads_updates, insert, wait_until
+
+from outboxpg import schema
+
+Conn = psycopg.Connection[Any]
+
+
+def head(conn: Conn, aggregate_id: str) -> dict[str, Any] | None:
+    row = conn.execute(
+        "SELECT head_id, opened_id, parked, ready_at, leased_until - clock_timestamp() AS left_ FROM outbox_heads "
+        "WHERE aggregate_type = 'order' AND aggregate_id = %s", (aggregate_id,)).fetchone()
+    if row is None:
+        return None
+    return dict(zip(("head_id", "opened_id", "parked", "ready_at", "left"), row, strict=True))
+
+
+def one_run(conn: Conn) -> int:
+    """Claims one event and completes it; returns its id."""
+    (row,) = claim(conn, 1)
+    assert complete(conn, [row["id"]], row["lease_token"]) == 1
+    return int(row["id"])
+
+
+def park_busy(conn: Conn, aggregate_id: str = "busy") -> None:
+    """Four runs of one aggregate, its head moved on three times, its line empty after the
+    fourth: its head is parked."""
+    for _ in range(4):
+        insert(conn, "order", aggregate_id)
+    for _ in range(4):
+        one_run(conn)
+
+
+def test_a_busy_head_whose_line_runs_empty_is_parked_and_comes_back_with_hot_updates(conn: Conn) -> None:
+    for _ in range(4):
+        insert(conn, "order", "busy")
+    for _ in range(3):
+        one_run(conn)                                                # the head moved on 3 times
+    (row,) = claim(conn, 1)
+    ready = head(conn, "busy")
+    assert ready is not None and not ready["parked"]
+    conn.execute("BEGIN")
+    before = heads_updates(conn)
+    assert complete(conn, [row["id"]], row["lease_token"]) == 1      # its line is empty now
+    after = heads_updates(conn)
+    conn.execute("COMMIT")
+    assert (after[0] - before[0], after[1] - before[1]) == (1, 1)    # parked: one HOT update
+    parked = head(conn, "busy")
+    assert parked is not None and parked["parked"]
+    assert parked["ready_at"] == ready["ready_at"]                   # kept: no move in the index
+    assert 0 < parked["left"].total_seconds() <= 1.0
+    assert parked["head_id"] > row["id"]                             # above every finished event
+    assert claim_ids(conn) == []                                     # no candidate
+
+    third = insert(conn, "order", "busy")
+    conn.execute("BEGIN")
+    before = heads_updates(conn)
+    (row,) = claim(conn, 10)
+    after = heads_updates(conn)
+    conn.execute("COMMIT")
+    assert row["id"] == third
+    # The intake brings it back and the claim leases it: two updates, both HOT. Up to 0030: a
+    # new head (an insert), then the lease.
+    assert (after[0] - before[0], after[1] - before[1]) == (2, 2)
+    back = head(conn, "busy")
+    assert back is not None and not back["parked"] and back["ready_at"] == ready["ready_at"]
+
+
+def test_a_parked_head_whose_aggregate_paused_is_brought_back_by_the_insert(conn: Conn) -> None:
+    """The intake looks up from the newest entry only the aggregates with an event just below its
+    cursor; the others go to its insert, whose conflict update brings a parked head back too."""
+    park_busy(conn)
+    others = [insert(conn, "order", f"other-{i}") for i in range(120)]
+    assert sorted(claim_ids(conn, 200)) == others                  # taken in: the cursor moves past them
+    later = insert(conn, "order", "busy")
+    conn.execute("BEGIN")
+    before = heads_updates(conn)
+    assert claim_ids(conn, 10) == [later]
+    after = heads_updates(conn)
+    conn.execute("COMMIT")
+    back = head(conn, "busy")
+    assert back is not None and not back["parked"]
+    assert conn.execute("SELECT count(*) FROM outbox_heads WHERE aggregate_id = 'busy'").fetchone() == (1,)
+    # Brought back and leased: HOT both.
+    assert after[0] - before[0] == after[1] - before[1] >= 2
+
+
+def test_a_head_moved_on_fewer_than_3_times_is_dropped(conn: Conn) -> None:
+    """An aggregate with an event now and then, or a short burst, leaves no parked head."""
+    insert(conn, "order", "once")
+    one_run(conn)
+    assert head(conn, "once") is None
+    for _ in range(3):
+        insert(conn, "order", "burst")
+    for _ in range(3):
+        one_run(conn)                                                # moved on twice
+    assert head(conn, "burst") is None
+
+
+def test_under_a_held_snapshot_a_busy_key_stops_gaining_entries(
+        dsn: str, conn: Conn) -> None:
+    with connect(dsn, autocommit=False) as holder:
+        holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        holder.execute("SELECT count(*) FROM outbox").fetchone()     # the snapshot is taken
+        insert(conn, "order", "busy")
+        for _ in range(200):
+            insert(conn, "order", "busy")                             # its line never empty here
+            one_run(conn)
+        # 200 times: the line runs empty, the next event comes.
+        one_run(conn)
+        for _ in range(200):
+            insert(conn, "order", "busy")
+            one_run(conn)
+        insert(conn, "order", "busy")
+        reads, ids = entries_read(conn, "outbox_heads_pkey", lambda: claim_ids(conn, 10))
+        holder.rollback()
+    assert len(ids) == 1
+    # Seen with 0030: 208 (the head made again 200 times, each new head an entry of its key,
+    # all of which the intake's insert reads). Seen with 0031: 15 (an entry each time the head's
+    # page was full and its next version went to another page).
+    assert reads <= 40, reads
+
+
+def test_a_parked_head_whose_second_is_up_is_dropped_and_hides_no_due_event(conn: Conn) -> None:
+    park_busy(conn, "a")
+    park_busy(conn, "b")
+    conn.execute("UPDATE outbox_heads SET leased_until = clock_timestamp() - interval '1 millisecond' WHERE parked")
+    other = insert(conn, "order", "other")
+    # A claim of one: the expired parked heads come first among the due heads (the oldest
+    # ready_at) but are no candidates; both are dropped.
+    assert claim_ids(conn, 1) == [other]
+    assert head(conn, "a") is None and head(conn, "b") is None
+
+
+def test_a_parked_head_wakes_no_worker(conn: Conn) -> None:
+    park_busy(conn)
+    assert conn.execute("SELECT outbox_next_wakeup()").fetchone() == (None,)
+    insert(conn, "order", "busy")
+    # A new event is due now (the worker is woken by NOTIFY; its claim's intake brings the head back).
+    assert claim_ids(conn) != []
+
+
+def test_rolling_0031_back_drops_the_parked_heads(empty_dsn: str) -> None:
+    schema.migrate(empty_dsn)
+    with connect(empty_dsn) as conn:
+        park_busy(conn)
+        waiting = insert(conn, "order", "busy")         # not taken in yet: its head is parked
+    ids = schema.step_ids()
+    step = "0031_outbox_heads_parked"
+    since = ids[ids.index(step):]
+    assert schema.rollback(empty_dsn, count=len(since)) == since[::-1]
+    with connect(empty_dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM outbox_heads").fetchone() == (0,)
+        assert claim_ids(conn) == [waiting]             # 0030's intake makes its head again
+    assert schema.migrate(empty_dsn) == since
+    with connect(empty_dsn) as conn:
+        later = insert(conn, "order", "busy")
+        assert claim_ids(conn) == []                    # its run is out
+        assert conn.execute("SELECT parked FROM outbox_heads").fetchall() == [(False,)]
+        assert later > waiting
+
+
+def lock_head(conn: Conn, aggregate_id: str) -> None:
+    """What a report does to its heads first (outbox_refresh_heads): lock them, in key order."""
+    assert conn.execute("SELECT 1 FROM outbox_heads WHERE aggregate_type = 'order' AND aggregate_id = %s "
+                        "FOR UPDATE", (aggregate_id,)).fetchone() == (1,)
+
+
+def waits_for_a_lock(conn: Conn, pid: int) -> bool:
+    row = conn.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()
+    return row is not None and row[0] == "Lock"
+
+
+def calm_and_busy(conn: Conn) -> tuple[int, int]:
+    """Two heads in key order: "a-calm" leased to a run, with an event long before the cursor
+    (not busy), and "b-busy" parked, with events just below it. Then one new event each;
+    returns their ids (calm, busy)."""
+    insert(conn, "order", "a-calm")
+    assert len(claim(conn, 1)) == 1                                  # its head stays, leased
+    others = [insert(conn, "order", f"other-{i}") for i in range(60)]
+    assert sorted(claim_ids(conn, 100)) == others                    # the cursor is 60 ids on
+    park_busy(conn, "b-busy")
+    assert (head(conn, "b-busy") or {}).get("parked")
+    return insert(conn, "order", "a-calm"), insert(conn, "order", "b-busy")
+
+
+def test_the_intake_holds_no_busy_head_while_it_waits(dsn: str, conn: Conn) -> None:
+    """A report locks its heads in one pass in key order and waits. The intake waits only in its
+    insert, which comes first: while it waits there for "a-calm", which a report holds, it holds
+    no busy head, so the report gets "b-busy" too. The first version of 0031 (d03a851) took the
+    busy heads first: the report then waited for the intake and the intake for the report, a
+    deadlock that PostgreSQL broke by aborting one of them."""
+    _, busy_event = calm_and_busy(conn)
+    with connect(dsn, autocommit=False, lock_timeout="5s") as report, connect(dsn, lock_timeout="20s") as worker:
+        lock_head(report, "a-calm")
+        pid = worker.info.backend_pid
+        claiming = Background(lambda: claim_ids(worker, 10))
+        claiming.start()
+        wait_until(lambda: waits_for_a_lock(conn, pid), message="the intake to wait for a-calm's head")
+        lock_head(report, "b-busy")                                  # not held by the intake
+        report.commit()
+        assert claiming.result(20) == [busy_event]                   # a-calm's head is leased
+    assert conn.execute("SELECT count(*) FROM outbox_heads WHERE aggregate_id = 'b-busy'").fetchone() == (1,)
+
+
+def test_a_busy_head_held_by_another_keeps_the_cursor_below_its_event(dsn: str, conn: Conn) -> None:
+    """The busy heads are never waited for: one that another transaction holds is passed, and
+    the cursor stays below its aggregate's event for the next intake, which takes it in."""
+    calm_event, busy_event = calm_and_busy(conn)
+    with connect(dsn, autocommit=False, lock_timeout="5s") as report, connect(dsn, lock_timeout="1s") as worker:
+        lock_head(report, "b-busy")
+        assert claim_ids(worker, 10) == []                           # no wait: no lock_timeout error
+        (cursor,) = conn.execute("SELECT intake_id FROM outbox_intake").fetchone()
+        assert calm_event <= cursor < busy_event
+        report.commit()
+        assert claim_ids(worker, 10) == [busy_event]
+    (cursor,) = conn.execute("SELECT intake_id FROM outbox_intake").fetchone()
+    assert cursor >= busy_event
