@@ -548,5 +548,6 @@ $$;
 -- Parked heads have no event left (one that came since is taken in again by the intake, which
 -- makes its head anew).
 DELETE FROM outbox_heads WHERE parked;
+ALTER TABLE outbox_heads SET (fillfactor = 50);   -- 0005's
 ALTER TABLE outbox_heads DROP COLUMN parked;
 ALTER TABLE outbox_heads DROP COLUMN runs;

@@ -57,6 +57,17 @@ ALTER TABLE outbox_heads ADD COLUMN parked boolean NOT NULL DEFAULT false;
 COMMENT ON COLUMN outbox_heads.parked IS
     'The aggregate has no unfinished event; its head is kept for leased_until, for the intake to bring back (0031).';
 ALTER TABLE outbox_heads ADD COLUMN runs integer NOT NULL DEFAULT 0;
+-- Room for HOT updates of the heads that live long now. Under a held snapshot no row version can
+-- be pruned: a head's update is HOT only while its page has room, and when it has none the new
+-- version goes to another page, adds an entry to outbox_heads_pkey, and that insert's uniqueness
+-- check reads every entry of the key, from the oldest, and the version each points at. A parked
+-- head is updated three times a run and never made anew, so its key's entries pile up: with
+-- fillfactor 50 a report parking 9 heads read 1,780 buffers (auto_explain; 10 busy aggregates at
+-- 2,000 events/s, 70 s into a hold). A version that moves lands only on a page filled less than
+-- this, with the rest left for the head's next versions. The price: inserts fill a page to a
+-- quarter, so the table takes about twice the pages of fillfactor 50 (BENCHMARKS.md, ninth
+-- session: with 10,000 aggregates and a held snapshot, MEASURED_SIZES).
+ALTER TABLE outbox_heads SET (fillfactor = 25);
 COMMENT ON COLUMN outbox_heads.runs IS
     'How many times a report moved the head on to a next event; 3 or more and it is parked rather than dropped (0031).';
 
