@@ -218,23 +218,25 @@ BEGIN
                    AND h.ctid = l.tid
                    AND (h.parked OR h.head_id > firsts[l.n]);
             END IF;
-            -- The busy aggregates whose head was not found: made when there is none (no other
-            -- transaction makes heads: the intake row is locked). One that exists is held by
-            -- another transaction (SKIP LOCKED passed it): DO NOTHING neither waits for it nor
-            -- locks it, and the cursor stays below the aggregate's first event here, for the
-            -- next intake to take it in again. Its holder may be a report about to park or drop
-            -- it from a view that missed the event.
-            WITH made AS (
-                INSERT INTO outbox_heads AS h (aggregate_type, aggregate_id, lock_key, head_id, ready_at, opened_id)
-                SELECT s.t, s.i, outbox_aggregate_key(s.t, s.i), s.f, at, s.f
+            IF coalesce(cardinality(live_ns), 0) < cardinality(busy) THEN
+                -- The busy aggregates whose head was not found: made when there is none (no other
+                -- transaction makes heads: the intake row is locked). One that exists is held by
+                -- another transaction (SKIP LOCKED passed it): DO NOTHING neither waits for it nor
+                -- locks it, and the cursor stays below the aggregate's first event here, for the
+                -- next intake to take it in again. Its holder may be a report about to park or drop
+                -- it from a view that missed the event.
+                WITH made AS (
+                    INSERT INTO outbox_heads AS h (aggregate_type, aggregate_id, lock_key, head_id, ready_at, opened_id)
+                    SELECT s.t, s.i, outbox_aggregate_key(s.t, s.i), s.f, at, s.f
+                      FROM unnest(types, ids, firsts) WITH ORDINALITY AS s(t, i, f, n)
+                     WHERE s.n = ANY (busy) AND s.n <> ALL (coalesce(live_ns, '{}'))
+                    ON CONFLICT (aggregate_type, aggregate_id) DO NOTHING
+                    RETURNING h.aggregate_type, h.aggregate_id)
+                SELECT min(s.f) INTO held_from
                   FROM unnest(types, ids, firsts) WITH ORDINALITY AS s(t, i, f, n)
                  WHERE s.n = ANY (busy) AND s.n <> ALL (coalesce(live_ns, '{}'))
-                ON CONFLICT (aggregate_type, aggregate_id) DO NOTHING
-                RETURNING h.aggregate_type, h.aggregate_id)
-            SELECT min(s.f) INTO held_from
-              FROM unnest(types, ids, firsts) WITH ORDINALITY AS s(t, i, f, n)
-             WHERE s.n = ANY (busy) AND s.n <> ALL (coalesce(live_ns, '{}'))
-               AND NOT EXISTS (SELECT FROM made m WHERE m.aggregate_type = s.t AND m.aggregate_id = s.i);
+                   AND NOT EXISTS (SELECT FROM made m WHERE m.aggregate_type = s.t AND m.aggregate_id = s.i);
+            END IF;
         END IF;
     END IF;
 
