@@ -53,7 +53,7 @@ from nats.js.api import DeliverPolicy, StreamConfig
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from outboxpg import schema  # noqa: E402
+from outboxpg import schema, sql_files  # noqa: E402
 from outboxpg.events import CLAIM_COLUMNS  # noqa: E402
 from outboxpg.worker import RawJsonLoader  # noqa: E402
 from proc_cpu import CpuMeter, QuietWaiter, speed_reference_ms  # noqa: E402  (bench/, beside this file)
@@ -391,7 +391,7 @@ def code_version() -> str:
     except (OSError, subprocess.SubprocessError):
         head, dirty = "?", ""
     digest = hashlib.sha1()
-    for f in sorted(schema.migrations_dir().glob("*.sql")):
+    for f in sorted(sql_files.migrations_dir().glob("*.sql")):
         digest.update(f.name.encode() + b"\0" + f.read_bytes())
     return (f"{root} at {head}{' with uncommitted changes' if dirty else ''}; "
             f"migrations digest {digest.hexdigest()[:10]}")

@@ -2,31 +2,28 @@
 the files of migrations/ run one by one) in yoyo's bookkeeping, once it is checked against the
 files.
 
-The check installs the files this version ships, one by one, into a scratch schema inside one
+The check installs the steps this version ships, one by one, into a scratch schema inside one
 transaction that is rolled back, and after each step compares what is there with the install
 schema: tables and their columns, defaults and constraints, indexes, views, sequences,
 triggers, functions (arguments, result, body, SECURITY DEFINER, volatility, settings), types and
-domains. Partitions are left out (their names carry the date they were made), and so are the
-settings row's values, comments and grants (a DBA may tune and grant), and objects the files do
-not make (the application's own tables in the same schema, yoyo's). The longest prefix of
-steps the install matches is what gets recorded, with yoyo's own ``mark_migrations``; the
-steps after it are then applied by ``outboxpg migrate`` as usual.
+domains (outboxpg.catalog.fingerprint). Partitions are left out (their names carry the date they
+were made), and so are the settings row's values, comments and grants (a DBA may tune and
+grant), and objects the files do not make (the application's own tables in the same schema,
+yoyo's). The longest prefix of steps the install matches is what gets recorded, with yoyo's own
+``mark_migrations``; the steps after it are then applied by ``outboxpg migrate`` as usual.
 """
 
 from __future__ import annotations
 
-import re
-import secrets
 from dataclasses import dataclass
-from typing import Any
 
 import psycopg
-from psycopg import sql
 
 from outboxpg import statements
-from outboxpg.schema import step_paths
+from outboxpg.catalog import fingerprint, run_in, scratch
+from outboxpg.sql_files import step_paths
 
-__all__ = ["AdoptCheck", "check_install", "fingerprint"]
+__all__ = ["AdoptCheck", "check_install"]
 
 
 @dataclass
@@ -36,23 +33,6 @@ class AdoptCheck:
     differences: list[str]           # against the full install, when it does not match it
 
 
-def fingerprint(conn: psycopg.Connection[Any], schema: str) -> dict[str, str]:
-    """The objects of ``schema`` (see statements.FINGERPRINT), run inside the caller's transaction."""
-    conn.execute(statements.SET_LOCAL_SEARCH_PATH.format(sql.Identifier(schema)))
-    rows = conn.execute(statements.FINGERPRINT, {"schema": schema}).fetchall()
-    # The functions pin their search_path to the schema they were installed in, and some
-    # definitions (pg_get_indexdef) name it whatever the search_path.
-    pinned = re.compile(rf"search_path=(\"?){re.escape(schema)}\1(?=,|$)")
-    quoted = conn.execute(statements.QUOTE_IDENT, (schema,)).fetchone()[0]  # type: ignore[index]
-    qualified = re.compile(rf"(?<![\w\"]){re.escape(quoted)}\.")
-    return {name: qualified.sub("<schema>.", pinned.sub("search_path=<schema>", definition or ""))
-            for name, definition in rows}
-
-
-def _step_files() -> list[tuple[str, str]]:
-    return [(p.name.removesuffix(".sql"), p.read_text(encoding="utf-8")) for p in step_paths()]
-
-
 def _differences(want: dict[str, str], have: dict[str, str], limit: int = 5) -> list[str]:
     out = [f"missing {k}" for k in sorted(want.keys() - have.keys())]
     out += [f"different {k}" for k in sorted(want.keys() & have.keys()) if want[k] != have[k]]
@@ -60,23 +40,20 @@ def _differences(want: dict[str, str], have: dict[str, str], limit: int = 5) -> 
 
 
 def check_install(dsn: str) -> AdoptCheck:
-    """Compare the install schema (the first of search_path) with the files, step by step.
+    """Compare the install schema (the first of search_path) with the steps, one by one.
     Nothing is changed: the scratch schema goes with the rolled-back transaction."""
-    files = _step_files()
-    scratch = f"outboxpg_adopt_{secrets.token_hex(4)}"
+    files = [(p.name.removesuffix(".sql"), p.read_text(encoding="utf-8")) for p in step_paths()]
     with psycopg.connect(dsn, fallback_application_name="outboxpg") as conn:
         row = conn.execute(statements.CURRENT_SCHEMA).fetchone()
         if row is None or row[0] is None:
             raise RuntimeError("no schema on the search_path to check")
         target = row[0]
         have = fingerprint(conn, target)
-        conn.execute(statements.CREATE_SCHEMA.format(sql.Identifier(scratch)))
         prints: list[dict[str, str]] = []
+        into = scratch(conn, prefix="outboxpg_adopt")
         for _, text in files:
-            # Each file sets search_path to current_schema() first: the scratch schema.
-            conn.execute(statements.SET_LOCAL_SEARCH_PATH.format(sql.Identifier(scratch)))
-            conn.execute(text)  # the file's own SQL, several statements
-            prints.append(fingerprint(conn, scratch))
+            run_in(conn, into, text)
+            prints.append(fingerprint(conn, into))
         conn.rollback()
     # Objects of others in the same schema (the application's tables, yoyo's own) do not count:
     # a step matches when every object it leaves behind is there, defined as in the files.

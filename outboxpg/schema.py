@@ -1,12 +1,11 @@
-"""Installing the outbox schema: yoyo-migrations over the versioned SQL in ``migrations/``."""
+"""Installing and upgrading the outbox schema: yoyo-migrations over the release steps in ``migrations/``
+(outboxpg.sql_files says where the SQL is)."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib import resources
-from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode
 
@@ -15,10 +14,12 @@ from psycopg.conninfo import conninfo_to_dict
 from yoyo import get_backend, read_migrations
 
 from outboxpg import statements
+from outboxpg.adopt import check_install
 from outboxpg.errors import HandInstalled
+from outboxpg.sql_files import migrations_dir, step_ids
 
-__all__ = ["HandInstalled", "MigrationStep", "migrations_dir", "step_ids", "step_paths", "yoyo_uri", "migrate",
-           "rollback", "pending", "recorded", "adopt", "install_sql"]
+__all__ = ["HandInstalled", "MigrationStep", "Recorded", "UnknownSteps", "adopt", "describe_steps", "migrate",
+           "pending", "recorded", "rollback", "yoyo_uri"]
 
 # Called with each NOTICE or WARNING the server sends while steps are applied or rolled back
 # (0012's rollback says which roles it keeps, and why).
@@ -29,11 +30,6 @@ OnNotice = Callable[[psycopg.errors.Diagnostic], None]
 class MigrationStep:
     id: str
     applied: bool
-
-
-def migrations_dir() -> Path:
-    """The directory holding the versioned SQL files (shipped inside the package)."""
-    return Path(str(resources.files("outboxpg") / "migrations"))
 
 
 def yoyo_uri(dsn: str) -> str:
@@ -65,16 +61,6 @@ def _steps(dsn: str, on_notice: OnNotice | None = None):  # type: ignore[no-unty
     return backend, read_migrations(str(migrations_dir()))
 
 
-def step_paths() -> list[Path]:
-    """The files of the migration steps this version of outboxpg ships, in order (no rollbacks)."""
-    return sorted(p for p in migrations_dir().glob("[0-9]*.sql") if not p.name.endswith(".rollback.sql"))
-
-
-def step_ids() -> list[str]:
-    """The migration steps this version of outboxpg ships, in order."""
-    return [p.name.removesuffix(".sql") for p in step_paths()]
-
-
 @dataclass(frozen=True)
 class Recorded:
     installed: bool          # the outbox schema's first object (outbox_settings) is there
@@ -84,6 +70,28 @@ class Recorded:
     @property
     def hand_installed(self) -> bool:
         return self.installed and not (self.applied & set(step_ids()))
+
+    @property
+    def unknown(self) -> list[str]:
+        """Outbox steps yoyo recorded that this version does not ship: a development database
+        that ran steps of a release before it was made (the release squashes them into one)."""
+        return sorted(s for s in self.applied - set(step_ids()) if _OUR_STEP.match(s))
+
+
+_OUR_STEP = re.compile(r"^\d{4}_(outbox|schema)_\w+$")
+
+
+class UnknownSteps(Exception):
+    """yoyo recorded outbox steps that this version does not ship (Recorded.unknown)."""
+
+    def __init__(self, steps: list[str]) -> None:
+        super().__init__(f"the database records outbox steps this version does not ship: {describe_steps(steps)}")
+        self.steps = steps
+
+
+def describe_steps(steps: list[str]) -> str:
+    """'0016_a, 0017_b' or, for many, '0016_a ... 0031_z (16 steps)'."""
+    return ", ".join(steps) if len(steps) <= 3 else f"{steps[0]} ... {steps[-1]} ({len(steps)} steps)"
 
 
 def recorded(conn: psycopg.Connection[Any]) -> Recorded:
@@ -111,10 +119,14 @@ def pending(dsn: str) -> list[MigrationStep]:
 
 def migrate(dsn: str, on_notice: OnNotice | None = None) -> list[str]:
     """Apply every step not yet applied; returns their ids (empty when already up to date).
-    A database installed by hand (no yoyo record of it) is refused with HandInstalled: the
-    steps would fail on the objects already there."""
-    if _recorded(dsn).hand_installed:
+    A database installed by hand (no yoyo record of it) is refused with HandInstalled, and one
+    that ran steps this version does not ship with UnknownSteps: the steps would fail on the
+    objects already there."""
+    rec = _recorded(dsn)
+    if rec.hand_installed:
         raise HandInstalled("the outbox schema is installed but yoyo has no record of it")
+    if rec.unknown:
+        raise UnknownSteps(rec.unknown)
     backend, steps = _steps(dsn, on_notice)
     try:
         with backend.lock():
@@ -141,8 +153,6 @@ def adopt(dsn: str) -> tuple[list[str], list[str]]:
     """Record a hand-installed schema in yoyo's bookkeeping (yoyo's mark_migrations), after
     checking it against the files (outboxpg.adopt). Returns (steps recorded, differences): the
     longest prefix of steps the install matches is recorded; nothing is when it matches none."""
-    from outboxpg.adopt import check_install
-
     check = check_install(dsn)
     if not check.matched:
         return [], check.differences
@@ -154,21 +164,3 @@ def adopt(dsn: str) -> tuple[list[str], list[str]]:
         return [m.id for m in todo], check.differences
     finally:
         backend.connection.close()
-
-
-_DEPENDS = re.compile(r"^--\s*depends:.*$\n?", re.MULTILINE)
-
-
-def install_sql() -> str:
-    """The whole install as one psql script, in order, for DBAs who apply SQL by hand.
-
-    It is the migration files concatenated (their yoyo ``depends`` headers dropped), in one
-    transaction. A database installed this way has no yoyo bookkeeping: keep applying by hand.
-    """
-    parts = ["-- outboxpg install script: the files of migrations/ in order, in one transaction.",
-             "\\set ON_ERROR_STOP on", "BEGIN;"]
-    for path in step_paths():
-        parts.append(f"\n-- ==== {path.name} ====")
-        parts.append(_DEPENDS.sub("", path.read_text(encoding="utf-8")).rstrip())
-    parts.append("COMMIT;")
-    return "\n".join(parts) + "\n"

@@ -1,10 +1,10 @@
 """The SQL API as Python sees it: every ``outbox_*`` function of a fresh install, once.
 
 Each function is listed with its exact argument types (as ``regprocedure`` prints them, which is
-what ``to_regprocedure()`` reads), who may call it (the group roles of 0012), whether it runs as
+what ``to_regprocedure()`` reads), who may call it (the group roles, schema/90_privileges.sql), whether it runs as
 its owner (SECURITY DEFINER) and its SET clauses. tests/sql/test_sql_api.py checks the list against
-``pg_proc`` of a fresh install, both ways: a step that adds a function, drops one or changes its
-arguments fails there until the function is listed here. Whatever else needs a list of
+``pg_proc`` of a fresh install, both ways: a change to schema/ that adds a function, drops one or
+changes its arguments fails there until the function is listed here. Whatever else needs a list of
 signatures takes it from here: the worker's start-up check (``WORKER_CALLS``), the command
 line's schema check (``OPERATOR_CALLS``), the privilege and released-schema tests.
 """
@@ -16,15 +16,15 @@ from dataclasses import dataclass
 __all__ = ["SqlFunction", "FUNCTIONS", "WORKER_CALLS", "IDLE_CALLS", "XMIN_CALLS", "OPERATOR_CALLS", "by_signature",
            "PRODUCER", "WORKER", "OPERATOR"]
 
-# The group roles (0012_outbox_privileges).
+# The group roles (schema/90_privileges.sql).
 PRODUCER, WORKER, OPERATOR = "outbox_producer", "outbox_worker", "outbox_operator"
 
 # SET clauses as pg_proc.proconfig holds them; <schema> stands for the install schema.
-PATH = ("search_path=<schema>, pg_temp",)     # SET search_path FROM CURRENT: this schema, pg_temp last (0012)
-# The claim path's plans, pinned (0005, outbox_claim's header says why each).
+PATH = ("search_path=<schema>, pg_temp",)     # SET search_path FROM CURRENT: this schema, pg_temp last
+# The claim path's plans, pinned (schema/40_claim.sql, outbox_claim says why each).
 PLANNER = ("plan_cache_mode=force_generic_plan", "enable_seqscan=off", "enable_bitmapscan=off",
            "enable_hashjoin=off", "enable_mergejoin=off", "enable_material=off", "jit=off")
-# Index lookups of the idle path and the health row (0010, 0011).
+# Index lookups of the idle path and the health row (outbox_next_wakeup, outbox_health_row).
 LOOKUP = ("enable_seqscan=off", "max_parallel_workers_per_gather=0", "jit=off")
 
 
@@ -58,10 +58,10 @@ COMPLETE = _f("outbox_complete", "bigint[]", "uuid", callers=(WORKER,), definer=
 FAIL = _f("outbox_fail", "bigint", "uuid", "text", "boolean", callers=(WORKER,), definer=True,
           settings=(*PLANNER, *PATH))
 RELEASE = _f("outbox_release", "bigint[]", "uuid", callers=(WORKER,), definer=True, settings=(*PLANNER, *PATH))
-EXTEND = _f("outbox_extend", "bigint[]", "uuid", "interval", callers=(WORKER,), definer=True,   # 0014
+EXTEND = _f("outbox_extend", "bigint[]", "uuid", "interval", callers=(WORKER,), definer=True,
             settings=(*PLANNER, *PATH))
 NEXT_WAKEUP = _f("outbox_next_wakeup", callers=(WORKER,), definer=True, settings=(*LOOKUP, *PATH))
-# 0015: the worker's start-up stream check and outboxpg status --nats-url
+# the worker's start-up stream check and outboxpg status --nats-url
 UNFINISHED_SUBJECTS = _f("outbox_unfinished_subjects", "integer", callers=(WORKER, OPERATOR), definer=True,
                          settings=("jit=off", *PATH))
 # the wakeup protocol: advisory locks and LISTEN only, no table
@@ -74,20 +74,20 @@ HEALTH_ROW = _f("outbox_health_row", callers=(WORKER, OPERATOR), definer=True,  
                 settings=(*LOOKUP, *PATH))
 # status, sql/health.sql (reads other roles' sessions in pg_stat_activity)
 OPEN_PRODUCERS = _f("outbox_open_producers", callers=(WORKER, OPERATOR), definer=True)
-# 0017: behind outbox_health's xmin holder columns; the worker's xmin_held log line (reads other
+# behind outbox_health's xmin holder columns; the worker's xmin_held log line (reads other
 # roles' sessions in pg_stat_activity)
 XMIN_HOLDERS = _f("outbox_xmin_holders", callers=(WORKER, OPERATOR), definer=True, settings=("jit=off", *PATH))
 # -- operators: the repairs ---------------------------------------------------------------------
 REQUEUE = _f("outbox_requeue", "bigint[]", callers=(OPERATOR,), definer=True)
 DISCARD = _f("outbox_discard", "bigint[]", "text", callers=(OPERATOR,), definer=True)
-# 0018: re-send published events (operators only); the candidates are its dry run
+# re-send published events (operators only); the candidates are its dry run
 TS = "timestamp with time zone"
 REPLAY = _f("outbox_replay", "bigint[]", "text", "text", "text", TS, TS, "boolean", callers=(OPERATOR,), definer=True)
 REPLAY_CANDIDATES = _f("outbox_replay_candidates", "bigint[]", "text", "text", "text", TS, TS, callers=(OPERATOR,),
                        definer=True, settings=("plan_cache_mode=force_custom_plan", *PATH))
 # -- producers and operators --------------------------------------------------------------------
-CANCEL = _f("outbox_cancel", "bigint[]", callers=(PRODUCER, OPERATOR), definer=True)   # 0021: scheduled events
-# 0022: idempotent enqueue. The insert trigger calls the first as the producer; enqueue the second.
+CANCEL = _f("outbox_cancel", "bigint[]", callers=(PRODUCER, OPERATOR), definer=True)   # scheduled events
+# idempotent enqueue. The insert trigger calls the first as the producer; enqueue the second.
 IDEMPOTENCY_TAKE = _f("outbox_idempotency_take", "text", "bigint", callers=(PRODUCER,), definer=True)
 IDEMPOTENCY_EVENT = _f("outbox_idempotency_event", "text", callers=(PRODUCER, OPERATOR), definer=True)
 # the worker calls it with outbox_maintain()
@@ -102,14 +102,14 @@ COMMIT_HORIZON = _f("outbox_commit_horizon")        # inside claim
 TAKE_IN = _f("outbox_take_in", "bigint", "bigint", "integer", settings=(*PLANNER, "enable_sort=off", *PATH))
 REFRESH_HEADS = _f("outbox_refresh_heads", "text[]", "text[]",   # inside the report and repair functions
                    settings=(*PLANNER, *PATH))
-# 0026: the floor under the due heads (inside claim) and the writers' announcement (claim, refresh)
+# the floor under the due heads (inside claim) and the writers' announcement (claim, refresh)
 HEADS_FLOOR = _f("outbox_heads_floor", settings=("plan_cache_mode=force_generic_plan", "enable_seqscan=off",
                                                   "enable_bitmapscan=off", "jit=off", *PATH))
 HEADS_WRITING = _f("outbox_heads_writing")
 # -- triggers: they fire as the role that writes the table, without any EXECUTE grant -----------
-WAKE_WORKERS = _f("outbox_wake_workers", trigger=True)        # 0003: NOTIFY idle workers
-FORGET_DELETED = _f("outbox_forget_deleted", trigger=True)    # 0005: rows deleted by hand take their heads along
-# 0013: an aggregate's lock before its event's id; since 0025 also the transaction's horizon
+WAKE_WORKERS = _f("outbox_wake_workers", trigger=True)        # NOTIFY idle workers
+FORGET_DELETED = _f("outbox_forget_deleted", trigger=True)    # rows deleted by hand take their heads along
+# the commit-order locks (the aggregate's, and the transaction's horizon) before the event's id
 ASSIGN_ID = _f("outbox_assign_id", trigger=True)
 
 FUNCTIONS: tuple[SqlFunction, ...] = (

@@ -101,7 +101,7 @@ REQUIRED_OBJECTS: tuple[tuple[str, str], ...] = (
 # All of them in one statement, one round trip.
 REQUIRED = "SELECT " + ", ".join(f"{lookup} IS NOT NULL" for _, lookup in REQUIRED_OBJECTS)
 
-# -- outboxpg migrate --adopt (outboxpg.adopt) --------------------------------------------------
+# -- what a schema holds (outboxpg.catalog: outboxpg migrate --adopt, tools/schema_step.py, tests) --
 
 CURRENT_SCHEMA = "SELECT current_schema()"
 QUOTE_IDENT = "SELECT quote_ident(%s)"
@@ -150,6 +150,120 @@ SELECT 'type ' || t.typname,
   FROM pg_type t, s
  WHERE t.typnamespace = s.oid AND t.typtype IN ('d', 'e')
 """
+
+# The objects a release step restates whole (functions, views, triggers) and every comment, one
+# row each as (kind, name, definition), in the schema given: what tools/schema_step.py compares
+# between the released steps and schema/ to decide what the next step holds.
+CODE_OBJECTS = """
+WITH s AS (SELECT %(schema)s::regnamespace AS oid)
+SELECT 'function', p.proname::text,
+       concat_ws(' | ', pg_get_function_identity_arguments(p.oid), pg_get_function_result(p.oid), p.prokind::text,
+                 l.lanname, p.provolatile::text, p.proparallel::text, p.prosecdef::text, p.proisstrict::text,
+                 p.proleakproof::text, p.procost::text, p.prorows::text, array_to_string(p.proconfig, ', '),
+                 p.prosrc)
+  FROM pg_proc p JOIN pg_language l ON l.oid = p.prolang, s WHERE p.pronamespace = s.oid
+UNION ALL
+SELECT 'view', c.relname::text, pg_get_viewdef(c.oid)
+  FROM pg_class c, s WHERE c.relnamespace = s.oid AND c.relkind IN ('v', 'm')
+UNION ALL
+SELECT 'trigger', t.tgname::text, pg_get_triggerdef(t.oid)
+  FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid, s
+ WHERE c.relnamespace = s.oid AND NOT c.relispartition AND NOT t.tgisinternal
+UNION ALL
+SELECT 'comment', 'function ' || p.proname, obj_description(p.oid, 'pg_proc')
+  FROM pg_proc p, s WHERE p.pronamespace = s.oid AND obj_description(p.oid, 'pg_proc') IS NOT NULL
+UNION ALL
+SELECT 'comment', 'relation ' || c.relname, obj_description(c.oid, 'pg_class')
+  FROM pg_class c, s
+ WHERE c.relnamespace = s.oid AND NOT c.relispartition AND obj_description(c.oid, 'pg_class') IS NOT NULL
+UNION ALL
+SELECT 'comment', 'column ' || c.relname || '.' || a.attname, col_description(c.oid, a.attnum)
+  FROM pg_class c JOIN pg_attribute a ON a.attrelid = c.oid, s
+ WHERE c.relnamespace = s.oid AND NOT c.relispartition AND a.attnum > 0 AND NOT a.attisdropped
+   AND col_description(c.oid, a.attnum) IS NOT NULL
+UNION ALL
+SELECT 'comment', 'type ' || t.typname, obj_description(t.oid, 'pg_type')
+  FROM pg_type t, s WHERE t.typnamespace = s.oid AND obj_description(t.oid, 'pg_type') IS NOT NULL
+"""
+
+# Everything two installs of the outbox are compared by (a fresh one, one installed with psql, one
+# upgraded from a release, one rolled back), in the schema first on the search_path: tables,
+# columns with defaults, collations and comments, constraints, indexes, storage options,
+# triggers, views, types and domains with their rules, functions (definition, SECURITY DEFINER,
+# SET clauses, volatility, cost, comment), sequences, the settings row, and every grant. yoyo's
+# own tables and the time-named partitions are left out (the partitions are counted).
+_OWN = ("c.relnamespace = current_schema()::regnamespace AND NOT c.relispartition "
+        "AND c.relname NOT LIKE '%%yoyo%%'")
+CATALOG: dict[str, str] = {
+    "relations": f"""SELECT c.relname, c.relkind::text, obj_description(c.oid, 'pg_class')
+                      FROM pg_class c WHERE {_OWN} ORDER BY 1""",
+    "columns": f"""SELECT c.relname, a.attnum, a.attname, format_type(a.atttypid, a.atttypmod), a.attnotnull,
+                          pg_get_expr(d.adbin, d.adrelid)
+                     FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
+                     LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+                    WHERE {_OWN} AND a.attnum > 0 AND NOT a.attisdropped ORDER BY 1, 2""",
+    "constraints": f"""SELECT c.relname, k.conname, pg_get_constraintdef(k.oid)
+                         FROM pg_constraint k JOIN pg_class c ON c.oid = k.conrelid WHERE {_OWN} ORDER BY 1, 2""",
+    "indexes": f"""SELECT c.relname, pg_get_indexdef(c.oid) FROM pg_class c WHERE {_OWN} AND c.relkind IN ('i', 'I')
+                   ORDER BY 1""",
+    "functions": """SELECT p.proname, pg_get_function_identity_arguments(p.oid), pg_get_functiondef(p.oid),
+                           obj_description(p.oid, 'pg_proc')
+                      FROM pg_proc p WHERE p.pronamespace = current_schema()::regnamespace ORDER BY 1, 2""",
+    "triggers": f"""SELECT c.relname, t.tgname, pg_get_triggerdef(t.oid)
+                      FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid
+                     WHERE {_OWN} AND NOT t.tgisinternal ORDER BY 1, 2""",
+    "views": "SELECT viewname, definition FROM pg_views WHERE schemaname = current_schema() ORDER BY 1",
+    "types": """SELECT t.typname, array_agg(e.enumlabel::text ORDER BY e.enumsortorder)
+                  FROM pg_type t JOIN pg_enum e ON e.enumtypid = t.oid
+                 WHERE t.typnamespace = current_schema()::regnamespace GROUP BY 1 ORDER BY 1""",
+    "sequences": """SELECT sequencename, data_type::text, start_value, increment_by
+                      FROM pg_sequences WHERE schemaname = current_schema() ORDER BY 1""",
+    "settings": "SELECT to_jsonb(s) FROM outbox_settings s",
+    "partitions": """SELECT count(*) FILTER (WHERE is_default), count(*) FILTER (WHERE NOT is_default)
+                       FROM outbox_partitions""",
+    "relation_options": f"""SELECT c.relname, c.reloptions, c.relpersistence::text, pg_get_partkeydef(c.oid),
+                                   c.relrowsecurity, c.relreplident::text
+                              FROM pg_class c WHERE {_OWN} ORDER BY 1""",
+    "column_details": f"""SELECT c.relname, a.attname, col_description(c.oid, a.attnum),
+                                 a.attcollation::regcollation::text, a.attgenerated::text, a.attidentity::text
+                            FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
+                           WHERE {_OWN} AND a.attnum > 0 AND NOT a.attisdropped ORDER BY 1, 2""",
+    "domains": """SELECT t.typname, t.typtype::text, format_type(t.typbasetype, t.typtypmod), t.typnotnull,
+                         t.typdefault, t.typcollation::regcollation::text, obj_description(t.oid, 'pg_type'),
+                         (SELECT array_agg(k.conname || ' ' || pg_get_constraintdef(k.oid) ORDER BY k.conname)
+                            FROM pg_constraint k WHERE k.contypid = t.oid)
+                    FROM pg_type t
+                   WHERE t.typnamespace = current_schema()::regnamespace AND t.typtype IN ('d', 'e') ORDER BY 1""",
+    "function_attributes": """SELECT p.oid::regprocedure::text, p.prokind::text, p.prosecdef, p.proconfig,
+                                     p.provolatile::text, p.proparallel::text, p.proisstrict, p.proleakproof,
+                                     p.procost, p.prorows, pg_get_userbyid(p.proowner) = current_user
+                                FROM pg_proc p WHERE p.pronamespace = current_schema()::regnamespace ORDER BY 1""",
+    # The owner's own rights are left out (its name differs between installs), and so is the
+    # schema's name.
+    "grants": f"""
+        WITH acl(object, owner, acl) AS (
+            SELECT 'relation ' || c.relname, c.relowner,
+                   coalesce(c.relacl, acldefault(CASE c.relkind WHEN 'S' THEN 's' ELSE 'r' END::"char", c.relowner))
+              FROM pg_class c WHERE {_OWN}
+            UNION ALL
+            SELECT 'column ' || c.relname || '.' || a.attname, c.relowner, a.attacl
+              FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
+             WHERE {_OWN} AND a.attnum > 0 AND NOT a.attisdropped AND a.attacl IS NOT NULL
+            UNION ALL
+            SELECT 'function ' || p.oid::regprocedure::text, p.proowner, coalesce(p.proacl, acldefault('f', p.proowner))
+              FROM pg_proc p WHERE p.pronamespace = current_schema()::regnamespace
+            UNION ALL
+            SELECT 'type ' || t.typname, t.typowner, coalesce(t.typacl, acldefault('T', t.typowner))
+              FROM pg_type t WHERE t.typnamespace = current_schema()::regnamespace AND t.typtype IN ('d', 'e')
+            UNION ALL
+            SELECT 'schema', n.nspowner, coalesce(n.nspacl, acldefault('n', n.nspowner))
+              FROM pg_namespace n WHERE n.oid = current_schema()::regnamespace)
+        SELECT object, CASE WHEN g.grantee = 0 THEN 'PUBLIC' ELSE pg_get_userbyid(g.grantee) END,
+               g.privilege_type, g.is_grantable
+          FROM acl, aclexplode(acl.acl) g
+         WHERE g.grantee <> acl.owner
+         ORDER BY 1, 2, 3""",
+}
 
 # -- outboxpg-worker start-up checks (outboxpg.cli.outboxpg_worker) -----------------------------
 

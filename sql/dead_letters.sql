@@ -25,7 +25,7 @@ SELECT event_type,
  ORDER BY count(*) DESC, event_type, aggregate_type;
 
 \echo '== events held back behind a dead letter of their aggregate'
--- held_back (0016): the pending and leased events after a dead letter in its aggregate. The
+-- held_back: the pending and leased events after a dead letter in its aggregate. The
 -- aggregate's first dead letter is the one that holds back all of them: counted once, from it.
 SELECT d.aggregate_type,
        count(*)                  AS blocked_aggregates,

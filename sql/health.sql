@@ -93,7 +93,7 @@ SELECT s.state,
  ORDER BY s.state;
 
 \echo '== the 10 oldest undelivered events, and why they wait'
--- The commit-order guard as outbox_claim applies it (outbox_commit_guard, 0005): a pending event
+-- The commit-order guard as outbox_claim applies it (outbox_commit_guard): a pending event
 -- is held back when its id is above the horizon of an open producing transaction and either
 -- that transaction names its aggregate (an advisory lock (1868724337, outbox_aggregate_key(...)))
 -- or one that wrote too many aggregates has a horizon below it.
@@ -142,7 +142,7 @@ SELECT o.id,
            WHEN blocker.id IS NULL AND hd.ready_at > now()
                THEN format('due, but its aggregate''s head in outbox_heads is not ready before %s', hd.ready_at)
            WHEN blocker.id IS NULL AND hd.parked
-               THEN 'due: its aggregate''s head in outbox_heads is parked (0031); the next claim takes the event in and brings the head back'
+               THEN 'due: its aggregate''s head in outbox_heads is parked; the next claim takes the event in and brings the head back'
            WHEN blocker.id IS NULL AND hd.leased_until > now()
                THEN format('due, but its aggregate''s head in outbox_heads is leased to a run until %s', hd.leased_until)
            WHEN (SELECT last_claim_at FROM intake) IS NULL

@@ -100,6 +100,16 @@ def empty_dsn(pg_server: NoopExecutor) -> Iterator[str]:
 
 
 @pytest.fixture
+def second_empty_dsn(pg_server: NoopExecutor) -> Iterator[str]:
+    """Another database with nothing installed (to compare two installs)."""
+    name = f"outboxpg_empty2_{os.getpid()}"
+    janitor = DatabaseJanitor(user=pg_server.user, host=pg_server.host, port=pg_server.port,
+                              password=pg_server.password, dbname=name)
+    with janitor:
+        yield _dsn(pg_server.host, pg_server.port, pg_server.user, name, pg_server.password)
+
+
+@pytest.fixture
 def conn(dsn: str) -> Iterator[psycopg.Connection[Any]]:
     """An autocommit connection to the test database: each statement is its own transaction,
     as a worker's claim and complete calls are."""
@@ -149,13 +159,13 @@ def pgbouncer(pg_server: NoopExecutor) -> Iterator[Any]:
 
 @pytest.fixture
 def operator_dsn(dsn: str) -> Iterator[str]:
-    """A login of its own, member of the outbox_operator group role (migration 0012): what a person
+    """A login of its own, member of the outbox_operator group role (schema/90_privileges.sql): what a person
     operating the outbox is meant to log in as. It may not read payloads or headers, nor yoyo's
     bookkeeping, and changes events only through outbox_requeue / outbox_discard."""
     name, password = f"outboxpg_cli_op_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
     with psycopg.connect(dsn, autocommit=True) as c:
         assert c.execute("SELECT to_regrole('outbox_operator')").fetchone() != (None,), \
-            "migration 0012 creates the outbox_operator role"
+            "the install creates the outbox_operator role"
         c.execute(sql.SQL("CREATE ROLE {} LOGIN PASSWORD {} IN ROLE outbox_operator").format(
             sql.Identifier(name), sql.Literal(password)))
     try:

@@ -1,4 +1,4 @@
-"""Login roles of a test's own, members of the outbox group roles (migration 0012). Roles belong to
+"""Login roles of a test's own, members of the outbox group roles (schema/90_privileges.sql). Roles belong to
 the cluster, not to a test database: each has a unique name and is dropped at the end."""
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import orjson
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
-from outboxpg import schema, statements
+from outboxpg import schema, sql_files, statements
 from outboxpg.errors import EXIT_CONNECT, EXIT_SCHEMA, CliError, first_line
 
 DSN_HELP = "libpq connection string or URI (default: $OUTBOXPG_DSN, else libpq's PG* variables)"
@@ -200,7 +200,10 @@ def require_schema(conn: psycopg.Connection[Any]) -> None:
     rec = schema.recorded(conn)
     if not rec.installed:
         raise CliError(not_installed(where_am_i(conn)), EXIT_SCHEMA)
-    ours = schema.step_ids()
+    if rec.unknown:
+        raise CliError(f"the outbox schema in {where_text(where_am_i(conn))} has steps this version does not "
+                       f"ship ({schema.describe_steps(rec.unknown)}): outboxpg migrate says what to do", EXIT_SCHEMA)
+    ours = sql_files.step_ids()
     applied = rec.applied
     if applied & set(ours):
         missing = [s for s in ours if s not in applied]

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import psycopg
 
-from outboxpg import schema
+from outboxpg import schema, sql_files
 from outboxpg.cli import dead as cli_dead
 from outboxpg.cli import replay as cli_replay
 from outboxpg.cli import status as cli_status
@@ -58,6 +58,12 @@ def _hand_installed_hint(where: str) -> str:
             "then outboxpg migrate")
 
 
+def _unknown_steps_hint(where: str, steps: list[str]) -> str:
+    return (f"{where} records outbox steps this version does not ship ({schema.describe_steps(steps)}): steps "
+            "of a release in the making, since squashed into one step; roll them back with the outboxpg that "
+            "made them (outboxpg migrate --rollback --steps N), or migrate a new database")
+
+
 def cmd_migrate(args: argparse.Namespace) -> int:
     dsn = resolve_dsn(args)
     with connect(dsn) as conn:     # one-line errors for a bad DSN; what is installed, read only
@@ -79,6 +85,8 @@ def cmd_migrate(args: argparse.Namespace) -> int:
             done = schema.migrate(dsn, on_notice=_print_notice)
         except schema.HandInstalled:
             raise CliError(_hand_installed_hint(where)) from None
+        except schema.UnknownSteps as exc:
+            raise CliError(_unknown_steps_hint(where, exc.steps), EXIT_SCHEMA) from None
         print("\n".join(f"applied {m}" for m in done) if done else "schema is up to date")
     return 0
 
@@ -88,8 +96,8 @@ def _adopt(dsn: str, where: str, rec: schema.Recorded) -> int:
         raise CliError(f"nothing to adopt: the outbox schema is not installed in {where}: "
                        "run outboxpg migrate --dsn ...", EXIT_SCHEMA)
     if not rec.hand_installed:
-        ours = len(rec.applied & set(schema.step_ids()))
-        print(f"nothing to adopt: yoyo records {ours} of the {len(schema.step_ids())} steps already "
+        ours = len(rec.applied & set(sql_files.step_ids()))
+        print(f"nothing to adopt: yoyo records {ours} of the {len(sql_files.step_ids())} steps already "
               "(outboxpg migrate --status)")
         return 0
     done, differences = schema.adopt(dsn)
@@ -97,14 +105,14 @@ def _adopt(dsn: str, where: str, rec: schema.Recorded) -> int:
         raise CliError(f"not adopted: the outbox schema in {where} does not match the migration files of this "
                        f"version ({'; '.join(differences)}); nothing recorded")
     print("\n".join(f"recorded {m}" for m in done))
-    rest = len(schema.step_ids()) - len(done)
+    rest = len(sql_files.step_ids()) - len(done)
     print(f"checked against the migration files: the install matches {len(done)} steps, recorded in yoyo's "
           f"bookkeeping" + (f"; outboxpg migrate applies the other {rest}" if rest else ""))
     return 0
 
 
 def cmd_sql(args: argparse.Namespace) -> int:
-    sys.stdout.write(schema.install_sql())
+    sys.stdout.write(sql_files.install_sql())
     return 0
 
 

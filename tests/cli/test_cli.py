@@ -17,7 +17,7 @@ from commands import Result, finish, one_line_error, run, run_all, run_on_tty, s
 from dataset import build_dataset, last_claim_at, producing_transaction
 from helpers import claim, insert
 
-from outboxpg import schema
+from outboxpg import sql_files
 
 SECRET = "S3cr3t-pw-do-not-show"
 NOT_INSTALLED = "outboxpg: the outbox schema is not installed in {where}: run outboxpg migrate --dsn ..."
@@ -397,7 +397,7 @@ def test_database_without_the_schema(empty_dsn: str) -> None:
 
 
 def test_schema_older_than_this_version(empty_dsn: str) -> None:
-    steps = [p.name.removesuffix(".sql") for p in sorted(schema.migrations_dir().glob("[0-9]*.sql"))
+    steps = [p.name.removesuffix(".sql") for p in sorted(sql_files.migrations_dir().glob("[0-9]*.sql"))
              if not p.name.endswith(".rollback.sql")]
     migrate = run("migrate", "--dsn", empty_dsn)
     assert migrate.code == 0 and migrate.out.splitlines() == [f"applied {s}" for s in steps], migrate
@@ -456,7 +456,35 @@ def test_every_command_works_as_an_outbox_operator_login(operator_dsn: str, conn
     assert all(password not in r.out + r.err for r in (status, listing, show, dry, requeue, discard))
 
 
-def test_sql_command_still_prints_the_install() -> None:
+def test_sql_command_prints_the_current_schema() -> None:
     r = run("sql")
-    assert r.code == 0 and r.out == schema.install_sql()
-    assert "-- ==== 0011_outbox_health.sql ====" in r.out
+    assert r.code == 0 and r.out == sql_files.install_sql()
+    assert "-- ==== schema/40_claim.sql ====" in r.out
+
+
+def test_a_database_with_steps_this_version_does_not_ship(empty_dsn: str) -> None:
+    """A development database that ran the steps of a release in the making (0016_outbox_views_for_cli
+    ... 0031_outbox_heads_parked, before they became 0016_schema_2): migrate and the other commands
+    say in one line what it is and what to do, and change nothing."""
+    first = [s for s in sql_files.released_steps() if s <= "0015"]
+    with psycopg.connect(empty_dsn, autocommit=True) as c:
+        for step in first:
+            c.execute((sql_files.migrations_dir() / f"{step}.sql").read_text())
+    assert run("migrate", "--adopt", "--dsn", empty_dsn).code == 0     # yoyo records schema-1's steps
+    dev = ["0016_outbox_views_for_cli", "0017_outbox_xmin_holder", "0031_outbox_heads_parked"]
+    with psycopg.connect(empty_dsn, autocommit=True) as c:
+        for step in dev:
+            c.execute("INSERT INTO _yoyo_migration (migration_hash, migration_id, applied_at_utc) "
+                      "VALUES (encode(sha256(convert_to(%s, 'UTF8')), 'hex'), %s, now())", (step, step))
+    p = psycopg.conninfo.conninfo_to_dict(empty_dsn)
+    where = f"database {p['dbname']} on {p['host']}:{p['port']}"
+    migrate = run("migrate", "--dsn", empty_dsn)
+    assert one_line_error(migrate, 3) == (
+        f"outboxpg: {where} records outbox steps this version does not ship ({', '.join(dev)}): steps of a "
+        "release in the making, since squashed into one step; roll them back with the outboxpg that made them "
+        "(outboxpg migrate --rollback --steps N), or migrate a new database")
+    assert one_line_error(run("status", "--dsn", empty_dsn), 3) == (
+        f"outboxpg: the outbox schema in {where} has steps this version does not ship ({', '.join(dev)}): "
+        "outboxpg migrate says what to do")
+    with psycopg.connect(empty_dsn) as c:
+        assert c.execute("SELECT to_regclass('outbox_failing')").fetchone() == (None,)      # nothing applied

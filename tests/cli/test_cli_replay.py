@@ -1,4 +1,4 @@
-"""`outboxpg replay` (outbox_replay, migration 0018) as a user runs it: a subprocess against a real
+"""`outboxpg replay` (outbox_replay) as a user runs it: a subprocess against a real
 PostgreSQL, output and exit codes checked, as in tests/cli/test_cli.py."""
 
 from __future__ import annotations

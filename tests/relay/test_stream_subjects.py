@@ -3,7 +3,7 @@ capture 'billing.invoice.issued'. `outboxpg-worker --ensure-stream` adds the exp
 of the unfinished events to its stream; without it, the start-up check says in one WARNING line
 which explicit subjects no stream captures; `outboxpg status` names the subject of events
 failing with "no responders", and with `--nats-url` checks every subject before anything fails.
-The subjects come from outbox_unfinished_subjects() (migration 0015)."""
+The subjects come from outbox_unfinished_subjects() (schema/80_observability.sql)."""
 
 from __future__ import annotations
 

@@ -73,7 +73,7 @@ def test_horizon_is_read_from_the_statement_start_of_each_insert(dsn, conn):
 
 def test_a_sequence_reset_without_is_called_holds_back_more_never_less(dsn, conn):
     """setval(..., false) (a restore does it) leaves the sequence with no last id: the horizon of
-    the statement that follows is 0 (0020 reads it with pg_sequence_last_value), so everything
+    the statement that follows is 0 (the trigger reads it with pg_sequence_last_value), so everything
     its transaction may commit is held back, as with a sequence never used."""
     conn.execute("SELECT setval('outbox_id_seq', 100, false)")
     with psycopg.connect(dsn) as slow:
@@ -88,7 +88,7 @@ def test_a_sequence_reset_without_is_called_holds_back_more_never_less(dsn, conn
 
 
 def test_the_first_aggregate_is_named_without_reading_the_settings(dsn, conn):
-    """A transaction's first event names its aggregate whatever the settings say (0025: they are
+    """A transaction's first event names its aggregate whatever the settings say (they are
     read only for a second aggregate): with commit_order_max_aggregates 0 the second one makes it
     hold back every newer event; with the guard off it names no more (and claims ignore names)."""
     conn.execute("UPDATE outbox_settings SET commit_order_max_aggregates = 0")

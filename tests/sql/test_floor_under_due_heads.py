@@ -1,4 +1,4 @@
-"""0026: the floor under the due heads. A claim reads outbox_heads_ready_idx from the floor up, so
+"""The floor under the due heads (outbox_heads_floor). A claim reads outbox_heads_ready_idx from the floor up, so
 the dead index entries a held snapshot keeps alive below it are never read again; and the floor
 never passes a head that is, or will be, due: one written by a transaction still open (it
 announced itself), one given back by a claim that rolled back, one the commit-order guard holds."""
@@ -144,7 +144,7 @@ def test_the_floor_only_rises_under_read_committed(dsn: str, conn: Conn) -> None
 def test_a_report_reads_its_heads_by_key_whatever_analyze_counted(dsn: str, conn: Conn) -> None:
     """Under a held snapshot, outbox_heads_pkey fills with dead entries while ANALYZE counts few
     live heads; a report then joined by key let the planner read the whole index, on every
-    report. Since 0026 a report looks up each of its heads by key, then by ctid."""
+    report. A report looks up each of its heads by key, then works on them by ctid."""
     with connect(dsn, autocommit=False) as holder:
         holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
         holder.execute("SELECT count(*) FROM outbox").fetchone()
@@ -163,5 +163,5 @@ def test_a_report_reads_its_heads_by_key_whatever_analyze_counted(dsn: str, conn
         holder.rollback()
     assert done == 2
     # Two heads' own dead entries and their lookups (seen: 84); the index holds some 12,000.
-    # With 0025's report (migrations rolled back by one step), this read 32,016.
+    # A report that joins its heads by key read 32,016: the whole index, on every report.
     assert reads < 1000, reads

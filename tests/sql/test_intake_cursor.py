@@ -1,4 +1,4 @@
-"""0027: the intake row is looked up once per claim and never by a report. Each claim moves the
+"""The intake cursor's row is looked up once per claim and never by a report. Each claim moves the
 intake cursor, a new version of the one-row outbox_intake; under a held snapshot every lookup by
 key walks all of them. Reports read the cursor's mark (a sequence holding a committed value of the
 cursor, never above it) instead, and the claim writes the row back by the ctid it locked."""
@@ -35,8 +35,8 @@ def cursor_and_mark(conn: Conn) -> tuple[int, int]:
 
 
 def test_a_claim_looks_the_intake_row_up_once_and_a_report_never(conn: Conn) -> None:
-    """Up to 0026: three lookups per claim that took events in (its lock, the cursor's move,
-    last_claim_at) and one per report."""
+    """Not three per claim that takes events in (its lock, the cursor's move, last_claim_at)
+    and one per report, as a claim that looks the row up by key for each would make."""
     ids = [insert(conn, "order", f"a{i}") for i in range(3)]
     conn.execute("BEGIN")
     lookups, rows = intake_lookups(conn, lambda: claim(conn, 10))

@@ -13,18 +13,18 @@ from helpers import psql_args, psql_env
 from psycopg import sql
 from roles import login_roles
 
-from outboxpg import schema
+from outboxpg import sql_files
 
-STEPS = schema.step_ids()
+STEPS = sql_files.step_ids()
 
 
 def psql_install(dsn: str, upto: int | None = None) -> None:
     """As a DBA would: the install script (outboxpg sql), or the first ``upto`` files, through psql."""
     if upto is None:
-        script = schema.install_sql()
+        script = sql_files.install_sql()
     else:
         script = "\\set ON_ERROR_STOP on\n" + "".join(
-            f"\\i {schema.migrations_dir() / (step + '.sql')}\n" for step in STEPS[:upto])
+            f"\\i {sql_files.migrations_dir() / (step + '.sql')}\n" for step in STEPS[:upto])
     r = subprocess.run(["psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", *psql_args(dsn)], input=script, text=True,
                        capture_output=True, env=psql_env(dsn))
     assert r.returncode == 0, r.stderr

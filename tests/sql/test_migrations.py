@@ -1,4 +1,5 @@
-"""Installing and removing the schema: yoyo migrations up and down, plain psql, `outboxpg sql`."""
+"""Installing and removing the schema: yoyo migrations up and down, plain psql (the release steps one
+by one, or `outboxpg sql`: the files of schema/ as one script)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from catalog import CATALOG, catalog
+from catalog import catalog, differences
 from helpers import psql_args, psql_env
 
-from outboxpg import schema
+from outboxpg import schema, sql_files
 
 LEFTOVERS = """
     SELECT 'relation ' || relname FROM pg_class WHERE relname LIKE 'outbox%%' OR relname LIKE '%%outbox%%idx'
@@ -28,7 +29,7 @@ def leftovers(dsn: str) -> list[str]:
 
 
 def migration_files() -> list[Path]:
-    return sorted(p for p in schema.migrations_dir().glob("[0-9]*.sql") if not p.name.endswith(".rollback.sql"))
+    return sorted(p for p in sql_files.migrations_dir().glob("[0-9]*.sql") if not p.name.endswith(".rollback.sql"))
 
 
 def all_step_ids() -> list[str]:
@@ -152,18 +153,17 @@ def _cli_sql() -> str:
 
 def test_outboxpg_sql_piped_to_psql_installs_an_equivalent_schema(empty_dsn: str, dsn: str) -> None:
     script = _cli_sql()
-    assert script == schema.install_sql()
+    assert script == sql_files.install_sql()
     assert "depends:" not in script
     run_psql(empty_dsn, "-f", "-", input=script)
     installed, migrated = catalog(empty_dsn), catalog(dsn)
-    for key in CATALOG:
-        assert installed[key] == migrated[key], key
+    assert installed == migrated, "\n".join(differences(installed, migrated))
     round_trip(empty_dsn)
 
 
 def test_install_sql_is_all_or_nothing(empty_dsn: str) -> None:
     # a failing step leaves nothing behind: the script is one transaction
-    broken = schema.install_sql().replace("COMMIT;", "SELECT 1/0;\nCOMMIT;")
+    broken = sql_files.install_sql().replace("COMMIT;", "SELECT 1/0;\nCOMMIT;")
     result = subprocess.run([psql(), "-X", "-q", *psql_args(empty_dsn), "-f", "-"], input=broken,
                             capture_output=True, text=True, env=psql_env(empty_dsn), timeout=60)
     assert result.returncode != 0 and "division by zero" in result.stderr
@@ -173,7 +173,7 @@ def test_install_sql_is_all_or_nothing(empty_dsn: str) -> None:
 def test_install_into_another_schema(empty_dsn: str) -> None:
     with psycopg.connect(empty_dsn, autocommit=True) as c:
         c.execute("CREATE SCHEMA obx")
-    run_psql(empty_dsn, "-c", "SET search_path = obx", "-f", "-", input=schema.install_sql())
+    run_psql(empty_dsn, "-c", "SET search_path = obx", "-f", "-", input=sql_files.install_sql())
     with psycopg.connect(empty_dsn, autocommit=True) as c:
         assert c.execute("SELECT to_regclass('public.outbox')").fetchone() == (None,)
         # used from a session whose search_path does not include obx

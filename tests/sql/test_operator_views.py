@@ -1,4 +1,4 @@
-"""The views the command line reads (0016): outbox_dead_letters.held_back and outbox_failing."""
+"""The views the command line reads: outbox_dead_letters.held_back and outbox_failing."""
 
 from __future__ import annotations
 

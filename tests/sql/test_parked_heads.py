@@ -1,7 +1,8 @@
-"""0031: a busy aggregate's head is parked, not dropped, when its line runs empty, and the intake
-brings it back. Up to 0030 the head was dropped and made again between two events: under a held
-snapshot each new head added an entry of its key to outbox_heads_pkey, and the intake's INSERT ...
-ON CONFLICT read them all, from the oldest, on every event of the aggregate."""
+"""A busy aggregate's head is parked, not dropped, when its line runs empty, and the intake brings
+it back. Dropped and made again between two events, under a held snapshot each new head would add
+an entry of its key to outbox_heads_pkey, and the intake's INSERT ... ON CONFLICT would read them
+all, from the oldest, on every event of the aggregate. The intake takes its locks in an order that
+cannot deadlock with a report's."""
 
 from __future__ import annotations
 
@@ -9,8 +10,6 @@ from typing import Any
 
 import psycopg
 from helpers import Background, claim, claim_ids, complete, connect, entries_read, heads_updates, insert, wait_until
-
-from outboxpg import schema
 
 Conn = psycopg.Connection[Any]
 
@@ -68,8 +67,8 @@ def test_a_busy_head_whose_line_runs_empty_is_parked_and_comes_back_with_hot_upd
     after = heads_updates(conn)
     conn.execute("COMMIT")
     assert row["id"] == third
-    # The intake brings it back and the claim leases it: two updates, both HOT. Up to 0030: a
-    # new head (an insert), then the lease.
+    # The intake brings it back and the claim leases it: two updates, both HOT (not a new head,
+    # an insert, then the lease).
     assert (after[0] - before[0], after[1] - before[1]) == (2, 2)
     back = head(conn, "busy")
     assert back is not None and not back["parked"] and back["ready_at"] == ready["ready_at"]
@@ -124,9 +123,9 @@ def test_under_a_held_snapshot_a_busy_key_stops_gaining_entries(
         reads, ids = entries_read(conn, "outbox_heads_pkey", lambda: claim_ids(conn, 10))
         holder.rollback()
     assert len(ids) == 1
-    # Seen with 0030: 208 (the head made again 200 times, each new head an entry of its key,
-    # all of which the intake's insert reads). Seen with 0031: 15 (an entry each time the head's
-    # page was full and its next version went to another page).
+    # Seen: 15 (an entry each time the head's page was full and its next version went to another
+    # page). A head dropped and made again 200 times read 208: each new head an entry of its key,
+    # all of which the intake's insert reads.
     assert reads <= 40, reads
 
 
@@ -147,26 +146,6 @@ def test_a_parked_head_wakes_no_worker(conn: Conn) -> None:
     insert(conn, "order", "busy")
     # A new event is due now (the worker is woken by NOTIFY; its claim's intake brings the head back).
     assert claim_ids(conn) != []
-
-
-def test_rolling_0031_back_drops_the_parked_heads(empty_dsn: str) -> None:
-    schema.migrate(empty_dsn)
-    with connect(empty_dsn) as conn:
-        park_busy(conn)
-        waiting = insert(conn, "order", "busy")         # not taken in yet: its head is parked
-    ids = schema.step_ids()
-    step = "0031_outbox_heads_parked"
-    since = ids[ids.index(step):]
-    assert schema.rollback(empty_dsn, count=len(since)) == since[::-1]
-    with connect(empty_dsn) as conn:
-        assert conn.execute("SELECT count(*) FROM outbox_heads").fetchone() == (0,)
-        assert claim_ids(conn) == [waiting]             # 0030's intake makes its head again
-    assert schema.migrate(empty_dsn) == since
-    with connect(empty_dsn) as conn:
-        later = insert(conn, "order", "busy")
-        assert claim_ids(conn) == []                    # its run is out
-        assert conn.execute("SELECT parked FROM outbox_heads").fetchall() == [(False,)]
-        assert later > waiting
 
 
 def lock_head(conn: Conn, aggregate_id: str) -> None:
@@ -196,9 +175,9 @@ def calm_and_busy(conn: Conn) -> tuple[int, int]:
 def test_the_intake_holds_no_busy_head_while_it_waits(dsn: str, conn: Conn) -> None:
     """A report locks its heads in one pass in key order and waits. The intake waits only in its
     insert, which comes first: while it waits there for "a-calm", which a report holds, it holds
-    no busy head, so the report gets "b-busy" too. The first version of 0031 (d03a851) took the
-    busy heads first: the report then waited for the intake and the intake for the report, a
-    deadlock that PostgreSQL broke by aborting one of them."""
+    no busy head, so the report gets "b-busy" too. An intake that took the busy heads first
+    would hold one while it waited: the report would then wait for the intake and the intake for
+    the report, a deadlock that PostgreSQL breaks by aborting one of them."""
     _, busy_event = calm_and_busy(conn)
     with connect(dsn, autocommit=False, lock_timeout="5s") as report, connect(dsn, lock_timeout="20s") as worker:
         lock_head(report, "a-calm")
@@ -228,7 +207,7 @@ def test_a_busy_head_held_by_another_keeps_the_cursor_below_its_event(dsn: str, 
 
 
 def test_under_a_held_snapshot_busy_heads_move_pages_seldom(dsn: str, conn: Conn) -> None:
-    """outbox_heads keeps three quarters of a page free (fillfactor 25, 0031): the versions of
+    """outbox_heads keeps three quarters of a page free (fillfactor 25): the versions of
     busy heads, which no held snapshot lets anyone prune, stay on their page (HOT) for many runs
     before one has to move, and each move adds an entry of its key to outbox_heads_pkey that every
     later move's uniqueness check reads."""

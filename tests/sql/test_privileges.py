@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import signal
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 from roles import Denied, Login, denied, login_roles
 
-from outboxpg import Event, enqueue, enqueue_many, schema, sql_api
+from outboxpg import Event, enqueue, enqueue_many, schema, sql_api, sql_files
 from outboxpg.embedded import EmbeddedPostgres
 from outboxpg.events import OutboxEvent
 from outboxpg.relay.publishers import FunctionPublisher
@@ -618,17 +617,17 @@ def test_install_by_an_unprivileged_owner_into_its_own_schema(outbox_template: A
 
 
 def test_upgrade_where_later_steps_came_first(outbox_template: Any, empty_dsn: str) -> None:
-    """A database migrated before 0011 and 0012 existed already has the steps numbered after
-    them (0013: the commit-order trigger, which runs as the producer); 0012 applied last must
-    leave producers and workers working just the same."""
-    files = {p.name.removesuffix(".sql"): p for p in schema.migrations_dir().glob("[0-9]*.sql")
+    """Release schema-1's steps after 0012 (0013: the commit-order trigger, which runs as the
+    producer) can come before 0011 and 0012 in a database migrated step by step by hand; 0012
+    applied last must leave producers and workers working just the same, and the later releases
+    apply on top."""
+    files = {p.name.removesuffix(".sql"): p for p in sql_files.migrations_dir().glob("[0-9]*.sql")
              if not p.name.endswith(".rollback.sql")}
-    # A step that needs 0011 (0017 extends its outbox_health view) cannot have come before it.
-    needs_0011 = {k for k in files if re.search(r"^--\s*depends:.*\b0011_outbox_health\b", files[k].read_text(), re.M)}
-    later = sorted(k for k in files if k > "0012_outbox_privileges" and k not in needs_0011)
+    first = {f.removesuffix(".sql") for f in sql_files.releases()[0].files if not f.endswith(".rollback.sql")}
+    later = sorted(k for k in first if k > "0012_outbox_privileges")
     assert later, "0013 (the commit-order trigger) comes after 0012"
-    order = ([k for k in sorted(files) if k < "0011"] + later + ["0011_outbox_health", "0012_outbox_privileges"]
-             + sorted(needs_0011 - {"0012_outbox_privileges"}))
+    order = ([k for k in sorted(first) if k < "0011"] + later + ["0011_outbox_health", "0012_outbox_privileges"]
+             + sorted(k for k in files if k not in first))
     with psycopg.connect(empty_dsn, autocommit=True) as admin:
         for step in order:
             with admin.transaction():
@@ -654,7 +653,7 @@ def test_install_warns_when_others_may_create_in_the_schema(outbox_template: Any
         admin.execute(sql.SQL("GRANT CREATE ON SCHEMA writable TO {}").format(sql.Identifier(apps["app"].name)))
         result = subprocess.run(["psql", "-X", "-v", "ON_ERROR_STOP=1", *psql_args(empty_dsn),
                                  "-c", "SET search_path = writable", "-f", "-"],
-                                input=schema.install_sql(), capture_output=True, text=True,
+                                input=sql_files.install_sql(), capture_output=True, text=True,
                                 env=psql_env(empty_dsn), timeout=120)
         assert result.returncode == 0, result.stderr
         warnings = [line for line in result.stderr.splitlines() if "WARNING" in line]

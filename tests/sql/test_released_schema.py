@@ -1,6 +1,7 @@
-"""Migration discipline (issue 9): a released step is never edited; every change is a new step.
+"""Releases (docs/migrations.md): schema/ is the current schema, written once; a release is one
+step produced from it (tools/schema_step.py), frozen once released.
 
-Why: yoyo knows an applied step by its id alone (the sha256 of the file name,
+Why frozen: yoyo knows an applied step by its id alone (the sha256 of the file name,
 yoyo.migrations.get_migration_hash), never by its content. A step edited after a release is not
 applied again to a database that has it: `outboxpg migrate` says "schema is up to date" on the old
 schema, and neither `require_schema` nor the worker's start-up check (both look for the functions
@@ -8,21 +9,22 @@ by name and signature) can notice. So:
 
   * migrations/RELEASED lists every released file (a step and its rollback) with its sha256 and
     its release, and the commit the release's annotated tag points at. A released file that
-    changes fails test_released_files_are_unchanged: undo the edit and add a new step.
+    changes fails test_released_files_are_unchanged.
   * every released file at the tag (or, when the clone has no tag, at the recorded commit) has
     the recorded checksum: RELEASED cannot be edited along with a file to hide the change.
   * a step's `-- depends:` header names (directly or through the steps it names) every earlier
     step whose objects its SQL uses, and only earlier steps: yoyo orders and rolls back by those
-    headers, psql and `outboxpg sql` by the file order, and both orders must work.
-  * SECURITY DEFINER and the SET clauses of every outbox_* function are pinned in outboxpg/sql_api.py:
-    CREATE OR REPLACE FUNCTION resets what it does not restate, so a new step that forgets one
-    fails here (and the table says what to restate).
+    headers, psql by the file order, and both orders must work.
+  * the unreleased step, if any, is what tools/schema_step.py produces from schema/ now, and
+    there is one exactly when schema/ differs from the released steps.
+  * SECURITY DEFINER and the SET clauses of every outbox_* function are pinned in
+    outboxpg/sql_api.py (a function written without them would run as its caller).
   * a database installed from each release (its files, read from git), with events in every
-    state, migrated to HEAD with `outboxpg migrate`, has the catalog of a fresh install of HEAD
-    (functions with definitions and settings, tables, columns, indexes, triggers, constraints,
-    domains, views, comments, grants), and its events are still delivered.
-
-docs/migrations.md says how to add a step and how to release.
+    state, migrated with `outboxpg migrate`, has the catalog of a fresh install (outboxpg.catalog:
+    functions with definitions and settings, tables, columns, indexes, storage, triggers,
+    constraints, domains, views, comments, grants), and its events are still delivered; rolling
+    the newest step back gives the catalog of the release before it, with its runs in flight
+    still held.
 """
 
 from __future__ import annotations
@@ -32,16 +34,16 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
-from catalog import CATALOG, OWN
+from catalog import catalog, differences
 from yoyo import get_backend, read_migrations
 
-from outboxpg import schema, sql_api
+from outboxpg import schema, sql_api, sql_files
+from outboxpg.sql_files import Release, releases
 
 ROOT = Path(__file__).resolve().parents[2]
 MIGRATIONS = ROOT / "migrations"
@@ -49,33 +51,6 @@ RELEASED = MIGRATIONS / "RELEASED"
 
 
 # -- migrations/RELEASED ------------------------------------------------------------------------
-
-@dataclass
-class Release:
-    name: str                 # the annotated tag, e.g. schema-1
-    commit: str               # the commit the tag points at (for clones without the tag)
-    files: dict[str, str] = field(default_factory=dict)   # file name -> sha256
-
-
-def releases() -> list[Release]:
-    """migrations/RELEASED: '# ...' comments, one 'release NAME COMMIT' line per release, then one
-    'NAME SHA256 FILE' line per released file (the checksum first, as sha256sum prints it)."""
-    out: dict[str, Release] = {}
-    for n, line in enumerate(RELEASED.read_text(encoding="utf-8").splitlines(), 1):
-        words = line.split()
-        if not words or line.startswith("#"):
-            continue
-        if words[0] == "release" and len(words) == 3:
-            assert words[1] not in out, f"RELEASED:{n}: release {words[1]} twice"
-            out[words[1]] = Release(words[1], words[2])
-        elif len(words) == 3 and words[0] in out and re.fullmatch(r"[0-9a-f]{64}", words[1]):
-            assert not any(words[2] in r.files for r in out.values()), f"RELEASED:{n}: {words[2]} twice"
-            out[words[0]].files[words[2]] = words[1]
-        else:
-            raise AssertionError(f"RELEASED:{n}: not 'release NAME COMMIT' nor 'NAME SHA256 FILE' "
-                                 f"of a release named above: {line!r}")
-    return list(out.values())
-
 
 def released_files() -> dict[str, tuple[str, str]]:
     """Every released file -> (its sha256, its release)."""
@@ -146,8 +121,8 @@ def test_new_steps_come_after_the_released_ones() -> None:
     # yoyo applies a new step after the released ones on an upgrade; a fresh install (and psql,
     # outboxpg sql) applies the files in name order: the two agree only if new steps sort last.
     released = {step_of(f) for f in released_files()}
-    newer = [s for s in schema.step_ids() if s not in released]
-    assert released <= set(schema.step_ids())
+    newer = [s for s in sql_files.step_ids() if s not in released]
+    assert released <= set(sql_files.step_ids())
     if newer:
         assert min(newer) > max(released), f"new step {min(newer)} sorts before released {max(released)}: " \
                                            "number it after the last released step"
@@ -201,7 +176,7 @@ def _code(text: str) -> str:
 
 def test_depends_headers_name_what_each_step_uses() -> None:
     texts = {p.name.removesuffix(".sql"): p.read_text(encoding="utf-8")
-             for p in sorted(schema.migrations_dir().glob("[0-9]*.sql")) if not p.name.endswith(".rollback.sql")}
+             for p in sorted(sql_files.migrations_dir().glob("[0-9]*.sql")) if not p.name.endswith(".rollback.sql")}
     made: dict[str, str] = dict(MADE_DYNAMICALLY)
     for step, text in texts.items():
         for name in _CREATE.findall(_code(text)):
@@ -272,57 +247,6 @@ def test_every_function_keeps_its_security_and_settings(conn: psycopg.Connection
 
 
 # -- upgrade from each release ------------------------------------------------------------------
-
-# What catalog.CATALOG (tests/catalog.py) does not hold yet: storage options and partition keys, column
-# comments and collations, domains and their rules, function attributes, and who may do what.
-UPGRADE_CATALOG = {
-    **CATALOG,
-    "relation_options": f"""SELECT c.relname, c.reloptions, c.relpersistence::text, pg_get_partkeydef(c.oid),
-                                   c.relrowsecurity, c.relreplident::text
-                              FROM pg_class c WHERE {OWN} ORDER BY 1""",
-    "column_details": f"""SELECT c.relname, a.attname, col_description(c.oid, a.attnum),
-                                 a.attcollation::regcollation::text, a.attgenerated::text, a.attidentity::text
-                            FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
-                           WHERE {OWN} AND a.attnum > 0 AND NOT a.attisdropped ORDER BY 1, 2""",
-    "domains": """SELECT t.typname, t.typtype::text, format_type(t.typbasetype, t.typtypmod), t.typnotnull,
-                         t.typdefault, t.typcollation::regcollation::text, obj_description(t.oid, 'pg_type'),
-                         (SELECT array_agg(k.conname || ' ' || pg_get_constraintdef(k.oid) ORDER BY k.conname)
-                            FROM pg_constraint k WHERE k.contypid = t.oid)
-                    FROM pg_type t
-                   WHERE t.typnamespace = current_schema()::regnamespace AND t.typtype IN ('d', 'e') ORDER BY 1""",
-    "function_attributes": """SELECT p.oid::regprocedure::text, p.prokind::text, p.prosecdef, p.proconfig,
-                                     p.provolatile::text, p.proparallel::text, p.proisstrict, p.proleakproof,
-                                     p.procost, p.prorows, pg_get_userbyid(p.proowner) = current_user
-                                FROM pg_proc p WHERE p.pronamespace = current_schema()::regnamespace ORDER BY 1""",
-    "grants": f"""
-        WITH acl(object, owner, acl) AS (
-            SELECT 'relation ' || c.relname, c.relowner,
-                   coalesce(c.relacl, acldefault(CASE c.relkind WHEN 'S' THEN 's' ELSE 'r' END::"char", c.relowner))
-              FROM pg_class c WHERE {OWN}
-            UNION ALL
-            SELECT 'column ' || c.relname || '.' || a.attname, c.relowner, a.attacl
-              FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
-             WHERE {OWN} AND a.attnum > 0 AND NOT a.attisdropped AND a.attacl IS NOT NULL
-            UNION ALL
-            SELECT 'function ' || p.oid::regprocedure::text, p.proowner, coalesce(p.proacl, acldefault('f', p.proowner))
-              FROM pg_proc p WHERE p.pronamespace = current_schema()::regnamespace
-            UNION ALL
-            SELECT 'type ' || t.typname, t.typowner, coalesce(t.typacl, acldefault('T', t.typowner))
-              FROM pg_type t WHERE t.typnamespace = current_schema()::regnamespace AND t.typtype IN ('d', 'e')
-            UNION ALL
-            SELECT 'schema ' || n.nspname, n.nspowner, coalesce(n.nspacl, acldefault('n', n.nspowner))
-              FROM pg_namespace n WHERE n.oid = current_schema()::regnamespace)
-        SELECT object, CASE WHEN g.grantee = 0 THEN 'PUBLIC' ELSE pg_get_userbyid(g.grantee) END,
-               g.privilege_type, g.is_grantable
-          FROM acl, aclexplode(acl.acl) g
-         ORDER BY 1, 2, 3""",
-}
-
-
-def upgrade_catalog(dsn: str) -> dict[str, list[tuple[Any, ...]]]:
-    with psycopg.connect(dsn) as c:
-        return {k: c.execute(q).fetchall() for k, q in UPGRADE_CATALOG.items()}
-
 
 def install_release(dsn: str, release: Release, directory: Path) -> list[str]:
     """Install the steps of ``release`` and the releases before it, as released, with yoyo (as
@@ -406,15 +330,110 @@ def test_upgrade_from_a_release_equals_a_fresh_install(release: Release, empty_d
 
     result = outboxpg("migrate", "--dsn", empty_dsn)
     assert result.returncode == 0, result.stderr
-    newer = [s for s in schema.step_ids() if s not in installed]
+    newer = [s for s in sql_files.step_ids() if s not in installed]
     assert result.stdout.splitlines() == ([f"applied {s}" for s in newer] or ["schema is up to date"])
 
-    upgraded, fresh = upgrade_catalog(empty_dsn), upgrade_catalog(dsn)
-    differ = [key for key in UPGRADE_CATALOG if upgraded[key] != fresh[key]]
-    for key in differ:
-        only_up = [r for r in upgraded[key] if r not in fresh[key]]
-        only_fresh = [r for r in fresh[key] if r not in upgraded[key]]
-        print(f"{key}: upgraded from {release.name} only: {only_up}\n{key}: fresh install only: {only_fresh}")
-    assert not differ, (f"a database upgraded from {release.name} differs from a fresh install in {differ} "
-                        "(rows printed above): was a released step edited?")
+    upgraded, fresh = catalog(empty_dsn), catalog(dsn)
+    assert upgraded == fresh, (f"a database upgraded from {release.name} differs from a fresh install "
+                               "(first: upgraded, second: fresh): " + "\n".join(differences(upgraded, fresh)))
     drain(empty_dsn, seeded)
+
+
+# -- the unreleased step: produced from schema/ ---------------------------------------------------
+
+def _schema_step() -> Any:
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import schema_step
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    return schema_step
+
+
+def test_the_unreleased_step_is_what_schema_step_produces(dsn: str) -> None:
+    """schema/ is the one place a function, view or trigger is written: the step of the next
+    release is produced from it, and a change to schema/ that is not in that step yet (or a step
+    left over after schema/ went back) fails here, saying what to run."""
+    tool = _schema_step()
+    with psycopg.connect(dsn) as conn:
+        step = tool.produce(conn)
+    released = set(sql_files.released_steps())
+    unreleased = sorted(p.name for p in sql_files.migrations_dir().glob("[0-9]*.sql")
+                        if p.name.removesuffix(".sql").removesuffix(".rollback") not in released)
+    if step is None:
+        assert unreleased == [], f"{unreleased}: schema/ is what the released steps make: run bin/schema-step"
+        return
+    assert unreleased == [f"{step.step_id}.rollback.sql", f"{step.step_id}.sql"], \
+        f"the unreleased steps are {unreleased}, schema/ needs {step.step_id}: run bin/schema-step"
+    for name, text in ((f"{step.step_id}.sql", step.upgrade), (f"{step.step_id}.rollback.sql", step.rollback)):
+        assert (MIGRATIONS / name).read_text(encoding="utf-8") == text, \
+            f"migrations/{name} is not what schema/ and migrations/next/ give now: run bin/schema-step"
+
+
+def test_at_most_one_step_is_unreleased() -> None:
+    released = set(sql_files.released_steps())
+    assert len([s for s in sql_files.step_ids() if s not in released]) <= 1, \
+        "the next release is one step, produced from schema/ (bin/schema-step)"
+
+
+# -- rolling the newest step back ----------------------------------------------------------------
+
+def test_rolling_the_newest_step_back_gives_the_steps_before_it(empty_dsn: str, second_empty_dsn: str) -> None:
+    """With a busy aggregate's head parked, a run in flight under its lease with an event behind
+    it, a dead letter and a pending event: the rollback gives the catalog of a fresh install of
+    the steps before it; the run in flight stays held until its worker reports it (under the same
+    token), the parked head goes, everything is delivered in order, and migrating again works."""
+    steps = sql_files.step_ids()
+    schema.migrate(empty_dsn)
+    with psycopg.connect(empty_dsn, autocommit=True) as c:
+        def insert(agg: str) -> int:
+            row = c.execute("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
+                            "VALUES ('order', %s, 'created', '{}') RETURNING id", (agg,)).fetchone()
+            assert row is not None
+            return int(row[0])
+
+        def claim(n: int, lease: str | None = None) -> list[tuple[int, Any]]:
+            return [(r[0], r[1]) for r in c.execute("SELECT id, lease_token FROM outbox_claim(%s, %s::interval)",
+                                                     (n, lease)).fetchall()]
+
+        busy = [insert("busy") for _ in range(4)]       # four runs: its line empty after the last
+        for i in busy:
+            ((got, token),) = claim(1)
+            assert got == i and c.execute("SELECT outbox_complete(ARRAY[%s]::bigint[], %s)", (i, token)).fetchone() == (1,)
+        assert c.execute("SELECT parked FROM outbox_heads WHERE aggregate_id = 'busy'").fetchone() == (True,)
+        flying = [insert("flying"), insert("flying")]
+        run = claim(10, "10 minutes")
+        assert [i for i, _ in run] == flying
+        behind = insert("flying")
+        dead = insert("dead")
+        ((got, token),) = claim(10)
+        assert got == dead and c.execute("SELECT outbox_fail(%s, %s, 'broken', true)", (dead, token)).fetchone() == ("dead",)
+        waiting = insert("waiting")
+
+    assert schema.rollback(empty_dsn, count=1) == [steps[-1]]
+    backend = get_backend(schema.yoyo_uri(second_empty_dsn))
+    try:
+        with backend.lock():
+            before_steps = read_migrations(str(sql_files.migrations_dir())).filter(lambda m: m.id in steps[:-1])
+            backend.apply_migrations(backend.to_apply(before_steps))
+    finally:
+        backend.connection.close()
+    rolled, before = catalog(empty_dsn), catalog(second_empty_dsn)
+    assert rolled == before, (f"rolling {steps[-1]} back does not give the steps before it (first: rolled back, "
+                              "second: fresh): " + "\n".join(differences(rolled, before)))
+
+    with psycopg.connect(empty_dsn, autocommit=True) as c:
+        assert c.execute("SELECT count(*) FROM outbox_heads WHERE aggregate_id = 'busy'").fetchone() == (0,)
+        got = c.execute("SELECT id, lease_token FROM outbox_claim(100)").fetchall()
+        assert [r[0] for r in got] == [waiting]              # the run in flight and the dead letter hold theirs
+        assert c.execute("SELECT outbox_complete(%s::bigint[], %s)", ([waiting], got[0][1])).fetchone() == (1,)
+        assert c.execute("SELECT outbox_complete(%s::bigint[], %s)", (flying, run[0][1])).fetchone() == (2,)
+        got = c.execute("SELECT id, lease_token FROM outbox_claim(100)").fetchall()
+        assert [r[0] for r in got] == [behind]
+        assert c.execute("SELECT outbox_complete(%s::bigint[], %s)", ([behind], got[0][1])).fetchone() == (1,)
+        assert c.execute("SELECT outbox_requeue(%s::bigint[])", ([dead],)).fetchone() == (1,)
+        got = c.execute("SELECT id, lease_token FROM outbox_claim(100)").fetchall()
+        assert [r[0] for r in got] == [dead]
+        assert c.execute("SELECT outbox_complete(%s::bigint[], %s)", ([dead], got[0][1])).fetchone() == (1,)
+        assert c.execute("SELECT count(*) FILTER (WHERE state <> 'published') FROM outbox").fetchone() == (0,)
+    assert schema.migrate(empty_dsn) == [steps[-1]]

@@ -1,4 +1,4 @@
-"""The psql files of sql/ and the outbox_health view (migration 0011), on a real PostgreSQL."""
+"""The psql files of sql/ and the outbox_health view, on a real PostgreSQL."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def test_every_advisory_lock_key_of_the_sql_is_named_in_outboxpg_locks() -> None
     """The SQL spells the lock keys out; outboxpg.locks names them for Python and the tests."""
     named_pairs = {v for v in vars(locks).values() if isinstance(v, tuple)}
     classes = {locks.LOCK_CLASS, locks.AGGREGATE_LOCK_CLASS, locks.HEADS_WRITER_LOCK_CLASS}
-    migrations = sorted((SQL_DIR.parent / "migrations").glob("*.sql"))
+    migrations = sorted((SQL_DIR.parent / "migrations").glob("*.sql")) + sorted((SQL_DIR.parent / "schema").glob("*.sql"))
     seen_pairs, seen_classes = set(), set()
     for path in [*migrations, *SQL_DIR.glob("*.sql")]:
         text = path.read_text()
@@ -197,7 +197,7 @@ def health(conn: psycopg.Connection[Any]) -> dict[str, Any]:
 
 NO_PRODUCERS = {"open_producers": 0, "oldest_producer_pid": None, "oldest_producer_age": None,
                 "held_by_open_transactions": 0,
-                # and nothing holds back the xmin horizon past xmin_warn_after (0017)
+                # and nothing holds back the xmin horizon past xmin_warn_after
                 "xmin_holders": 0, "xmin_holder_kind": None, "xmin_holder_pid": None, "xmin_holder_name": None,
                 "xmin_holder_age": None, "xmin_holder_state": None, "xmin_holder_query": None,
                 "xmin_holder_application": None}
@@ -393,7 +393,7 @@ def test_health_sql_says_when_a_due_events_head_is_not_ready(dsn: str, conn: psy
 
 
 def test_health_sql_says_when_a_due_events_head_is_leased(dsn: str, conn: psycopg.Connection[Any]) -> None:
-    """Since 0028 a run in flight holds its head through leased_until, not ready_at."""
+    """A run in flight holds its head through leased_until, not ready_at."""
     first = insert(conn, "order", "o-1")
     assert [r["id"] for r in claim(conn, 10)] == [first]   # its head leased; the event put back by hand
     conn.execute("UPDATE outbox SET state = 'pending', lease_token = NULL, locked_until = NULL, attempts = 0 "
@@ -405,7 +405,7 @@ def test_health_sql_says_when_a_due_events_head_is_leased(dsn: str, conn: psycop
 
 
 def test_health_sql_says_when_a_due_events_head_is_parked(dsn: str, conn: psycopg.Connection[Any]) -> None:
-    """Since 0031 a busy aggregate between two events keeps its head, parked; a new event waits
+    """A busy aggregate between two events keeps its head, parked; a new event waits
     for the next claim's intake to bring it back, not for a run to end."""
     for _ in range(4):
         insert(conn, "order", "o-1")
@@ -415,5 +415,5 @@ def test_health_sql_says_when_a_due_events_head_is_parked(dsn: str, conn: psycop
     waiting = insert(conn, "order", "o-1")
     ((code, out, err),) = run_files(dsn, ("health",))
     assert code == 0, err
-    assert re.search(rf"^\s*{waiting} \| order .*\| due: its aggregate's head in outbox_heads is parked \(0031\); "
+    assert re.search(rf"^\s*{waiting} \| order .*\| due: its aggregate's head in outbox_heads is parked; "
                      r"the next claim takes the event in and brings the head back", out, re.M), out

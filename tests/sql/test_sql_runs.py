@@ -205,7 +205,7 @@ def test_concurrent_claimers_over_mixed_key_distributions(dsn: str, conn: Conn) 
         per[order[i]].append(i)
     assert all(v == sorted(v) for v in per.values())
     assert states(conn) == {"published": len(order)}
-    # Every line is empty: no head is left but those parked (0031), for a second, by busy aggregates.
+    # Every line is empty: no head is left but those parked, for a second, by busy aggregates.
     assert conn.execute("SELECT count(*) FROM outbox_heads WHERE NOT parked").fetchone()[0] == 0
 
 
@@ -245,8 +245,8 @@ class RunModel(RuleBasedStateMachine):
     def claim_some(self, n: int) -> None:
         rows = claim(self.conn, n)
         heads = dict(self.conn.execute("SELECT aggregate_id, parked FROM outbox_heads").fetchall())
-        # After the intake every aggregate with events has a head in the running (a parked one,
-        # 0031, is brought back); a parked head is one whose aggregate has none.
+        # After the intake every aggregate with events has a head in the running (a parked one is
+        # brought back); a parked head is one whose aggregate has none.
         assert {a for a, parked in heads.items() if not parked} == {a for a, line in self.unfinished.items() if line}
         runs: dict[str, list[int]] = defaultdict(list)
         for r in rows:
@@ -329,7 +329,7 @@ class RunModel(RuleBasedStateMachine):
     @invariant()
     def heads_match_the_model(self) -> None:
         # New events get their heads at the next claim's intake: a head never outlives its line,
-        # but parked (0031), no claim's candidate.
+        # but parked, no claim's candidate.
         heads = {r[0] for r in self.conn.execute("SELECT aggregate_id FROM outbox_heads WHERE NOT parked").fetchall()}
         assert heads <= {a for a, line in self.unfinished.items() if line}
 

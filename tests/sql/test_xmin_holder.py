@@ -1,4 +1,4 @@
-"""What holds back the xmin horizon (issue 13, case 6; migration 0017): a REPEATABLE READ
+"""What holds back the xmin horizon (outbox_xmin_holders): a REPEATABLE READ
 transaction left idle keeps every dead row version of the outbox alive, and claims slow down with
 them. outbox_health, `outboxpg status` and the worker's log name it once it is older than
 outbox_settings.xmin_warn_after (set low here)."""

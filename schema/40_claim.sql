@@ -1,80 +1,257 @@
--- outboxpg 0031: a busy aggregate's head is parked, not dropped, when its line runs empty.
+-- outboxpg schema: handing out events to workers.
 --
--- Why. A head lives as long as its aggregate has unfinished events (0005): a report that finds
--- no event left drops it, and the intake makes it again when the next event comes. A busy
--- aggregate does that all the time, between two of its events. Each new head adds an entry of
--- its key to outbox_heads_pkey, and under a held snapshot (a REPEATABLE READ transaction, a
--- session idle in a transaction) none of them can be removed; the intake's INSERT ... ON
--- CONFLICT then reads every entry of the key, from the oldest, before it makes the head again or
--- reaches the live one. Measured with 10 busy aggregates at 2,000 events/s and a snapshot held
--- 120 s (BENCHMARKS.md, seventh session): 20,493 heads made and 20,486 dropped in the first half
--- of the hold, the intake 2.4-2.6 ms a claim, commit -> JetStream p99 54.9 and 58.4 ms.
+--   SELECT * FROM outbox_claim(100);                    -- up to 100 events, default lease
+--   SELECT * FROM outbox_claim(100, '2 minutes', 'w1');
 --
--- What.
---   * A head counts its runs: each report that moves it on to a next event adds one (runs, a
---     column in no index).
---   * A report that finds no event left keeps the head, parked, when it was leased to the run
---     being reported and has counted 3 runs or more: a busy aggregate between two events.
---     Parking changes only columns in no index (parked, leased_until: one second from now,
---     head_id), so it is a HOT update. Other heads are dropped as before: an aggregate with an
---     event now and then, or a short burst, leaves no parked head behind.
---   * The intake brings a parked head back with a HOT update (parked false, leased_until
---     NULL): due again at the ready_at it kept, and its key gains no entry. It looks the heads of
---     busy aggregates (those with an event among the ones just below its cursor) up from the
---     newest entry of their key, as the reports do since 0030, and finds a parked one at once;
---     the other keys go straight to its INSERT ... ON CONFLICT, whose conflict update brings a
---     parked head back too. Looking every key up first would read a key with no live head twice
---     (the look walks all its entries, then the insert's check).
---   * Lock order: reports lock their heads in one pass in key order. The intake waits only in its
---     insert, which comes first and locks in key order too; the busy heads come after it and
---     are never waited for (SKIP LOCKED, ON CONFLICT DO NOTHING). One held by another
---     transaction keeps the cursor below its aggregate's first event: the next intake takes
---     that event in again. (A first version looked the busy heads up first, waiting: holding
---     one, it could wait in its insert for a head that a report held while it waited for that
---     one, a deadlock.)
---   * A parked head is no claim candidate. One whose second is up is dropped by a claim that
---     finds it among the first 16 due heads (those under which the floor, 0026, waits), after
---     outbox_refresh_heads has looked at its events, like a head found empty. It keeps its
---     ready_at while parked, so the floor stays at or below it: a head that comes back is never
---     below the floor.
---   * outbox_next_wakeup leaves parked heads out: their second running out makes nothing due.
---   * outbox_heads leaves three quarters of a page free (fillfactor 25, 50 before), for the
---     versions of heads that now live long (see the ALTER TABLE below).
+-- Each call leases up to batch_size due events under one fresh lease_token, which the caller
+-- passes back to outbox_complete / outbox_fail / outbox_release / outbox_extend (50_report.sql).
+-- The lease is committed with the caller's statement: claim in its own short transaction,
+-- publish outside any transaction.
 --
--- What it costs: outbox_heads takes about twice the pages (fillfactor). A parked head is read (one
--- index entry, not locked) by the claims that pass it in the due heads, for about a second after
--- its aggregate's last event, and the floor waits under it that long. A head that comes back is due
--- at the ready_at it kept, at most a second and one turn (0029) old: ahead of heads that came due
--- since, as a busy head within its turn is. An intake that has caught up reads the ids just below
--- its cursor (twice as many as it takes in, 50 to 500) to know which aggregates are busy. Tried
--- first and measured (BENCHMARKS.md, eighth session): parking every head moved on once, and an
--- intake that looked every key up from its newest entry. With 10,000 aggregates at 2,000 events/s
--- and a held snapshot, many heads were parked and then waited to be dropped with the floor under
--- them (9,124 entries of outbox_heads_ready_idx read per claim), and every head made anew had its
--- key read twice.
--- depends: 0030_outbox_heads_newest_first
+-- The queue is a queue of aggregates, not of events. outbox_heads holds one row per aggregate
+-- (aggregate_type, aggregate_id) that has unfinished events: the head of its line. A claim takes
+-- heads whose time has come (ready_at), oldest first, and hands out a run from each: up to
+-- outbox_settings.max_run consecutive events of that aggregate, in id order. So the work of a
+-- claim is bounded by what it hands out, whatever the depth of the backlog and however the
+-- events spread over aggregates: a million events of ten aggregates cost a claim ten heads and
+-- the runs it returns, and an empty claim is a look at one index.
+--
+-- Rules kept here:
+--   * Exclusive: heads are taken FOR NO KEY UPDATE SKIP LOCKED, so concurrent claimers never
+--     get the same aggregate and never wait on each other; the events of a run are locked with
+--     SKIP LOCKED too, and a run ends at the first event someone else is changing right now.
+--   * Order per aggregate: while a run is in flight its head is leased (leased_until, the end
+--     of the run's lease), so at most one run per aggregate is out at a time, and a run is a
+--     prefix of the aggregate's unfinished events: it stops at the first event that is not
+--     pending and due (a retry waiting for its backoff, a dead letter, a leased one, a scheduled
+--     one), at an event past its expires_at, and at the commit-order guard. A dead event holds
+--     back its own aggregate only (its head's ready_at is NULL).
+--   * Commit order: an event is handed out only once no open transaction can still commit an
+--     earlier event of its aggregate (outbox_commit_guard; 20_producing.sql for the producers'
+--     side).
+--   * Expired leases are reclaimed here, so no separate reaper is needed: a head whose run's
+--     lease ran out is claimable again; the run's first event has failed an attempt (the worker
+--     died or hung) and is retried after a backoff, or is dead once max_attempts is reached; the
+--     rest of the run goes back to pending without an attempt counted.
+--   * Expiry: a pending head past its expires_at is discarded with reason 'expired' on the
+--     spot, and the event behind it comes next, in the same claim if there is room.
+--
+-- How new events reach outbox_heads: the producers do not write there (a producer's row would
+-- stay invisible, and a lock on it held, until its transaction ends). Claims take new events in
+-- instead, in id order, from an intake cursor (outbox_intake.intake_id): every committed event
+-- with an id up to it has its aggregate's head. The cursor only moves up to the commit horizon,
+-- below which no open transaction can still commit an event; events above it that are visible
+-- are taken in on every claim until the cursor passes them (few: only what committed since,
+-- plus what an open transaction holds back). At most `chunk` events are read per claim.
+--
+-- Why the heads table survives a held snapshot. A snapshot held open (a REPEATABLE READ
+-- transaction left open, a session idle in a transaction, a standby with hot_standby_feedback)
+-- keeps every row version made since it began, and index entries pointing at them: every
+-- statement that looks a row up by its key, or reads an index range, then walks all of them.
+-- So what every claim and report writes is kept off the indexes and out of table rows:
+--   * The floor: a time below which no head is due, the lower end of the claim's range over
+--     outbox_heads_ready_idx, so the dead entries that moved heads leave behind below it are
+--     never read again (outbox_heads_floor, below).
+--   * A head in flight is marked by leased_until, in no index, and a report moves head_id, in
+--     no index either: both are HOT updates (outbox_heads keeps room on its pages for them) and
+--     add no index entry. opened_id, never changed, orders heads due at the same time.
+--   * A busy aggregate's head keeps its ready_at for a turn of 250 ms (outbox_refresh_heads):
+--     it moves in the index at most 4 times a second, not at every run; after its turn its next
+--     report puts it behind the heads that came due meanwhile (round robin among busy ones).
+--   * A busy aggregate's head is parked, not dropped, when its line runs empty, and the intake
+--     brings it back: made anew, it would add an index entry of its key each time.
+--   * The intake cursor's committed value is mirrored in a sequence (outbox_intake_mark), which
+--     readers that do not move the cursor read instead of the row's versions.
+--   * Heads are found by ctid once locked, not by key again.
+--
+-- The claim path's functions pin their plans (SET clauses): generic plans, index probes and
+-- nested loops only (outbox_claim says why).
+--
+-- batch_size below 1 or NULL is an error; above outbox_settings.max_claim_batch it is clamped.
 DO $$ BEGIN PERFORM set_config('search_path', format('%I, pg_temp', current_schema()), false); END $$;
 
-ALTER TABLE outbox_heads ADD COLUMN parked boolean NOT NULL DEFAULT false;
-COMMENT ON COLUMN outbox_heads.parked IS
-    'The aggregate has no unfinished event; its head is kept for leased_until, for the intake to bring back (0031).';
-ALTER TABLE outbox_heads ADD COLUMN runs integer NOT NULL DEFAULT 0;
--- Room for HOT updates of the heads that live long now. Under a held snapshot no row version can
--- be pruned: a head's update is HOT only while its page has room, and when it has none the new
--- version goes to another page, adds an entry to outbox_heads_pkey, and that insert's uniqueness
--- check reads every entry of the key, from the oldest, and the version each points at. A parked
--- head is updated three times a run and never made anew, so its key's entries pile up: with
--- fillfactor 50 a report parking 9 heads read 1,780 buffers (auto_explain; 10 busy aggregates at
--- 2,000 events/s, 70 s into a hold). A version that moves lands only on a page filled less than
--- this, with the rest left for the head's next versions. The price: inserts fill a page to a
--- quarter, so the table takes about twice the pages of fillfactor 50 (BENCHMARKS.md, ninth
--- session: 10,000 aggregates at 2,000 events/s, two minutes into a held snapshot, 184 MB against
--- 101 MB, and 399 MB with fillfactor 10).
-ALTER TABLE outbox_heads SET (fillfactor = 25);
-COMMENT ON COLUMN outbox_heads.runs IS
-    'How many times a report moved the head on to a next event; 3 or more and it is parked rather than dropped (0031).';
+-- Capped exponential backoff with "equal jitter": attempt n (1-based) waits a random 50-100%
+-- of least(backoff_cap, backoff_base * 2^(n-1)). The jitter spreads out events that failed
+-- together (a broker outage), so they do not all retry in the same instant.
+CREATE OR REPLACE FUNCTION outbox_retry_delay(attempt integer, base interval, cap interval) RETURNS interval
+LANGUAGE sql
+VOLATILE  -- random()
+PARALLEL SAFE
+AS $$
+    -- least(attempt, 40) keeps 2^(n-1) far from overflowing an interval.
+    SELECT least(cap, base * power(2, least(greatest(attempt, 1), 40) - 1))
+           * (0.5 + random() / 2)
+$$;
 
--- 0029's intake: busy heads found from the newest entry of their key, parked ones brought back (marked 0031).
+COMMENT ON FUNCTION outbox_retry_delay(integer, interval, interval) IS
+    'Backoff before the next attempt after attempt n failed: random 50-100% of least(cap, base * 2^(n-1)).';
+
+-- The commit-order guard, read once per claim, from the producers' advisory locks
+-- (20_producing.sql says which). Returns, in this order of reading:
+--   last_id     the last id assigned before the call: every id assigned later is above it;
+--   settled     no open transaction can still commit an id up to it;
+--   open_below  ids up to it can be handed out unless their aggregate's key is in held_keys.
+-- The caller takes its snapshot after this returns: a transaction that commits in between was
+-- still counted here, so its events are either visible or held back.
+CREATE OR REPLACE FUNCTION outbox_commit_guard(OUT last_id bigint, OUT settled bigint, OUT open_below bigint,
+                                    OUT held_keys integer[])
+LANGUAGE plpgsql
+VOLATILE
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    -- On a sequence never used yet, last_value is the next id, not the last one.
+    SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END INTO last_id FROM outbox_id_seq;
+    settled := last_id;
+    open_below := last_id;
+    held_keys := '{}';
+    IF pg_try_advisory_lock(1868724336, 3) THEN
+        PERFORM pg_advisory_unlock(1868724336, 3);
+        RETURN;
+    END IF;
+    WITH l AS MATERIALIZED (
+        SELECT l.pid, l.classid, l.objid, l.objsubid
+          FROM pg_locks l
+         WHERE l.locktype = 'advisory'
+           AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+           AND l.pid <> pg_backend_pid()),
+    horizon AS (
+        SELECT l.pid, -((l.classid::bigint << 32) | l.objid::bigint) - 1 AS below
+          FROM l
+         WHERE l.objsubid = 1 AND l.classid >= 2147483648)   -- negative one-bigint keys
+    SELECT least(last_id, (SELECT min(h.below) FROM horizon h)),
+           least(last_id, (SELECT min(h.below) FROM horizon h
+                             WHERE h.pid IN (SELECT w.pid FROM l w
+                                              WHERE w.objsubid = 2 AND w.classid = 1868724336 AND w.objid = 4))),
+           coalesce((SELECT array_agg(DISTINCT (a.objid::bigint - CASE WHEN a.objid::bigint >= 2147483648
+                                                                     THEN 4294967296 ELSE 0 END)::integer)
+                       FROM l a WHERE a.objsubid = 2 AND a.classid = 1868724337), '{}')
+      INTO settled, open_below, held_keys;
+END;
+$$;
+
+COMMENT ON FUNCTION outbox_commit_guard() IS
+    'What open producing transactions hold back: ids above settled may still gain an earlier neighbour; up to open_below only the aggregates in held_keys.';
+
+-- The largest id that no open producing transaction can still precede (kept for psql users
+-- and monitors; the claim reads outbox_commit_guard()).
+CREATE OR REPLACE FUNCTION outbox_commit_horizon() RETURNS bigint
+LANGUAGE plpgsql
+VOLATILE
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    RETURN (SELECT g.settled FROM outbox_commit_guard() g);
+END;
+$$;
+
+COMMENT ON FUNCTION outbox_commit_horizon() IS
+    'Largest outbox id that no open producing transaction can still precede.';
+
+-- The floor under the due heads. A claim finds due heads by reading outbox_heads_ready_idx from
+-- the floor up; every move of a head's ready_at leaves a dead index entry at the old value,
+-- exactly where a claim starts reading, and under a held snapshot none of them goes away (at
+-- 2,000 events/s with a snapshot held 60 s: 42,393 entries read per claim without the floor).
+-- The floor is kept in a sequence (outbox_heads_floor_us), not a row, and raised by the claims,
+-- at most every 20 ms, to the least of:
+--   * the first ready_at among the heads (read without locks, so a head another claim has
+--     locked, or is about to give back by rolling back, still counts with its committed value);
+--   * the oldest time announced by a transaction still writing heads (outbox_heads_writing);
+--   * the clock.
+-- Every writer of ready_at (the claim, its intake, outbox_refresh_heads: the report and repair
+-- functions) first announces itself with outbox_heads_writing() and writes no ready_at below
+-- that time. So a head written after a floor was computed is above it (written later than the
+-- clock the floor took), and one written before was either visible to it or announced by its
+-- writer's lock: a floor is never too high for any head, whoever raises it and in whatever
+-- order, and no repair or sweep is needed. The floor only moves under READ COMMITTED (its reads
+-- need snapshots taken after the locks are read); under REPEATABLE READ or SERIALIZABLE a claim
+-- uses it as it finds it. If the clock goes back below the floor, the floor is reset (one claim
+-- then reads the index from its start).
+--
+-- A transaction about to write heads' ready_at says since when, and keeps saying it until it
+-- ends: a shared advisory lock (1868724338, centiseconds since the epoch modulo 2^32).
+CREATE OR REPLACE FUNCTION outbox_heads_writing() RETURNS void
+LANGUAGE plpgsql
+VOLATILE
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    -- bit(32) keeps the low 32 bits; pg_locks.objid shows them back as an unsigned number.
+    PERFORM pg_advisory_xact_lock_shared(
+        1868724338, (floor(extract(epoch FROM clock_timestamp()) * 100)::bigint::bit(32))::integer);
+END;
+$$;
+
+COMMENT ON FUNCTION outbox_heads_writing() IS
+    'Called by the writers of outbox_heads.ready_at before they write: announces the time below which they write nothing.';
+
+-- The floor, raised first if it is more than 20 ms old.
+CREATE OR REPLACE FUNCTION outbox_heads_floor() RETURNS timestamptz
+LANGUAGE plpgsql
+VOLATILE
+SET search_path FROM CURRENT
+SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET jit = off
+AS $$
+DECLARE
+    floor_at    timestamptz := to_timestamp(coalesce(pg_sequence_last_value('outbox_heads_floor_us'), 0) / 1000000.0);
+    at          timestamptz := clock_timestamp();
+    at_cs       bigint := floor(extract(epoch FROM at) * 100)::bigint;     -- `at` in the writers' unit
+    writers     timestamptz;
+    first_ready timestamptz;
+    raised      timestamptz;
+BEGIN
+    IF floor_at > at THEN
+        -- The clock went back: no floor until the next call raises one from the start.
+        PERFORM setval('outbox_heads_floor_us', 0);
+        RETURN '-infinity';
+    END IF;
+    IF floor_at > at - interval '20 milliseconds'
+       OR current_setting('transaction_isolation') <> 'read committed' THEN
+        RETURN floor_at;
+    END IF;
+    -- First the writers at work (the caller's own lock among them), then, in a snapshot taken
+    -- after that, the first head: a writer that ends in between is seen by one or the other.
+    -- Ages are taken modulo 2^32 centiseconds (a lock newer than `at` has a negative age).
+    -- The result is the lock's own centisecond, at or before the moment it was taken.
+    SELECT to_timestamp((at_cs - max(CASE WHEN a.age >= 2147483648 THEN a.age - 4294967296 ELSE a.age END)) / 100.0)
+      INTO writers
+      FROM (SELECT ((at_cs - l.objid::bigint) % 4294967296 + 4294967296) % 4294967296 AS age
+              FROM pg_locks l
+             WHERE l.locktype = 'advisory' AND l.classid = 1868724338 AND l.objsubid = 2
+               AND l.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())) a;
+    SELECT h.ready_at INTO first_ready
+      FROM outbox_heads h
+     WHERE h.ready_at >= floor_at
+     ORDER BY h.ready_at
+     LIMIT 1;
+    raised := least(at, writers, first_ready);      -- least ignores NULLs
+    IF raised > floor_at THEN
+        PERFORM setval('outbox_heads_floor_us', floor(extract(epoch FROM raised) * 1000000)::bigint);
+        RETURN raised;
+    END IF;
+    RETURN floor_at;
+END;
+$$;
+
+COMMENT ON FUNCTION outbox_heads_floor() IS
+    'Called by outbox_claim: the time below which no head is due (the lower end of its index range), raised first when more than 20 ms old.';
+
+-- Take newly committed events into outbox_heads: up to `chunk` in-flow events above the intake
+-- cursor, oldest first. Returns the cursor afterwards, or NULL when another claim is taking in
+-- right now (one at a time: the others skip it rather than wait).
+--
+-- The intake row is locked once per claim and written by the ctid it locked (a TID scan reads
+-- that version only): the cursor and last_claim_at in one update. Readers that do not move the
+-- cursor (a report; a claim whose intake found the row locked) read outbox_intake_mark instead:
+-- the intake sets it to the cursor it locked, which is committed, before moving the cursor in
+-- its own transaction, so the mark is never above the cursor, whatever commits or rolls back.
+-- A mark below the cursor is safe where it is used: it only lowers where a reader starts
+-- looking along an aggregate's line, least(head_id, mark + 1), and no unfinished event of an
+-- aggregate lies below its head_id at or under the cursor (the intake moved the head back to
+-- it). Such a reader may read a few index entries more; it finds the same first event.
 CREATE OR REPLACE FUNCTION outbox_take_in(settled bigint, last_id bigint, chunk integer) RETURNS bigint
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -90,29 +267,29 @@ SET jit = off
 AS $$
 DECLARE
     upto    bigint;
-    row_tid tid;                                -- 0027: the version of the intake row locked
-    noted   timestamptz;                        -- 0027: its last_claim_at
+    row_tid tid;                                -- the version of the intake row locked
+    noted   timestamptz;                        -- its last_claim_at
     types   text[];
     ids     text[];
     firsts  bigint[];
-    busy      bigint[] := '{}';                 -- 0031: places in types / ids / firsts of busy aggregates
-    live_tids tid[];                            -- 0031: their heads, found and locked
-    live_ns   bigint[];                         -- 0031: their places
-    held_from bigint;                           -- 0031: the first event of one whose head another holds
+    busy      bigint[] := '{}';                 -- places in types / ids / firsts of busy aggregates
+    live_tids tid[];                            -- their heads, found and locked
+    live_ns   bigint[];                         -- their places
+    held_from bigint;                           -- the first event of one whose head another holds
     seen    bigint;
     top     bigint;
-    at      timestamptz := clock_timestamp();   -- 0026: one time for all the heads made here
+    at      timestamptz := clock_timestamp();   -- one time for all the heads made here
 BEGIN
     SELECT i.intake_id, i.ctid, i.last_claim_at INTO upto, row_tid, noted
       FROM outbox_intake i FOR UPDATE SKIP LOCKED;
     IF NOT FOUND THEN
         RETURN NULL;
     END IF;
-    -- 0027: the cursor as locked is committed: the mark may go up to it.
+    -- The cursor as locked is committed: the mark may go up to it.
     IF upto > coalesce(pg_sequence_last_value('outbox_intake_mark'), 0) THEN
         PERFORM setval('outbox_intake_mark', upto);
     END IF;
-    -- 0027: monitors ask "is a worker claiming?" (outbox_health): to the second, so that a busy
+    -- Monitors ask "is a worker claiming?" (outbox_health): to the second, so that a busy
     -- worker does not write the row for that alone. Written with the cursor below, by ctid.
     noted := CASE WHEN noted IS NULL OR noted < at - interval '1 second' THEN at END;
     IF upto >= last_id THEN
@@ -148,11 +325,11 @@ BEGIN
         -- and their head dropped, since (a run reads its aggregate's line beyond the cursor).
         -- The claim that takes the head finds the truth (a lease running: it waits for its end;
         -- no event left: the head is dropped).
-        -- 0031: a busy aggregate's head is kept, parked, between two of its events
+        -- A busy aggregate's head is kept, parked, between two of its events
         -- (outbox_refresh_heads). Its key then has a live version at the newest of its entries,
         -- where INSERT ... ON CONFLICT reads every entry of the key from the oldest before it
         -- reaches it: the heads of busy aggregates are looked up from the newest entry of their
-        -- key down (as outbox_refresh_heads finds them, 0030). Busy: an event among the ones just
+        -- key down (as outbox_refresh_heads finds them). Busy: an event among the ones just
         -- below the cursor (twice as many as this intake read, 50 to 500), looked for only when
         -- this intake read fewer than a chunk: one catching up on a backlog reads chunks of
         -- thousands, and its insert brings parked heads back as well. Not every key: for a key
@@ -174,16 +351,16 @@ BEGIN
         -- update, waiting for a report that holds them). The busy ones after that never wait
         -- (SKIP LOCKED, ON CONFLICT DO NOTHING): holding the first pass's heads, a wait there
         -- could close a circle with a report that holds a busy head and waits for one of those.
-        -- 0029: opened_id, the first event's id, orders the heads made here among themselves.
+        -- opened_id, the first event's id, orders the heads made here among themselves.
         INSERT INTO outbox_heads AS h (aggregate_type, aggregate_id, lock_key, head_id, ready_at, opened_id)
-        -- 0026: the clock, not now(): a head's ready_at is never below the time its writer
+        -- The clock, not now(): a head's ready_at is never below the time its writer
         -- announced (outbox_heads_writing); the claim reads its own time after this.
         SELECT s.t, s.i, outbox_aggregate_key(s.t, s.i), s.f, at, s.f
           FROM unnest(types, ids, firsts) WITH ORDINALITY AS s(t, i, f, n)
          WHERE s.n <> ALL (busy)
         ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE
            SET head_id = least(h.head_id, excluded.head_id),
-               -- 0031: a parked head (an aggregate whose events paused) comes back here too
+               -- a parked head (an aggregate whose events paused) comes back here too
                leased_until = CASE WHEN h.parked THEN NULL ELSE h.leased_until END,
                parked = false
          WHERE h.parked OR h.head_id > excluded.head_id;
@@ -242,10 +419,10 @@ BEGIN
 
     -- Past everything read (all of it when fewer than chunk came back), never past the horizon.
     top := least(CASE WHEN coalesce(seen, 0) < chunk THEN last_id ELSE top END, settled);
-    -- 0031: below a busy aggregate whose head another transaction held (see above).
+    -- Below a busy aggregate whose head another transaction held (see above).
     top := least(top, held_from - 1);
     IF top > upto OR noted IS NOT NULL THEN
-        -- 0027: by ctid (a TID scan): the version locked above, not a walk of all of them.
+        -- By ctid (a TID scan): the version locked above, not a walk of all of them.
         UPDATE outbox_intake i
            SET intake_id = greatest(top, upto),
                last_claim_at = coalesce(noted, i.last_claim_at)
@@ -256,105 +433,12 @@ BEGIN
 END;
 $$;
 
--- 0030's head refresh: a busy head whose line ran empty is parked (marked 0031).
-CREATE OR REPLACE FUNCTION outbox_refresh_heads(types text[], ids text[]) RETURNS void
-LANGUAGE plpgsql
-SET search_path FROM CURRENT
-SET plan_cache_mode = force_generic_plan  -- see outbox_claim, also for the settings below
-SET enable_seqscan = off
-SET enable_bitmapscan = off
-SET enable_hashjoin = off
-SET enable_mergejoin = off
-SET enable_material = off
-SET jit = off
-AS $$
-DECLARE
-    upto bigint;
-    at   timestamptz;
-    tids tid[];
-BEGIN
-    -- 0026: announce the heads' ready_at this writes; none is below `at` (outbox_heads_floor).
-    PERFORM outbox_heads_writing();
-    at := clock_timestamp();
-    -- 0026: each head looked up by its key (LATERAL), in key order. A join let the planner
-    -- read all of outbox_heads_pkey instead, once ANALYZE had counted few live heads: under a
-    -- held snapshot, every dead entry of every head, on every report (seen: 0.5 s a report).
-    -- Their ctids: locked, they stay where they are, and the statement below reads them by
-    -- ctid (a TID scan) rather than by key once more.
-    SELECT array_agg(h.tid) INTO tids
-      FROM (SELECT DISTINCT s.t COLLATE "C" AS t, s.i COLLATE "C" AS i
-              FROM unnest(types, ids) AS s(t, i)
-             ORDER BY 1, 2) s
-     CROSS JOIN LATERAL (
-           -- 0030: the key's entries from the newest down, to the first version this sees.
-           SELECT h.ctid AS tid FROM outbox_heads h
-            WHERE h.aggregate_type = s.t
-              AND h.aggregate_id >= s.i AND h.aggregate_id <= s.i
-            ORDER BY h.aggregate_type DESC, h.aggregate_id DESC
-            LIMIT 1
-              FOR UPDATE) h;
-    IF tids IS NULL THEN
-        RETURN;
-    END IF;
-    -- Events not taken in yet may lie below a head_id (see outbox_take_in). 0027: the mark, at
-    -- most the cursor, rather than a walk of the intake row's versions.
-    upto := coalesce(pg_sequence_last_value('outbox_intake_mark'), 0);
+COMMENT ON FUNCTION outbox_take_in(bigint, bigint, integer) IS
+    'Called by outbox_claim: registers the aggregates of newly committed events in outbox_heads and moves the intake cursor.';
 
-    WITH firsts AS MATERIALIZED (
-        SELECT h.aggregate_type, h.aggregate_id, h.tid, f.id,
-               -- 0031: no event left, but the head was leased to the run this reports and has
-               -- been moved on to a next event at least 3 times (runs): a busy aggregate between
-               -- two events. It is parked for a second instead of dropped; the intake brings it
-               -- back (outbox_take_in).
-               f.id IS NULL AND h.leased_until IS NOT NULL AND h.leased_until >= at
-                   AND h.runs >= 3 AS park,
-               CASE
-                    -- 0029: its next event is due, and the head came due less than 250 ms ago:
-                    -- it keeps its place (its turn), and this update is HOT (only head_id and
-                    -- leased_until change, which no index holds). Its turn over, it goes behind.
-                    WHEN f.state = 'pending' AND f.next_attempt_at <= at
-                         AND h.ready_at <= at AND h.ready_at > at - interval '250 milliseconds'
-                         THEN h.ready_at
-                    -- 0026: never below `at` (NULL stays NULL: a dead letter holds the head)
-                    WHEN f.state = 'pending' THEN greatest(at, f.next_attempt_at)
-                    WHEN f.state = 'processing' THEN greatest(at, f.locked_until)
-               END AS ready_at
-          FROM (SELECT h.aggregate_type, h.aggregate_id, h.head_id, h.runs, h.ready_at, h.leased_until,
-                       h.ctid AS tid
-                  FROM outbox_heads h
-                 WHERE h.ctid = ANY (tids)) h                        -- 0026: locked above
-          LEFT JOIN LATERAL (
-                SELECT o.id, o.state, o.next_attempt_at, o.locked_until
-                  FROM outbox o
-                 WHERE o.aggregate_type = h.aggregate_type AND o.aggregate_id = h.aggregate_id
-                   AND o.unfinished
-                   AND o.id >= least(h.head_id, upto + 1)
-                 ORDER BY o.id
-                 LIMIT 1) f ON true),
-    -- 0026: by ctid (a TID scan), so that no plan reads all of outbox_heads_pkey; the heads
-    -- were locked by the statement before this one.
-    dropped AS (
-        DELETE FROM outbox_heads h
-         WHERE h.ctid = ANY (ARRAY(SELECT f.tid FROM firsts f WHERE f.id IS NULL AND NOT f.park)))
-    UPDATE outbox_heads h
-       SET head_id  = CASE WHEN f.park
-                           -- 0031: no event of it is left, and none can come below the mark
-                           -- (outbox_intake_mark: every id up to it has committed or never will)
-                           THEN greatest(h.head_id, upto + 1)
-                           ELSE f.id END,
-           leased_until = CASE WHEN f.park THEN at + interval '1 second'
-                               ELSE NULL END,          -- 0028: its events were looked at
-           parked   = f.park,                          -- 0031
-           runs     = CASE WHEN f.park THEN h.runs ELSE h.runs + 1 END,   -- 0031: counted, never reset
-           ready_at = CASE WHEN f.park THEN h.ready_at ELSE f.ready_at END   -- 0029: see firsts
-      FROM firsts f
-     WHERE h.ctid = ANY (ARRAY(SELECT f2.tid FROM firsts f2 WHERE f2.id IS NOT NULL OR f2.park))
-       AND h.ctid = f.tid
-       AND (f.park OR (h.head_id, h.ready_at, h.leased_until, h.parked) IS DISTINCT FROM (f.id, f.ready_at, NULL, false));
-END;
-$$;
-
--- 0029's claim (SECURITY DEFINER, as 0012 made it): parked heads are no candidates (marked 0031).
+-- The claim: the intake first, then passes over the due heads (a pass that reclaimed expired
+-- runs or discarded expired events looks again for the rest of the batch), then one UPDATE that
+-- leases the runs found, by the ctids locked on the way.
 CREATE OR REPLACE FUNCTION outbox_claim(batch_size integer, lease interval DEFAULT NULL, worker text DEFAULT NULL)
 RETURNS TABLE (
     id             bigint,
@@ -371,7 +455,7 @@ RETURNS TABLE (
     locked_until   timestamptz
 )
 LANGUAGE plpgsql
--- Runs as its owner (0012): a worker has no rights on the tables.
+-- Runs as its owner: a worker has no rights on the tables.
 SECURITY DEFINER
 SET search_path FROM CURRENT
 -- Generic plans: a custom plan would re-plan every statement below on each call, over every
@@ -393,10 +477,10 @@ AS $$
 DECLARE
     cfg     outbox_settings;
     token   uuid := gen_random_uuid();
-    -- The lease runs from the moment of the claim, not from the start of the caller's transaction
-    -- (0026: read after the intake, so that the heads it made are due at t).
+    -- The lease runs from the moment of the claim, not from the start of the caller's
+    -- transaction (read after the intake, so that the heads it made are due at t).
     t       timestamptz;
-    floor_at timestamptz;   -- 0026: no head is due below it
+    floor_at timestamptz;   -- no head is due below it
     owner   text;
     n       integer;
     g       record;
@@ -418,11 +502,11 @@ DECLARE
     r_tids  tid[];
     r_first boolean[];
     r_retry timestamptz[];
-    x_ids   bigint[];       -- heads past their expires_at, discarded (0024)
-    m_tids  tid[];          -- 0026: the heads to move, and where to
+    x_ids   bigint[];       -- heads past their expires_at, discarded
+    m_tids  tid[];          -- the heads to move, and where to
     m_heads bigint[];
     m_ready timestamptz[];
-    m_leased timestamptz[]; -- 0028
+    m_leased timestamptz[];
     x_tids  tid[];
     lo      timestamptz;
     hi      timestamptz;
@@ -440,7 +524,7 @@ BEGIN
     END IF;
     owner := coalesce(worker, nullif(current_setting('application_name'), ''), 'backend ' || pg_backend_pid());
 
-    -- 0026: this transaction writes heads' ready_at from here on (outbox_heads_floor).
+    -- This transaction writes heads' ready_at from here on (outbox_heads_floor).
     PERFORM outbox_heads_writing();
     -- Commit order: read before the snapshots of the statements below.
     SELECT * INTO g FROM outbox_commit_guard();
@@ -448,16 +532,16 @@ BEGIN
     t := clock_timestamp();
     floor_at := outbox_heads_floor();
     IF NOT cfg.commit_order_guard THEN
-        -- Switched off (0013): whatever is visible, in id order per aggregate.
+        -- Switched off: whatever is visible, in id order per aggregate.
         g.settled := g.last_id;
         g.open_below := g.last_id;
         g.held_keys := '{}';
     END IF;
     IF upto IS NULL THEN
-        -- 0027: another claim holds the intake row: the mark, not a walk of the row's versions.
+        -- Another claim holds the intake row: the mark, not a walk of the row's versions.
         upto := coalesce(pg_sequence_last_value('outbox_intake_mark'), 0);
     END IF;
-    -- 0031: parked heads whose second is up, among the first due heads (those that hold the
+    -- Parked heads whose second is up, among the first due heads (those that hold the
     -- floor): dropped below with the heads found empty (outbox_refresh_heads looks at their
     -- events first). A few index entries, read without locks.
     SELECT coalesce(array_agg(p.aggregate_type), '{}'), coalesce(array_agg(p.aggregate_id), '{}')
@@ -491,12 +575,12 @@ BEGIN
                            h.ctid AS tid
                       FROM outbox_heads h
                      WHERE h.ready_at <= t
-                       AND h.ready_at >= floor_at                   -- 0026
-                       AND (h.leased_until IS NULL OR h.leased_until < t)   -- 0028: no run in flight
-                       AND NOT h.parked                                     -- 0031
+                       AND h.ready_at >= floor_at
+                       AND (h.leased_until IS NULL OR h.leased_until < t)   -- no run in flight
+                       AND NOT h.parked
                        AND (h.head_id <= g.settled
                             OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys)))
-                     ORDER BY h.ready_at, h.opened_id             -- 0029: head_id is in no index
+                     ORDER BY h.ready_at, h.opened_id             -- head_id is in no index
                      LIMIT remaining
                        FOR NO KEY UPDATE SKIP LOCKED) h
              CROSS JOIN LATERAL (
@@ -527,13 +611,13 @@ BEGIN
                    first_value(m.matched) OVER w AS first_matched,
                    -- The run: the prefix of events that are pending, due and not held back.
                    bool_and(m.matched AND m.state = 'pending' AND m.next_attempt_at <= t
-                            AND (m.expires_at IS NULL OR m.expires_at > t)        -- 0024: not sent late
+                            AND (m.expires_at IS NULL OR m.expires_at > t)        -- never sent late
                             AND (m.id <= g.settled
                                  OR (m.id <= g.open_below AND m.lock_key <> ALL (g.held_keys)))) OVER w AS in_run,
                    -- A run whose lease ran out: its first event's retry (random jitter, drawn once).
                    CASE WHEN m.rn = 1 AND m.matched AND m.state = 'processing' AND m.locked_until < t
                         THEN t + outbox_retry_delay(m.attempts, cfg.backoff_base, cfg.backoff_cap) END AS retry_at,
-                   -- 0024: a pending head past its expires_at is discarded, never handed out (an
+                   -- A pending head past its expires_at is discarded, never handed out (an
                    -- event further down its line is, once it is the head).
                    m.rn = 1 AND m.matched AND m.state = 'pending' AND m.expires_at <= t AS lapsed
               FROM numbered m
@@ -554,7 +638,7 @@ BEGIN
                    -- may have a late-committing predecessor this snapshot cannot see, which the
                    -- intake is about to move the head back to.
                    CASE WHEN m.in_run THEN m.id ELSE m.old_head_id END AS new_head_id,
-                   -- 0028: a run leaves ready_at as it is (below: leased_until)
+                   -- A run leaves ready_at as it is (below: leased_until).
                    CASE WHEN m.in_run THEN m.old_ready
                         WHEN m.lapsed THEN t                           -- its next event, at once
                         WHEN m.retry_at IS NOT NULL
@@ -568,10 +652,10 @@ BEGIN
                         WHEN m.state = 'processing' AND m.locked_until >= t THEN m.locked_until
                         ELSE m.old_ready                               -- held back by the guard
                    END AS new_ready,
-                   CASE WHEN m.in_run THEN t + lease END AS new_leased      -- 0028
+                   CASE WHEN m.in_run THEN t + lease END AS new_leased
               FROM marked m
              WHERE m.rn = 1),
-        -- 0026: the heads that move are moved by the statement after this one, by ctid.
+        -- The heads that move are moved by the statement after this one, by ctid.
         moved AS (
             SELECT hn.head_tid, hn.new_head_id, hn.new_ready, hn.new_leased
               FROM head_next hn
@@ -600,13 +684,13 @@ BEGIN
                pass_empty_ids, pass_lo, pass_hi, x_ids, x_tids, m_tids, m_heads, m_ready,
                m_leased;
         IF m_tids IS NOT NULL THEN
-            -- 0026: by ctid (a TID scan), in a statement of its own. Joined by key within the
+            -- By ctid (a TID scan), in a statement of its own. Joined by key within the
             -- statement above, the planner could read all of outbox_heads_pkey for it once
             -- ANALYZE had counted few live heads: under a held snapshot, every dead entry of
             -- every head, on every claim. The heads were locked above and stay as they are; in
             -- a snapshot of its own this statement sees them as locked, also one that a report
             -- had changed between the snapshot above and its lock.
-            -- 0028: a head taken for a run keeps head_id and ready_at: a HOT update.
+            -- A head taken for a run keeps head_id and ready_at: a HOT update.
             UPDATE outbox_heads oh
                SET head_id = mv.new_head_id,
                    ready_at = mv.new_ready,
@@ -645,7 +729,7 @@ BEGIN
                AND o.id = r.id;
         END IF;
         IF x_ids IS NOT NULL THEN
-            -- 0024: past their expires_at, out of the flow (their heads were made ready above,
+            -- Past their expires_at, out of the flow (their heads were made ready above,
             -- so the next pass looks at the event behind each).
             UPDATE outbox o
                SET state = 'discarded', discarded_at = t, discard_reason = 'expired'
@@ -681,7 +765,7 @@ BEGIN
            AND o.created_at BETWEEN lo AND hi
      RETURNING o.id,
                coalesce(o.subject, cfg.subject_prefix || '.' || o.aggregate_type || '.' || o.event_type),
-               -- The columns' domains (0002), as their base types.
+               -- The columns' domains, as their base types.
                o.aggregate_type::text, o.aggregate_id::text, o.event_type::text, o.payload,
                o.headers::jsonb, o.msg_id::text,
                o.attempts, o.created_at, o.lease_token, o.locked_until
@@ -690,44 +774,5 @@ BEGIN
 END;
 $$;
 
--- 0028's wakeup (SECURITY DEFINER, as 0012 made it): parked heads left out (marked 0031).
-CREATE OR REPLACE FUNCTION outbox_next_wakeup() RETURNS timestamptz
-LANGUAGE plpgsql
-VOLATILE
--- Runs as its owner (0012): a worker has no rights on the tables.
-SECURITY DEFINER
-SET search_path FROM CURRENT
-SET enable_seqscan = off
-SET max_parallel_workers_per_gather = 0
-SET jit = off
-AS $$
-DECLARE
-    g record;
-    floor_at timestamptz := to_timestamp(coalesce(pg_sequence_last_value('outbox_heads_floor_us'), 0) / 1000000.0);
-BEGIN
-    SELECT * INTO g FROM outbox_commit_guard();
-    IF NOT (SELECT s.commit_order_guard FROM outbox_settings s) THEN
-        g.settled := g.last_id;
-    END IF;
-    -- When each head can be claimed: ready_at, or, while a run holds it, leased_until (0028).
-    -- Leased heads sit among the due ones (ready_at passed), at or above the floor (0026): a
-    -- walk over the runs in flight, which is short whenever a worker is idle.
-    RETURN least(
-        (SELECT min(h.ready_at)
-           FROM outbox_heads h
-          WHERE h.ready_at > now() - interval '1 second'
-            AND (h.leased_until IS NULL OR h.leased_until <= h.ready_at)
-            AND (h.ready_at > now()
-                 OR h.head_id <= g.settled
-                 OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys)))),
-        (SELECT min(h.leased_until)
-           FROM outbox_heads h
-          WHERE h.ready_at >= floor_at AND h.ready_at <= now()
-            AND h.leased_until > h.ready_at
-            AND NOT h.parked                      -- 0031: a parked head wakes nobody
-            AND h.leased_until > now() - interval '1 second'
-            AND (h.leased_until > now()
-                 OR h.head_id <= g.settled
-                 OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys)))));
-END;
-$$;
+COMMENT ON FUNCTION outbox_claim(integer, interval, text) IS
+    'Lease up to batch_size due events under a new lease_token: runs of up to max_run consecutive events per aggregate, oldest heads first, rows in id order; reclaims expired runs (one failed attempt for the run''s first event).';

@@ -1,0 +1,1559 @@
+-- outboxpg release schema-2: takes a database of release schema-1 (its last step: 0015_outbox_subjects) to schema/.
+--
+-- Produced by tools/schema_step.py (bin/schema-step) from schema/ and migrations/next/: do not
+-- edit it. schema/ holds each object's definition and why; docs/migrations.md says how a
+-- release is made. Once released (migrations/RELEASED) it is frozen.
+-- depends: 0013_outbox_commit_order 0014_outbox_extend 0015_outbox_subjects
+DO $$ BEGIN PERFORM set_config('search_path', format('%I, pg_temp', current_schema()), false); END $$;
+
+-- Table changes of the next release, by hand: what CREATE OR REPLACE cannot do. Applied first;
+-- the functions, views, triggers, comments and grants of schema/ follow (tools/schema_step.py).
+
+-- The statement trigger that announced producing transactions goes: the row trigger
+-- (outbox_assign_id) takes its locks with a transaction's first event.
+DROP TRIGGER outbox_hold_horizon ON outbox;
+DROP FUNCTION outbox_hold_horizon();
+
+ALTER TABLE outbox_settings
+    ADD COLUMN xmin_warn_after interval NOT NULL DEFAULT '1 minute'
+        CONSTRAINT xmin_warn_after_positive CHECK (xmin_warn_after > interval '0');
+
+ALTER TABLE outbox ADD COLUMN deliver_at timestamptz;
+ALTER TABLE outbox ADD COLUMN idempotency_key text;
+ALTER TABLE outbox ADD COLUMN expires_at timestamptz;
+
+CREATE TABLE outbox_idempotency (
+    idempotency_key text        PRIMARY KEY,
+    event_id        bigint      NOT NULL,
+    looked_at       timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX outbox_idempotency_looked_at_idx ON outbox_idempotency (looked_at);
+
+CREATE SEQUENCE outbox_heads_floor_us AS bigint MINVALUE 0 START 0;
+CREATE SEQUENCE outbox_intake_mark AS bigint MINVALUE 0 START 0;
+DO $$ BEGIN PERFORM setval('outbox_intake_mark', i.intake_id) FROM outbox_intake i WHERE i.intake_id > 0; END $$;
+
+-- A head in flight keeps its ready_at at its lease's end, as the release had it: it is not due
+-- before then, and the claim that takes it after the lease reclaims the run as before.
+ALTER TABLE outbox_heads ADD COLUMN leased_until timestamptz;
+ALTER TABLE outbox_heads ADD COLUMN opened_id bigint;
+UPDATE outbox_heads SET opened_id = head_id;
+ALTER TABLE outbox_heads ALTER COLUMN opened_id SET NOT NULL;
+ALTER TABLE outbox_heads ADD COLUMN parked boolean NOT NULL DEFAULT false;
+ALTER TABLE outbox_heads ADD COLUMN moves integer NOT NULL DEFAULT 0;
+ALTER TABLE outbox_heads SET (fillfactor = 25);
+-- The ready index orders by opened_id, never changed, instead of head_id, which reports move.
+-- Made again, it locks outbox_heads against writes while it is built (one row per aggregate
+-- with unfinished events: moments).
+DROP INDEX outbox_heads_ready_idx;
+CREATE INDEX outbox_heads_ready_idx ON outbox_heads (ready_at, opened_id) WHERE ready_at IS NOT NULL;
+
+COMMENT ON COLUMN outbox_settings.xmin_warn_after IS
+    'A session or prepared transaction holding back the xmin horizon longer than this is named by outbox_health, outboxpg status and the worker''s log.';
+
+COMMENT ON COLUMN outbox.deliver_at IS
+    'Not handed out before this time (NULL: at once). Copied into next_attempt_at at insert.';
+
+COMMENT ON COLUMN outbox.idempotency_key IS
+    'Optional: while an event with this key is unfinished, another one with it is not inserted.';
+
+COMMENT ON COLUMN outbox.expires_at IS
+    'Discarded with reason ''expired'' if not handed out by then (NULL: never).';
+
+COMMENT ON COLUMN outbox_heads.leased_until IS
+    'When the run in flight stops holding the head (its lease''s end); NULL: none. Not indexed, so that leasing a head is a HOT update.';
+
+COMMENT ON COLUMN outbox_heads.opened_id IS
+    'The id of the event the head was made for; never changed. Orders heads due at the same time.';
+
+COMMENT ON COLUMN outbox_heads.parked IS
+    'The aggregate has no unfinished event; its head is kept for leased_until, for the intake to bring back.';
+
+COMMENT ON COLUMN outbox_heads.moves IS
+    'How many times a report moved the head on to a next event; 3 or more and it is parked rather than dropped.';
+
+COMMENT ON SEQUENCE outbox_heads_floor_us IS
+    'outboxpg: no head in outbox_heads is due before this time (microseconds since the epoch); raised by the claims.';
+
+COMMENT ON SEQUENCE outbox_intake_mark IS
+    'outboxpg: a committed value of outbox_intake.intake_id, never above the current one; read by reports instead of the row.';
+
+COMMENT ON TABLE outbox_idempotency IS
+    'outboxpg: which event holds each idempotency key. Written by the insert trigger only.';
+
+COMMENT ON FUNCTION outbox_aggregate_key(text, text) IS
+    'Second key of the advisory lock (1868724337, key) a producing transaction holds on each aggregate it wrote. Hash collisions only hold back more, never less.';
+
+-- The row trigger of every insert. In order:
+--   * deliver_at: written into next_attempt_at, the column every claim waits on for retries, so
+--     a scheduled event is a pending event whose first attempt is not due yet: its head is
+--     ready at that time, outbox_next_wakeup() says when, and nothing else changes;
+--   * trace context: outboxpg.traceparent (and outboxpg.tracestate), set for the transaction
+--     by a producer that cannot build headers itself (a trigger, a stored procedure), goes into
+--     the event's headers unless they hold a traceparent already (any case); a malformed one
+--     fails the insert, naming the setting, since a consumer would drop it;
+--   * the commit-order locks (above), then the id, so that the lock comes before the id;
+--   * the idempotency key: a row whose key an unfinished event holds is not inserted.
+-- outboxpg.held_aggregates is the trigger's own transaction-local setting: the keys the
+-- transaction holds (',k1,k2,'), 'all' once it holds (1868724336, 4), or 'off'. Like the locks
+-- it ends with the transaction, and a rolled-back savepoint takes back both. PL/pgSQL sets up
+-- every expression it evaluates once per transaction, and a one-event transaction pays for all
+-- of them: the settings are read only when a transaction writes a second aggregate, and the
+-- first event's locks go in one statement (bench/producer_instructions.py counts the cost).
+CREATE OR REPLACE FUNCTION outbox_assign_id() RETURNS trigger
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    held  text;       -- outboxpg.held_aggregates: ',k1,k2,' named so far; 'all'; 'off'
+    key   text;
+    trace text;
+    guard boolean;
+    most  integer;
+BEGIN
+    -- A row that has its id already is being moved, not produced (outbox_maintain).
+    IF NEW.id IS NOT NULL THEN
+        RETURN NEW;
+    END IF;
+    IF NEW.deliver_at IS NOT NULL THEN
+        NEW.next_attempt_at := NEW.deliver_at;
+    END IF;
+    IF current_setting('outboxpg.traceparent', true) <> '' THEN
+        trace := current_setting('outboxpg.traceparent', true);
+        IF NOT EXISTS (SELECT 1 FROM jsonb_object_keys(NEW.headers) k WHERE lower(k) = 'traceparent') THEN
+            IF trace !~ '^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$' THEN
+                RAISE EXCEPTION 'outbox: outboxpg.traceparent is not a W3C traceparent: %', left(trace, 80)
+                    USING ERRCODE = 'invalid_parameter_value',
+                          HINT = 'version-traceid-parentid-flags in lower-case hex, e.g. '
+                                 '00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01';
+            END IF;
+            NEW.headers := NEW.headers || jsonb_build_object('traceparent', trace);
+            trace := nullif(current_setting('outboxpg.tracestate', true), '');
+            IF trace IS NOT NULL THEN
+                NEW.headers := NEW.headers || jsonb_build_object('tracestate', trace);
+            END IF;
+        END IF;
+    END IF;
+
+    key := outbox_aggregate_key(NEW.aggregate_type, NEW.aggregate_id)::text;
+    held := current_setting('outboxpg.held_aggregates', true);
+    IF held IS NULL OR held = '' THEN
+        -- The transaction's first event. Before it takes any id, it says that a producing
+        -- transaction is open, (1868724336, 3); that it may commit ids above L, the last id
+        -- handed out so far, -(L + 1) (NULL: none since the sequence was made or reset; 0 then
+        -- holds back every id); and which aggregate it writes, (1868724337, key). Its later
+        -- events' ids are above L too, so once is enough: a claim reads the lowest L of each open
+        -- transaction. The horizon is taken with the guard off too (the claims' intake cursor
+        -- must not pass ids that an open transaction may still commit), and so is the first
+        -- aggregate's name: the settings are read only for a second aggregate, and claims with
+        -- the guard off ignore names.
+        PERFORM pg_advisory_xact_lock_shared(1868724336, 3),
+                pg_advisory_xact_lock_shared(-coalesce(pg_sequence_last_value('outbox_id_seq'), 0) - 1),
+                pg_advisory_xact_lock_shared(1868724337, key::integer),
+                set_config('outboxpg.held_aggregates', ',' || key || ',', true);
+    ELSIF held <> 'all' AND held <> 'off' AND strpos(held, ',' || key || ',') = 0 THEN
+        -- Another aggregate: named while the transaction names at most
+        -- commit_order_max_aggregates (the lock table is shared and finite); past that it holds
+        -- (1868724336, 4), which holds back every event above its horizon, and names no more.
+        SELECT s.commit_order_guard, s.commit_order_max_aggregates INTO guard, most FROM outbox_settings s;
+        IF NOT guard THEN
+            PERFORM set_config('outboxpg.held_aggregates', 'off', true);
+        ELSIF length(held) - length(replace(held, ',', '')) - 1 < most THEN     -- keys named so far
+            PERFORM pg_advisory_xact_lock_shared(1868724337, key::integer),
+                    set_config('outboxpg.held_aggregates', held || key || ',', true);
+        ELSE
+            PERFORM pg_advisory_xact_lock_shared(1868724336, 4),
+                    set_config('outboxpg.held_aggregates', 'all', true);
+        END IF;
+    END IF;
+    NEW.id := nextval('outbox_id_seq');
+    IF NEW.idempotency_key IS NOT NULL AND NOT outbox_idempotency_take(NEW.idempotency_key, NEW.id) THEN
+        RETURN NULL;    -- a duplicate: no row
+    END IF;
+    RETURN NEW;
+END;
+$$;
+
+-- Idempotent enqueue. An event written with an idempotency_key while an earlier event with the
+-- same key is not finished (pending, processing or dead) is not inserted: the INSERT succeeds
+-- and writes no row (INSERT ... RETURNING returns none, COPY counts it out), from any language,
+-- whatever partition the earlier event is in. Once the earlier event is finished the key is free
+-- again. Two transactions inserting one key at once: the second waits on the first's key row
+-- (the primary key's uniqueness check), then sees it committed (a duplicate) or rolled back (it
+-- takes the key). Under REPEATABLE READ or SERIALIZABLE the second fails with a serialization
+-- error instead of waiting it out: retry the transaction. A row without a key pays one IS NULL
+-- test; one with a key pays the key table's insert and, for a key seen before, a look at the
+-- earlier event by id (one index probe per partition).
+CREATE OR REPLACE FUNCTION outbox_idempotency_take(key text, event_id bigint) RETURNS boolean
+LANGUAGE plpgsql
+-- Runs as its owner: producers may neither read the table nor see other events.
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    holder bigint;
+BEGIN
+    IF octet_length(key) > 255 OR key !~ '[^[:space:]]' THEN
+        RAISE EXCEPTION 'outbox: idempotency_key must be 1 to 255 bytes and not blank, got %', left(key, 40)
+            USING ERRCODE = 'check_violation';
+    END IF;
+    LOOP
+        -- Waits for a transaction that inserted the key and has not ended.
+        INSERT INTO outbox_idempotency (idempotency_key, event_id) VALUES (key, event_id)
+        ON CONFLICT (idempotency_key) DO NOTHING;
+        IF FOUND THEN
+            RETURN true;
+        END IF;
+        -- Taken. Each statement below sees what committed before it began.
+        SELECT k.event_id INTO holder FROM outbox_idempotency k WHERE k.idempotency_key = key FOR UPDATE;
+        CONTINUE WHEN NOT FOUND;            -- forgotten meanwhile: try again
+        IF EXISTS (SELECT 1 FROM outbox o WHERE o.id = holder AND o.unfinished) THEN
+            RETURN false;                   -- a duplicate
+        END IF;
+        UPDATE outbox_idempotency k
+           SET event_id = outbox_idempotency_take.event_id, looked_at = now()
+         WHERE k.idempotency_key = key;
+        RETURN true;
+    END LOOP;
+END;
+$$;
+
+COMMENT ON FUNCTION outbox_idempotency_take(text, bigint) IS
+    'Called by the insert trigger for an event with an idempotency_key: true if the event takes the key, false if an unfinished event holds it (the row is then not inserted).';
+
+-- Which event holds a key: outboxpg.enqueue returns the earlier event's id and says that the
+-- insert was a duplicate.
+CREATE OR REPLACE FUNCTION outbox_idempotency_event(key text) RETURNS bigint
+LANGUAGE sql
+STABLE
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+    SELECT k.event_id FROM outbox_idempotency k WHERE k.idempotency_key = key
+$$;
+
+COMMENT ON FUNCTION outbox_idempotency_event(text) IS
+    'The id of the event that holds an idempotency key (NULL: none). Once that event is finished the key is free again.';
+
+-- Take events that no worker holds out of the flow: pending (scheduled or not) and dead ones
+-- become discarded with reason 'cancelled', and the next event of their aggregate becomes
+-- claimable (outbox_discard does the work, 60_dead_letters_replay.sql). An event a worker has
+-- claimed (processing) is not cancelled, it may be on the wire already: the count says how many
+-- were. A claim and a cancel of one event are ordered by its row lock: the loser sees the
+-- other's result and leaves the event alone.
+CREATE OR REPLACE FUNCTION outbox_cancel(ids bigint[]) RETURNS integer
+LANGUAGE plpgsql
+-- Runs as its owner, like outbox_discard: producers may not update the table.
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    IF ids IS NULL THEN
+        RAISE EXCEPTION 'outbox_cancel: ids must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    RETURN outbox_discard(ids, 'cancelled');
+END;
+$$;
+
+COMMENT ON FUNCTION outbox_cancel(bigint[]) IS
+    'Take not-yet-delivered events (pending, scheduled or not, and dead) out of the flow: discarded with reason ''cancelled''; the next event of their aggregate becomes claimable. A claimed event is left alone. Returns how many were cancelled.';
+
+-- When each head can be claimed: ready_at, or, while a run holds it, leased_until. A head that
+-- came due within the last second counts too (it is returned, in the past: claim now): it may
+-- have come due between the worker's last claim and this call. Heads the commit-order guard
+-- holds back are left out: the producer's commit wakes the workers, and claiming them now finds
+-- nothing. A parked head wakes nobody: its time running out makes nothing due. Index lookups
+-- only, pinned like the claim's (a plan made from statistics taken during a burst must not turn
+-- into scans of whole partitions later).
+CREATE OR REPLACE FUNCTION outbox_next_wakeup() RETURNS timestamptz
+LANGUAGE plpgsql
+VOLATILE
+-- Runs as its owner: a worker has no rights on the tables.
+SECURITY DEFINER
+SET search_path FROM CURRENT
+SET enable_seqscan = off
+SET max_parallel_workers_per_gather = 0
+SET jit = off
+AS $$
+DECLARE
+    g record;
+    floor_at timestamptz := to_timestamp(coalesce(pg_sequence_last_value('outbox_heads_floor_us'), 0) / 1000000.0);
+BEGIN
+    SELECT * INTO g FROM outbox_commit_guard();
+    IF NOT (SELECT s.commit_order_guard FROM outbox_settings s) THEN
+        g.settled := g.last_id;
+    END IF;
+    -- Leased heads sit among the due ones (ready_at passed), at or above the floor: a walk over
+    -- the runs in flight, which is short whenever a worker is idle.
+    RETURN least(
+        (SELECT min(h.ready_at)
+           FROM outbox_heads h
+          WHERE h.ready_at > now() - interval '1 second'
+            AND (h.leased_until IS NULL OR h.leased_until <= h.ready_at)
+            AND (h.ready_at > now()
+                 OR h.head_id <= g.settled
+                 OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys)))),
+        (SELECT min(h.leased_until)
+           FROM outbox_heads h
+          WHERE h.ready_at >= floor_at AND h.ready_at <= now()
+            AND h.leased_until > h.ready_at
+            AND NOT h.parked
+            AND h.leased_until > now() - interval '1 second'
+            AND (h.leased_until > now()
+                 OR h.head_id <= g.settled
+                 OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys)))));
+END;
+$$;
+
+-- The floor under the due heads. A claim finds due heads by reading outbox_heads_ready_idx from
+-- the floor up; every move of a head's ready_at leaves a dead index entry at the old value,
+-- exactly where a claim starts reading, and under a held snapshot none of them goes away (at
+-- 2,000 events/s with a snapshot held 60 s: 42,393 entries read per claim without the floor).
+-- The floor is kept in a sequence (outbox_heads_floor_us), not a row, and raised by the claims,
+-- at most every 20 ms, to the least of:
+--   * the first ready_at among the heads (read without locks, so a head another claim has
+--     locked, or is about to give back by rolling back, still counts with its committed value);
+--   * the oldest time announced by a transaction still writing heads (outbox_heads_writing);
+--   * the clock.
+-- Every writer of ready_at (the claim, its intake, outbox_refresh_heads: the report and repair
+-- functions) first announces itself with outbox_heads_writing() and writes no ready_at below
+-- that time. So a head written after a floor was computed is above it (written later than the
+-- clock the floor took), and one written before was either visible to it or announced by its
+-- writer's lock: a floor is never too high for any head, whoever raises it and in whatever
+-- order, and no repair or sweep is needed. The floor only moves under READ COMMITTED (its reads
+-- need snapshots taken after the locks are read); under REPEATABLE READ or SERIALIZABLE a claim
+-- uses it as it finds it. If the clock goes back below the floor, the floor is reset (one claim
+-- then reads the index from its start).
+--
+-- A transaction about to write heads' ready_at says since when, and keeps saying it until it
+-- ends: a shared advisory lock (1868724338, centiseconds since the epoch modulo 2^32).
+CREATE OR REPLACE FUNCTION outbox_heads_writing() RETURNS void
+LANGUAGE plpgsql
+VOLATILE
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    -- bit(32) keeps the low 32 bits; pg_locks.objid shows them back as an unsigned number.
+    PERFORM pg_advisory_xact_lock_shared(
+        1868724338, (floor(extract(epoch FROM clock_timestamp()) * 100)::bigint::bit(32))::integer);
+END;
+$$;
+
+COMMENT ON FUNCTION outbox_heads_writing() IS
+    'Called by the writers of outbox_heads.ready_at before they write: announces the time below which they write nothing.';
+
+-- The floor, raised first if it is more than 20 ms old.
+CREATE OR REPLACE FUNCTION outbox_heads_floor() RETURNS timestamptz
+LANGUAGE plpgsql
+VOLATILE
+SET search_path FROM CURRENT
+SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET jit = off
+AS $$
+DECLARE
+    floor_at    timestamptz := to_timestamp(coalesce(pg_sequence_last_value('outbox_heads_floor_us'), 0) / 1000000.0);
+    at          timestamptz := clock_timestamp();
+    at_cs       bigint := floor(extract(epoch FROM at) * 100)::bigint;     -- `at` in the writers' unit
+    writers     timestamptz;
+    first_ready timestamptz;
+    raised      timestamptz;
+BEGIN
+    IF floor_at > at THEN
+        -- The clock went back: no floor until the next call raises one from the start.
+        PERFORM setval('outbox_heads_floor_us', 0);
+        RETURN '-infinity';
+    END IF;
+    IF floor_at > at - interval '20 milliseconds'
+       OR current_setting('transaction_isolation') <> 'read committed' THEN
+        RETURN floor_at;
+    END IF;
+    -- First the writers at work (the caller's own lock among them), then, in a snapshot taken
+    -- after that, the first head: a writer that ends in between is seen by one or the other.
+    -- Ages are taken modulo 2^32 centiseconds (a lock newer than `at` has a negative age).
+    -- The result is the lock's own centisecond, at or before the moment it was taken.
+    SELECT to_timestamp((at_cs - max(CASE WHEN a.age >= 2147483648 THEN a.age - 4294967296 ELSE a.age END)) / 100.0)
+      INTO writers
+      FROM (SELECT ((at_cs - l.objid::bigint) % 4294967296 + 4294967296) % 4294967296 AS age
+              FROM pg_locks l
+             WHERE l.locktype = 'advisory' AND l.classid = 1868724338 AND l.objsubid = 2
+               AND l.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())) a;
+    SELECT h.ready_at INTO first_ready
+      FROM outbox_heads h
+     WHERE h.ready_at >= floor_at
+     ORDER BY h.ready_at
+     LIMIT 1;
+    raised := least(at, writers, first_ready);      -- least ignores NULLs
+    IF raised > floor_at THEN
+        PERFORM setval('outbox_heads_floor_us', floor(extract(epoch FROM raised) * 1000000)::bigint);
+        RETURN raised;
+    END IF;
+    RETURN floor_at;
+END;
+$$;
+
+COMMENT ON FUNCTION outbox_heads_floor() IS
+    'Called by outbox_claim: the time below which no head is due (the lower end of its index range), raised first when more than 20 ms old.';
+
+-- Take newly committed events into outbox_heads: up to `chunk` in-flow events above the intake
+-- cursor, oldest first. Returns the cursor afterwards, or NULL when another claim is taking in
+-- right now (one at a time: the others skip it rather than wait).
+--
+-- The intake row is locked once per claim and written by the ctid it locked (a TID scan reads
+-- that version only): the cursor and last_claim_at in one update. Readers that do not move the
+-- cursor (a report; a claim whose intake found the row locked) read outbox_intake_mark instead:
+-- the intake sets it to the cursor it locked, which is committed, before moving the cursor in
+-- its own transaction, so the mark is never above the cursor, whatever commits or rolls back.
+-- A mark below the cursor is safe where it is used: it only lowers where a reader starts
+-- looking along an aggregate's line, least(head_id, mark + 1), and no unfinished event of an
+-- aggregate lies below its head_id at or under the cursor (the intake moved the head back to
+-- it). Such a reader may read a few index entries more; it finds the same first event.
+CREATE OR REPLACE FUNCTION outbox_take_in(settled bigint, last_id bigint, chunk integer) RETURNS bigint
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+SET plan_cache_mode = force_generic_plan  -- see outbox_claim, also for the settings below
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET enable_hashjoin = off
+SET enable_mergejoin = off
+SET enable_material = off
+-- Group the new events by aggregate in a hash table, not by sorting all of them.
+SET enable_sort = off
+SET jit = off
+AS $$
+DECLARE
+    upto    bigint;
+    row_tid tid;                                -- the version of the intake row locked
+    noted   timestamptz;                        -- its last_claim_at
+    types   text[];
+    ids     text[];
+    firsts  bigint[];
+    busy      bigint[] := '{}';                 -- places in types / ids / firsts of busy aggregates
+    live_tids tid[];                            -- their heads, found and locked
+    live_ns   bigint[];                         -- their places
+    held_from bigint;                           -- the first event of one whose head another holds
+    seen    bigint;
+    top     bigint;
+    at      timestamptz := clock_timestamp();   -- one time for all the heads made here
+BEGIN
+    SELECT i.intake_id, i.ctid, i.last_claim_at INTO upto, row_tid, noted
+      FROM outbox_intake i FOR UPDATE SKIP LOCKED;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    -- The cursor as locked is committed: the mark may go up to it.
+    IF upto > coalesce(pg_sequence_last_value('outbox_intake_mark'), 0) THEN
+        PERFORM setval('outbox_intake_mark', upto);
+    END IF;
+    -- Monitors ask "is a worker claiming?" (outbox_health): to the second, so that a busy
+    -- worker does not write the row for that alone. Written with the cursor below, by ctid.
+    noted := CASE WHEN noted IS NULL OR noted < at - interval '1 second' THEN at END;
+    IF upto >= last_id THEN
+        IF noted IS NOT NULL THEN
+            UPDATE outbox_intake i SET last_claim_at = noted WHERE i.ctid = row_tid;
+        END IF;
+        RETURN upto;
+    END IF;
+
+    -- One row per aggregate among the new events, with its first event.
+    SELECT array_agg(a.aggregate_type ORDER BY a.aggregate_type, a.aggregate_id),
+           array_agg(a.aggregate_id ORDER BY a.aggregate_type, a.aggregate_id),
+           array_agg(a.first_id ORDER BY a.aggregate_type, a.aggregate_id),
+           sum(a.n), max(a.top)
+      INTO types, ids, firsts, seen, top
+      FROM (SELECT e.aggregate_type, e.aggregate_id, min(e.id) AS first_id, count(*) AS n, max(e.id) AS top
+              FROM (SELECT o.id, o.aggregate_type, o.aggregate_id
+                      FROM outbox o
+                     WHERE o.in_flow
+                       AND o.id > upto AND o.id <= last_id
+                     ORDER BY o.id
+                     LIMIT chunk) e
+             GROUP BY e.aggregate_type, e.aggregate_id) a;
+
+    IF types IS NOT NULL THEN
+        -- New heads are inserted; a head that exists is locked (in key order, as reports lock
+        -- them), so that a report about to drop it because it saw no more events of its
+        -- aggregate waits for this transaction and then sees these events
+        -- (outbox_refresh_heads). An event that committed late below its aggregate's head (it
+        -- was held back by the commit-order guard meanwhile) moves the head back to it.
+        -- A new head is due now, whatever this statement's snapshot said of its event: while
+        -- the cursor is held back, events read here may have been claimed, or even published
+        -- and their head dropped, since (a run reads its aggregate's line beyond the cursor).
+        -- The claim that takes the head finds the truth (a lease running: it waits for its end;
+        -- no event left: the head is dropped).
+        -- A busy aggregate's head is kept, parked, between two of its events
+        -- (outbox_refresh_heads). Its key then has a live version at the newest of its entries,
+        -- where INSERT ... ON CONFLICT reads every entry of the key from the oldest before it
+        -- reaches it: the heads of busy aggregates are looked up from the newest entry of their
+        -- key down (as outbox_refresh_heads finds them). Busy: an event among the ones just
+        -- below the cursor (twice as many as this intake read, 50 to 500), looked for only when
+        -- this intake read fewer than a chunk: one catching up on a backlog reads chunks of
+        -- thousands, and its insert brings parked heads back as well. Not every key: for a key
+        -- with no live head (dropped, to be made again) that look reads all of its entries, and
+        -- the insert's check then reads them again.
+        IF seen < chunk THEN
+            busy := ARRAY(SELECT s.n
+                            FROM unnest(types, ids) WITH ORDINALITY AS s(t, i, n)
+                           WHERE outbox_aggregate_key(s.t, s.i) = ANY (         -- a collision: one look more
+                                 ARRAY(SELECT outbox_aggregate_key(o.aggregate_type, o.aggregate_id)
+                                         FROM outbox o
+                                        WHERE o.id > upto - least(greatest(2 * seen, 50), 500)
+                                          AND o.id <= upto)));
+        END IF;
+
+        -- Lock order. Reports lock heads in one pass in key order, and wait. The intake may wait
+        -- only in a pass of the same kind, holding no head yet: the other aggregates first, all
+        -- in key order in the insert below (new heads made, the others locked by its conflict
+        -- update, waiting for a report that holds them). The busy ones after that never wait
+        -- (SKIP LOCKED, ON CONFLICT DO NOTHING): holding the first pass's heads, a wait there
+        -- could close a circle with a report that holds a busy head and waits for one of those.
+        -- opened_id, the first event's id, orders the heads made here among themselves.
+        INSERT INTO outbox_heads AS h (aggregate_type, aggregate_id, lock_key, head_id, ready_at, opened_id)
+        -- The clock, not now(): a head's ready_at is never below the time its writer
+        -- announced (outbox_heads_writing); the claim reads its own time after this.
+        SELECT s.t, s.i, outbox_aggregate_key(s.t, s.i), s.f, at, s.f
+          FROM unnest(types, ids, firsts) WITH ORDINALITY AS s(t, i, f, n)
+         WHERE s.n <> ALL (busy)
+        ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE
+           SET head_id = least(h.head_id, excluded.head_id),
+               -- a parked head (an aggregate whose events paused) comes back here too
+               leased_until = CASE WHEN h.parked THEN NULL ELSE h.leased_until END,
+               parked = false
+         WHERE h.parked OR h.head_id > excluded.head_id;
+
+        IF cardinality(busy) > 0 THEN
+            -- The busy aggregates' heads, each from the newest entry of its key down to the
+            -- first version this sees, locked unless another transaction holds it.
+            SELECT array_agg(h.tid), array_agg(s.n)
+              INTO live_tids, live_ns
+              FROM (SELECT s.t COLLATE "C" AS t, s.i COLLATE "C" AS i, s.n
+                      FROM unnest(types, ids) WITH ORDINALITY AS s(t, i, n)
+                     WHERE s.n = ANY (busy)
+                     ORDER BY 1, 2) s
+             CROSS JOIN LATERAL (
+                   SELECT h.ctid AS tid FROM outbox_heads h
+                    WHERE h.aggregate_type = s.t
+                      AND h.aggregate_id >= s.i AND h.aggregate_id <= s.i
+                    ORDER BY h.aggregate_type DESC, h.aggregate_id DESC
+                    LIMIT 1
+                      FOR UPDATE SKIP LOCKED) h;
+            IF live_tids IS NOT NULL THEN
+                -- A parked head comes back: due again at the ready_at it kept, no longer leased.
+                -- Only columns in no index change (head_id, leased_until, parked): a HOT update,
+                -- no new index entry. By ctid, in a statement of its own: it sees the versions
+                -- locked above.
+                UPDATE outbox_heads h
+                   SET head_id = least(h.head_id, firsts[l.n]),
+                       leased_until = CASE WHEN h.parked THEN NULL ELSE h.leased_until END,
+                       parked = false
+                  FROM unnest(live_tids, live_ns) AS l(tid, n)
+                 WHERE h.ctid = ANY (live_tids)
+                   AND h.ctid = l.tid
+                   AND (h.parked OR h.head_id > firsts[l.n]);
+            END IF;
+            IF coalesce(cardinality(live_ns), 0) < cardinality(busy) THEN
+                -- The busy aggregates whose head was not found: made when there is none (no other
+                -- transaction makes heads: the intake row is locked). One that exists is held by
+                -- another transaction (SKIP LOCKED passed it): DO NOTHING neither waits for it nor
+                -- locks it, and the cursor stays below the aggregate's first event here, for the
+                -- next intake to take it in again. Its holder may be a report about to park or drop
+                -- it from a view that missed the event.
+                WITH made AS (
+                    INSERT INTO outbox_heads AS h (aggregate_type, aggregate_id, lock_key, head_id, ready_at, opened_id)
+                    SELECT s.t, s.i, outbox_aggregate_key(s.t, s.i), s.f, at, s.f
+                      FROM unnest(types, ids, firsts) WITH ORDINALITY AS s(t, i, f, n)
+                     WHERE s.n = ANY (busy) AND s.n <> ALL (coalesce(live_ns, '{}'))
+                    ON CONFLICT (aggregate_type, aggregate_id) DO NOTHING
+                    RETURNING h.aggregate_type, h.aggregate_id)
+                SELECT min(s.f) INTO held_from
+                  FROM unnest(types, ids, firsts) WITH ORDINALITY AS s(t, i, f, n)
+                 WHERE s.n = ANY (busy) AND s.n <> ALL (coalesce(live_ns, '{}'))
+                   AND NOT EXISTS (SELECT FROM made m WHERE m.aggregate_type = s.t AND m.aggregate_id = s.i);
+            END IF;
+        END IF;
+    END IF;
+
+    -- Past everything read (all of it when fewer than chunk came back), never past the horizon.
+    top := least(CASE WHEN coalesce(seen, 0) < chunk THEN last_id ELSE top END, settled);
+    -- Below a busy aggregate whose head another transaction held (see above).
+    top := least(top, held_from - 1);
+    IF top > upto OR noted IS NOT NULL THEN
+        -- By ctid (a TID scan): the version locked above, not a walk of all of them.
+        UPDATE outbox_intake i
+           SET intake_id = greatest(top, upto),
+               last_claim_at = coalesce(noted, i.last_claim_at)
+         WHERE i.ctid = row_tid;
+        upto := greatest(top, upto);
+    END IF;
+    RETURN upto;
+END;
+$$;
+
+-- The claim: the intake first, then passes over the due heads (a pass that reclaimed expired
+-- runs or discarded expired events looks again for the rest of the batch), then one UPDATE that
+-- leases the runs found, by the ctids locked on the way.
+CREATE OR REPLACE FUNCTION outbox_claim(batch_size integer, lease interval DEFAULT NULL, worker text DEFAULT NULL)
+RETURNS TABLE (
+    id             bigint,
+    subject        text,
+    aggregate_type text,
+    aggregate_id   text,
+    event_type     text,
+    payload        jsonb,
+    headers        jsonb,
+    msg_id         text,
+    attempts       integer,
+    created_at     timestamptz,
+    lease_token    uuid,
+    locked_until   timestamptz
+)
+LANGUAGE plpgsql
+-- Runs as its owner: a worker has no rights on the tables.
+SECURITY DEFINER
+SET search_path FROM CURRENT
+-- Generic plans: a custom plan would re-plan every statement below on each call, over every
+-- partition (milliseconds), for plans that do not depend on the arguments.
+SET plan_cache_mode = force_generic_plan
+-- Pinned plan shape. These run with generic plans (planned once per session), and a plan made
+-- while the table was small must not turn into scans of the whole backlog after a burst (seen:
+-- seconds per claim until the next ANALYZE). Index probes and nested loops are the right plan
+-- at every size here (a hash join would read all of outbox_heads), so the planner is not given
+-- the choice.
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET enable_hashjoin = off
+SET enable_mergejoin = off
+SET enable_material = off
+SET jit = off
+AS $$
+#variable_conflict use_column
+DECLARE
+    cfg     outbox_settings;
+    token   uuid := gen_random_uuid();
+    -- The lease runs from the moment of the claim, not from the start of the caller's
+    -- transaction (read after the intake, so that the heads it made are due at t).
+    t       timestamptz;
+    floor_at timestamptz;   -- no head is due below it
+    owner   text;
+    n       integer;
+    g       record;
+    upto    bigint;
+    remaining  integer;
+    empty_types text[] := '{}';
+    empty_ids   text[] := '{}';
+    pass_empty_types text[];
+    pass_empty_ids   text[];
+    seen_heads bigint;
+    -- What to do with the events read (parallel arrays).
+    c_ids   bigint[] := '{}';
+    c_tids  tid[] := '{}';
+    pass_ids  bigint[];
+    pass_tids tid[];
+    pass_lo   timestamptz;
+    pass_hi   timestamptz;
+    r_ids   bigint[];
+    r_tids  tid[];
+    r_first boolean[];
+    r_retry timestamptz[];
+    x_ids   bigint[];       -- heads past their expires_at, discarded
+    m_tids  tid[];          -- the heads to move, and where to
+    m_heads bigint[];
+    m_ready timestamptz[];
+    m_leased timestamptz[];
+    x_tids  tid[];
+    lo      timestamptz;
+    hi      timestamptz;
+BEGIN
+    IF batch_size IS NULL OR batch_size < 1 THEN
+        RAISE EXCEPTION 'outbox_claim: batch_size must be 1 or more, got %', coalesce(batch_size::text, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    SELECT * INTO STRICT cfg FROM outbox_settings;
+    n := least(batch_size, cfg.max_claim_batch);
+    lease := coalesce(lease, cfg.default_lease);
+    IF lease <= interval '0' THEN
+        RAISE EXCEPTION 'outbox_claim: lease must be positive, got %', lease
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    owner := coalesce(worker, nullif(current_setting('application_name'), ''), 'backend ' || pg_backend_pid());
+
+    -- This transaction writes heads' ready_at from here on (outbox_heads_floor).
+    PERFORM outbox_heads_writing();
+    -- Commit order: read before the snapshots of the statements below.
+    SELECT * INTO g FROM outbox_commit_guard();
+    upto := outbox_take_in(g.settled, g.last_id, least(greatest(2 * n, 500), 10000));
+    t := clock_timestamp();
+    floor_at := outbox_heads_floor();
+    IF NOT cfg.commit_order_guard THEN
+        -- Switched off: whatever is visible, in id order per aggregate.
+        g.settled := g.last_id;
+        g.open_below := g.last_id;
+        g.held_keys := '{}';
+    END IF;
+    IF upto IS NULL THEN
+        -- Another claim holds the intake row: the mark, not a walk of the row's versions.
+        upto := coalesce(pg_sequence_last_value('outbox_intake_mark'), 0);
+    END IF;
+    -- Parked heads whose second is up, among the first due heads (those that hold the
+    -- floor): dropped below with the heads found empty (outbox_refresh_heads looks at their
+    -- events first). A few index entries, read without locks.
+    SELECT coalesce(array_agg(p.aggregate_type), '{}'), coalesce(array_agg(p.aggregate_id), '{}')
+      INTO empty_types, empty_ids
+      FROM (SELECT h.aggregate_type, h.aggregate_id, h.parked, h.leased_until
+              FROM outbox_heads h
+             WHERE h.ready_at <= t AND h.ready_at >= floor_at
+             ORDER BY h.ready_at, h.opened_id
+             LIMIT 16) p
+     WHERE p.parked AND p.leased_until < t;
+
+    -- Passes: a pass that reclaimed expired runs looks again for the rest of the batch, so a
+    -- worker's crash does not cost the next claim its batch (a short claim tells a worker that
+    -- nothing more is claimable right now).
+    FOR pass IN 1..8 LOOP
+        remaining := n - cardinality(c_ids);
+        -- One statement a pass. `cand`: the heads whose time has come, oldest first, leaving out
+        -- those the guard holds back (head_id is a lower bound of the first event's id; each
+        -- event is checked below), each with its line: its first max_run unfinished events, read
+        -- twice, as they are (`line`) and locked, SKIP LOCKED (`e`). An event someone else is
+        -- changing right now is missing from the second read, and the run ends before it
+        -- (`matched`). The nested loop is lazy: it stops after `remaining` events, so heads and
+        -- events past them are neither read nor locked.
+        WITH cand AS MATERIALIZED (
+            SELECT h.aggregate_type, h.aggregate_id, h.head_id AS old_head_id, h.ready_at AS old_ready,
+                   h.leased_until AS old_leased,
+                   h.tid AS head_tid, h.lock_key, line.ids AS line_ids,
+                   e.id, e.ctid, e.created_at, e.state, e.attempts, e.next_attempt_at, e.locked_until, e.lease_token,
+                   e.expires_at
+              FROM (SELECT h.aggregate_type, h.aggregate_id, h.lock_key, h.head_id, h.ready_at, h.leased_until,
+                           h.ctid AS tid
+                      FROM outbox_heads h
+                     WHERE h.ready_at <= t
+                       AND h.ready_at >= floor_at
+                       AND (h.leased_until IS NULL OR h.leased_until < t)   -- no run in flight
+                       AND NOT h.parked
+                       AND (h.head_id <= g.settled
+                            OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys)))
+                     ORDER BY h.ready_at, h.opened_id             -- head_id is in no index
+                     LIMIT remaining
+                       FOR NO KEY UPDATE SKIP LOCKED) h
+             CROSS JOIN LATERAL (
+                   SELECT array(SELECT o.id FROM outbox o
+                                 WHERE o.aggregate_type = h.aggregate_type AND o.aggregate_id = h.aggregate_id
+                                   AND o.unfinished AND o.id >= least(h.head_id, upto + 1)
+                                 ORDER BY o.id LIMIT least(cfg.max_run, remaining)) AS ids
+                    OFFSET 0) line   -- once per head, not once per row of the join below
+              LEFT JOIN LATERAL (
+                   SELECT o.id, o.ctid, o.created_at, o.state, o.attempts, o.next_attempt_at, o.locked_until,
+                          o.lease_token, o.expires_at
+                     FROM outbox o
+                    WHERE o.aggregate_type = h.aggregate_type AND o.aggregate_id = h.aggregate_id
+                      AND o.unfinished AND o.id >= least(h.head_id, upto + 1)
+                    ORDER BY o.id
+                    LIMIT least(cfg.max_run, remaining)
+                      FOR UPDATE SKIP LOCKED) e ON true
+             LIMIT remaining),
+        numbered AS (
+            SELECT c.*, row_number() OVER w AS rn, c.id = c.line_ids[row_number() OVER w] AS matched
+              FROM cand c
+            WINDOW w AS (PARTITION BY c.old_head_id ORDER BY c.id)),
+        marked AS MATERIALIZED (
+            SELECT m.*,
+                   first_value(m.state) OVER w AS first_state,
+                   first_value(m.lease_token) OVER w AS first_token,
+                   first_value(m.locked_until) OVER w AS first_until,
+                   first_value(m.matched) OVER w AS first_matched,
+                   -- The run: the prefix of events that are pending, due and not held back.
+                   bool_and(m.matched AND m.state = 'pending' AND m.next_attempt_at <= t
+                            AND (m.expires_at IS NULL OR m.expires_at > t)        -- never sent late
+                            AND (m.id <= g.settled
+                                 OR (m.id <= g.open_below AND m.lock_key <> ALL (g.held_keys)))) OVER w AS in_run,
+                   -- A run whose lease ran out: its first event's retry (random jitter, drawn once).
+                   CASE WHEN m.rn = 1 AND m.matched AND m.state = 'processing' AND m.locked_until < t
+                        THEN t + outbox_retry_delay(m.attempts, cfg.backoff_base, cfg.backoff_cap) END AS retry_at,
+                   -- A pending head past its expires_at is discarded, never handed out (an
+                   -- event further down its line is, once it is the head).
+                   m.rn = 1 AND m.matched AND m.state = 'pending' AND m.expires_at <= t AS lapsed
+              FROM numbered m
+            WINDOW w AS (PARTITION BY m.old_head_id ORDER BY m.id)),
+        -- The events still leased under an expired run's token go back.
+        expired AS MATERIALIZED (
+            SELECT m.id, m.ctid, m.created_at, m.rn = 1 AS is_first,
+                   CASE WHEN m.rn = 1 AND m.attempts < cfg.max_attempts THEN m.retry_at END AS retry_at
+              FROM marked m
+             WHERE m.first_state = 'processing' AND m.first_until < t AND m.first_matched
+               AND m.matched AND m.state = 'processing' AND m.lease_token = m.first_token),
+        -- What each head becomes: read off its first row.
+        head_next AS (
+            SELECT m.aggregate_type, m.aggregate_id, m.old_head_id, m.old_ready, m.old_leased, m.head_tid,
+                   cardinality(m.line_ids) AS line_length,
+                   -- Moved up only to a run's first event: that one passed the guard, so no
+                   -- earlier event of its aggregate can still appear. Any other event read here
+                   -- may have a late-committing predecessor this snapshot cannot see, which the
+                   -- intake is about to move the head back to.
+                   CASE WHEN m.in_run THEN m.id ELSE m.old_head_id END AS new_head_id,
+                   -- A run leaves ready_at as it is (below: leased_until).
+                   CASE WHEN m.in_run THEN m.old_ready
+                        WHEN m.lapsed THEN t                           -- its next event, at once
+                        WHEN m.retry_at IS NOT NULL
+                             THEN CASE WHEN m.attempts >= cfg.max_attempts THEN NULL ELSE m.retry_at END
+                        -- No unfinished event seen (a head the intake made from an old view):
+                        -- dropped below by outbox_refresh_heads, which looks again first.
+                        WHEN cardinality(m.line_ids) = 0 THEN m.old_ready
+                        WHEN m.id IS NULL OR NOT m.matched THEN m.old_ready  -- being reported right now
+                        WHEN m.state = 'dead' THEN NULL
+                        WHEN m.state = 'pending' AND m.next_attempt_at > t THEN m.next_attempt_at
+                        WHEN m.state = 'processing' AND m.locked_until >= t THEN m.locked_until
+                        ELSE m.old_ready                               -- held back by the guard
+                   END AS new_ready,
+                   CASE WHEN m.in_run THEN t + lease END AS new_leased
+              FROM marked m
+             WHERE m.rn = 1),
+        -- The heads that move are moved by the statement after this one, by ctid.
+        moved AS (
+            SELECT hn.head_tid, hn.new_head_id, hn.new_ready, hn.new_leased
+              FROM head_next hn
+             WHERE (hn.old_head_id, hn.old_ready, hn.old_leased)
+                   IS DISTINCT FROM (hn.new_head_id, hn.new_ready, hn.new_leased))
+        SELECT (SELECT array_agg(m.id ORDER BY m.id) FROM marked m WHERE m.in_run),
+               (SELECT array_agg(m.ctid ORDER BY m.id) FROM marked m WHERE m.in_run),
+               (SELECT array_agg(x.id ORDER BY x.id) FROM expired x),
+               (SELECT array_agg(x.ctid ORDER BY x.id) FROM expired x),
+               (SELECT array_agg(x.is_first ORDER BY x.id) FROM expired x),
+               (SELECT array_agg(x.retry_at ORDER BY x.id) FROM expired x),
+               (SELECT count(*) FROM head_next),
+               (SELECT array_agg(hn.aggregate_type) FROM head_next hn WHERE hn.line_length = 0),
+               (SELECT array_agg(hn.aggregate_id) FROM head_next hn WHERE hn.line_length = 0),
+               (SELECT min(m.created_at) FROM marked m
+                 WHERE m.in_run OR m.lapsed OR m.id IN (SELECT x.id FROM expired x)),
+               (SELECT max(m.created_at) FROM marked m
+                 WHERE m.in_run OR m.lapsed OR m.id IN (SELECT x.id FROM expired x)),
+               (SELECT array_agg(m.id ORDER BY m.id) FROM marked m WHERE m.lapsed),
+               (SELECT array_agg(m.ctid ORDER BY m.id) FROM marked m WHERE m.lapsed),
+               (SELECT array_agg(mv.head_tid) FROM moved mv),
+               (SELECT array_agg(mv.new_head_id) FROM moved mv),
+               (SELECT array_agg(mv.new_ready) FROM moved mv),
+               (SELECT array_agg(mv.new_leased) FROM moved mv)
+          INTO pass_ids, pass_tids, r_ids, r_tids, r_first, r_retry, seen_heads, pass_empty_types,
+               pass_empty_ids, pass_lo, pass_hi, x_ids, x_tids, m_tids, m_heads, m_ready,
+               m_leased;
+        IF m_tids IS NOT NULL THEN
+            -- By ctid (a TID scan), in a statement of its own. Joined by key within the
+            -- statement above, the planner could read all of outbox_heads_pkey for it once
+            -- ANALYZE had counted few live heads: under a held snapshot, every dead entry of
+            -- every head, on every claim. The heads were locked above and stay as they are; in
+            -- a snapshot of its own this statement sees them as locked, also one that a report
+            -- had changed between the snapshot above and its lock.
+            -- A head taken for a run keeps head_id and ready_at: a HOT update.
+            UPDATE outbox_heads oh
+               SET head_id = mv.new_head_id,
+                   ready_at = mv.new_ready,
+                   leased_until = mv.new_leased
+              FROM unnest(m_tids, m_heads, m_ready, m_leased) AS mv(tid, new_head_id, new_ready, new_leased)
+             WHERE oh.ctid = ANY (m_tids)
+               AND oh.ctid = mv.tid;
+        END IF;
+        empty_types := empty_types || pass_empty_types;
+        empty_ids := empty_ids || pass_empty_ids;
+        EXIT WHEN seen_heads = 0;
+        c_ids  := c_ids || pass_ids;          -- || and least/greatest ignore NULLs
+        c_tids := c_tids || pass_tids;
+        lo := least(lo, pass_lo);
+        hi := greatest(hi, pass_hi);
+
+        IF r_ids IS NOT NULL THEN
+            -- Reclaim expired runs: the first event failed an attempt (retried after a backoff,
+            -- or dead: retry_at NULL), the rest go back unattempted. Their old token matches
+            -- nothing from now on (fencing). The heads were moved above, to the retry time.
+            UPDATE outbox o
+               SET state           = CASE WHEN NOT r.is_first THEN 'pending'
+                                          WHEN r.retry_at IS NULL THEN 'dead' ELSE 'pending' END::outbox_state,
+                   attempts        = CASE WHEN r.is_first THEN o.attempts ELSE greatest(o.attempts - 1, 0) END,
+                   next_attempt_at = CASE WHEN r.is_first THEN coalesce(r.retry_at, t) ELSE t END,
+                   dead_at         = CASE WHEN r.is_first AND r.retry_at IS NULL THEN t END,
+                   last_error      = CASE WHEN r.is_first
+                                          THEN format('lease expired at %s (held by %s)', o.locked_until, o.locked_by)
+                                          ELSE o.last_error END,
+                   locked_until    = NULL,
+                   lease_token     = NULL
+              FROM unnest(r_ids, r_first, r_retry) AS r(id, is_first, retry_at)
+             WHERE o.ctid = ANY (r_tids)                -- locked above
+               AND (o.id = ANY (r_ids)) IS TRUE         -- a ctid from another partition may name a row here
+               AND o.created_at BETWEEN pass_lo AND pass_hi
+               AND o.id = r.id;
+        END IF;
+        IF x_ids IS NOT NULL THEN
+            -- Past their expires_at, out of the flow (their heads were made ready above,
+            -- so the next pass looks at the event behind each).
+            UPDATE outbox o
+               SET state = 'discarded', discarded_at = t, discard_reason = 'expired'
+             WHERE o.ctid = ANY (x_tids)                -- locked above
+               AND (o.id = ANY (x_ids)) IS TRUE
+               AND o.created_at BETWEEN pass_lo AND pass_hi;
+        END IF;
+        EXIT WHEN (r_ids IS NULL AND x_ids IS NULL) OR cardinality(c_ids) >= n;
+    END LOOP;
+
+    IF cardinality(empty_types) > 0 THEN
+        -- Heads with no unfinished event in sight: dropped, or set right, under the protocol
+        -- that keeps a new event from losing its head (the claim holds them already).
+        PERFORM outbox_refresh_heads(empty_types, empty_ids);
+    END IF;
+    IF cardinality(c_ids) = 0 THEN
+        RETURN;
+    END IF;
+
+    RETURN QUERY
+    WITH claimed AS (
+        UPDATE outbox o
+           SET state        = 'processing',
+               attempts     = o.attempts + 1,
+               locked_by    = owner,
+               claimed_at   = t,
+               locked_until = t + lease,
+               lease_token  = token
+         WHERE o.ctid = ANY (c_tids)                     -- locked above: still due
+           -- A ctid from another partition may name a row here. IS TRUE: a filter, not an
+           -- index condition (an index probe per id is what the ctids save).
+           AND (o.id = ANY (c_ids)) IS TRUE
+           AND o.created_at BETWEEN lo AND hi
+     RETURNING o.id,
+               coalesce(o.subject, cfg.subject_prefix || '.' || o.aggregate_type || '.' || o.event_type),
+               -- The columns' domains, as their base types.
+               o.aggregate_type::text, o.aggregate_id::text, o.event_type::text, o.payload,
+               o.headers::jsonb, o.msg_id::text,
+               o.attempts, o.created_at, o.lease_token, o.locked_until
+    )
+    SELECT * FROM claimed ORDER BY 1;
+END;
+$$;
+
+-- Recompute the heads of the given aggregates from their first unfinished event, after a
+-- report or a repair changed their events; drop the heads with none left, or park them (a busy
+-- aggregate between two events, see 40_claim.sql). Heads are locked in one pass, in key order
+-- (the intake's insert locks in the same order), in a statement of their own before the events
+-- are looked at: a claim taking in a new event of the aggregate either holds the head's lock
+-- first (and the statement after the lock, with a snapshot taken after it, sees the event), or
+-- finds the head gone and creates it again.
+CREATE OR REPLACE FUNCTION outbox_refresh_heads(types text[], ids text[]) RETURNS void
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+SET plan_cache_mode = force_generic_plan  -- see outbox_claim, also for the settings below
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET enable_hashjoin = off
+SET enable_mergejoin = off
+SET enable_material = off
+SET jit = off
+AS $$
+DECLARE
+    upto bigint;
+    at   timestamptz;
+    tids tid[];
+BEGIN
+    -- Announce the heads' ready_at this writes; none is below `at` (outbox_heads_floor).
+    PERFORM outbox_heads_writing();
+    at := clock_timestamp();
+    -- Each head looked up by its key (LATERAL), in key order. A join lets the planner
+    -- read all of outbox_heads_pkey instead, once ANALYZE has counted few live heads: under a
+    -- held snapshot, every dead entry of every head, on every report (seen: 0.5 s a report).
+    -- Their ctids: locked, they stay where they are, and the statement below reads them by
+    -- ctid (a TID scan) rather than by key once more.
+    SELECT array_agg(h.tid) INTO tids
+      FROM (SELECT DISTINCT s.t COLLATE "C" AS t, s.i COLLATE "C" AS i
+              FROM unnest(types, ids) AS s(t, i)
+             ORDER BY 1, 2) s
+     CROSS JOIN LATERAL (
+           -- The key's entries from the newest down, to the first version this sees (LIMIT 1:
+           -- a unique key has one). btree orders the entries of one key by heap position, and
+           -- under a held snapshot a new version goes to the newest page: the first entry read
+           -- is usually the live version's. The key is written as a range (the same thing in
+           -- the "C" collation) so that the planner keeps the order asked for and scans the
+           -- index backward; with an equality it would count the order as given.
+           SELECT h.ctid AS tid FROM outbox_heads h
+            WHERE h.aggregate_type = s.t
+              AND h.aggregate_id >= s.i AND h.aggregate_id <= s.i
+            ORDER BY h.aggregate_type DESC, h.aggregate_id DESC
+            LIMIT 1
+              FOR UPDATE) h;
+    IF tids IS NULL THEN
+        RETURN;
+    END IF;
+    -- Events not taken in yet may lie below a head_id (see outbox_take_in). The mark, at
+    -- most the cursor, rather than a walk of the intake row's versions.
+    upto := coalesce(pg_sequence_last_value('outbox_intake_mark'), 0);
+
+    WITH firsts AS MATERIALIZED (
+        SELECT h.aggregate_type, h.aggregate_id, h.tid, f.id,
+               -- No event left, but the head was leased to the run this reports and has
+               -- been moved on to a next event at least 3 times (moves): a busy aggregate between
+               -- two events. It is parked for a second instead of dropped; the intake brings it
+               -- back (outbox_take_in).
+               f.id IS NULL AND h.leased_until IS NOT NULL AND h.leased_until >= at
+                   AND h.moves >= 3 AS park,
+               CASE
+                    -- Its next event is due, and the head came due less than 250 ms ago:
+                    -- it keeps its place (its turn), and this update is HOT (only head_id and
+                    -- leased_until change, which no index holds). Its turn over, it goes behind.
+                    WHEN f.state = 'pending' AND f.next_attempt_at <= at
+                         AND h.ready_at <= at AND h.ready_at > at - interval '250 milliseconds'
+                         THEN h.ready_at
+                    -- Never below `at` (NULL stays NULL: a dead letter holds the head).
+                    WHEN f.state = 'pending' THEN greatest(at, f.next_attempt_at)
+                    WHEN f.state = 'processing' THEN greatest(at, f.locked_until)
+               END AS ready_at
+          FROM (SELECT h.aggregate_type, h.aggregate_id, h.head_id, h.moves, h.ready_at, h.leased_until,
+                       h.ctid AS tid
+                  FROM outbox_heads h
+                 WHERE h.ctid = ANY (tids)) h                        -- locked above
+          LEFT JOIN LATERAL (
+                SELECT o.id, o.state, o.next_attempt_at, o.locked_until
+                  FROM outbox o
+                 WHERE o.aggregate_type = h.aggregate_type AND o.aggregate_id = h.aggregate_id
+                   AND o.unfinished
+                   AND o.id >= least(h.head_id, upto + 1)
+                 ORDER BY o.id
+                 LIMIT 1) f ON true),
+    -- By ctid (a TID scan), so that no plan reads all of outbox_heads_pkey; the heads
+    -- were locked by the statement before this one.
+    dropped AS (
+        DELETE FROM outbox_heads h
+         WHERE h.ctid = ANY (ARRAY(SELECT f.tid FROM firsts f WHERE f.id IS NULL AND NOT f.park)))
+    UPDATE outbox_heads h
+       SET head_id  = CASE WHEN f.park
+                           -- No event of it is left, and none can come below the mark
+                           -- (outbox_intake_mark: every id up to it has committed or never will)
+                           THEN greatest(h.head_id, upto + 1)
+                           ELSE f.id END,
+           leased_until = CASE WHEN f.park THEN at + interval '1 second'
+                               ELSE NULL END,          -- its events were looked at
+           parked   = f.park,
+           moves    = CASE WHEN f.park THEN h.moves ELSE h.moves + 1 END,   -- counted, never reset
+           ready_at = CASE WHEN f.park THEN h.ready_at ELSE f.ready_at END   -- see firsts
+      FROM firsts f
+     WHERE h.ctid = ANY (ARRAY(SELECT f2.tid FROM firsts f2 WHERE f2.id IS NOT NULL OR f2.park))
+       AND h.ctid = f.tid
+       AND (f.park OR (h.head_id, h.ready_at, h.leased_until, h.parked) IS DISTINCT FROM (f.id, f.ready_at, NULL, false));
+END;
+$$;
+
+-- The dead letters, found in the partial index of unfinished events, with held_back: how many
+-- later events of the aggregate wait behind each (pending or leased, with a higher id), a
+-- correlated count through the same index, which a query that does not select it never runs
+-- (the view is flattened into the query and an unused column is never computed).
+CREATE OR REPLACE VIEW outbox_dead_letters AS
+SELECT d.id, d.aggregate_type, d.aggregate_id, d.event_type, d.subject, d.attempts, d.last_error, d.dead_at,
+       d.created_at, d.msg_id,
+       (SELECT count(*)
+          FROM outbox h
+         WHERE h.aggregate_type = d.aggregate_type AND h.aggregate_id = d.aggregate_id AND h.id > d.id
+           AND h.unfinished AND h.state IN ('pending', 'processing')) AS held_back
+  FROM outbox d
+ WHERE d.state = 'dead'
+   AND d.unfinished;
+
+COMMENT ON COLUMN outbox_dead_letters.held_back IS
+    'Later events of the same aggregate waiting behind this dead one (pending or leased); delivered in order once it is requeued or discarded.';
+
+CREATE OR REPLACE FUNCTION outbox_requeue(ids bigint[]) RETURNS integer
+LANGUAGE plpgsql
+-- Runs as its owner: operators may not update the table themselves.
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    requeued integer;
+    types    text[];
+    aggs     text[];
+BEGIN
+    IF ids IS NULL THEN
+        RAISE EXCEPTION 'outbox_requeue: ids must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    -- last_error is kept: it says why the event died the last time.
+    WITH done AS (
+        UPDATE outbox o
+           SET state = 'pending', attempts = 0, next_attempt_at = clock_timestamp(), dead_at = NULL
+         WHERE o.state = 'dead' AND o.id = ANY (ids)
+     RETURNING o.aggregate_type, o.aggregate_id)
+    SELECT count(*), array_agg(d.aggregate_type), array_agg(d.aggregate_id) INTO requeued, types, aggs FROM done d;
+    IF requeued > 0 THEN
+        -- The aggregate's head was held (ready_at NULL): it comes due now.
+        PERFORM outbox_refresh_heads(types, aggs);
+        IF NOT pg_try_advisory_xact_lock_shared(1868724336, 1) THEN   -- as outbox_wake_workers does
+            PERFORM pg_notify('outbox', '');
+        END IF;
+    END IF;
+    RETURN requeued;
+END;
+$$;
+
+CREATE OR REPLACE FUNCTION outbox_discard(ids bigint[], reason text) RETURNS integer
+LANGUAGE plpgsql
+-- Runs as its owner: operators may not update the table themselves.
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    discarded integer;
+    types     text[];
+    aggs      text[];
+BEGIN
+    IF ids IS NULL THEN
+        RAISE EXCEPTION 'outbox_discard: ids must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    IF reason IS NULL OR reason !~ '[^[:space:]]' THEN  -- blank: empty or only whitespace
+        RAISE EXCEPTION 'outbox_discard: a reason is required (it is kept with the event)'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    -- Dead events, and pending ones an operator wants out of the way; never a leased one,
+    -- whose worker may be publishing it right now.
+    WITH done AS (
+        UPDATE outbox o
+           SET state = 'discarded', discarded_at = clock_timestamp(), discard_reason = left(reason, 8000)
+         WHERE o.state IN ('dead', 'pending') AND o.id = ANY (ids)
+     RETURNING o.aggregate_type, o.aggregate_id)
+    SELECT count(*), array_agg(d.aggregate_type), array_agg(d.aggregate_id) INTO discarded, types, aggs FROM done d;
+    IF discarded > 0 THEN
+        -- Discarding a head releases the next event of its aggregate.
+        PERFORM outbox_refresh_heads(types, aggs);
+        IF NOT pg_try_advisory_xact_lock_shared(1868724336, 1) THEN   -- as outbox_wake_workers does
+            PERFORM pg_notify('outbox', '');
+        END IF;
+    END IF;
+    RETURN discarded;
+END;
+$$;
+
+CREATE OR REPLACE FUNCTION outbox_replay_candidates(ids bigint[] DEFAULT NULL, aggregate_type text DEFAULT NULL,
+                                         aggregate_id text DEFAULT NULL, event_type text DEFAULT NULL,
+                                         since timestamptz DEFAULT NULL, until timestamptz DEFAULT NULL)
+RETURNS TABLE (id bigint, created_at timestamptz)
+LANGUAGE plpgsql
+STABLE
+-- Runs as its owner, like outbox_replay, which reads its rows: the same selection for both.
+SECURITY DEFINER
+SET search_path FROM CURRENT
+-- A plan per call, with the filters' values: "since IS NULL OR created_at >= since" folds away
+-- and the partitions outside [since, until) are pruned, which a generic plan cannot do.
+SET plan_cache_mode = force_custom_plan
+AS $$
+BEGIN
+    IF num_nonnulls(ids, aggregate_type, aggregate_id, event_type, since, until) = 0 THEN
+        RAISE EXCEPTION 'outbox_replay: no filter given: refusing to replay every published event'
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Give ids, aggregate_type, aggregate_id, event_type, since or until (combined with AND).';
+    END IF;
+    IF since >= until THEN
+        RAISE EXCEPTION 'outbox_replay: since (%) is not before until (%)', since, until
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    RETURN QUERY
+    SELECT o.id, o.created_at
+      FROM outbox o
+     WHERE o.state = 'published'
+       AND (outbox_replay_candidates.ids IS NULL OR o.id = ANY (outbox_replay_candidates.ids))
+       AND (outbox_replay_candidates.aggregate_type IS NULL OR o.aggregate_type = outbox_replay_candidates.aggregate_type)
+       AND (outbox_replay_candidates.aggregate_id IS NULL OR o.aggregate_id = outbox_replay_candidates.aggregate_id)
+       AND (outbox_replay_candidates.event_type IS NULL OR o.event_type = outbox_replay_candidates.event_type)
+       AND (outbox_replay_candidates.since IS NULL OR o.created_at >= outbox_replay_candidates.since)
+       AND (outbox_replay_candidates.until IS NULL OR o.created_at < outbox_replay_candidates.until)
+     ORDER BY o.id;
+END;
+$$;
+
+COMMENT ON FUNCTION outbox_replay_candidates(bigint[], text, text, text, timestamptz, timestamptz) IS
+    'The published events outbox_replay would copy with the same filters (combined with AND, at least one; created_at in [since, until)), in id order: its dry run.';
+
+CREATE OR REPLACE FUNCTION outbox_replay(ids bigint[] DEFAULT NULL, aggregate_type text DEFAULT NULL,
+                              aggregate_id text DEFAULT NULL, event_type text DEFAULT NULL,
+                              since timestamptz DEFAULT NULL, until timestamptz DEFAULT NULL,
+                              new_msg_id boolean DEFAULT false) RETURNS integer
+LANGUAGE plpgsql
+-- Runs as its owner: an operator may not insert events nor read payloads itself.
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    replayed integer;
+BEGIN
+    IF new_msg_id IS NULL THEN
+        RAISE EXCEPTION 'outbox_replay: new_msg_id must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    -- Through the insert path of every event (its trigger assigns the ids in this statement's order).
+    INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers, subject, msg_id)
+    SELECT o.aggregate_type, o.aggregate_id, o.event_type, o.payload,
+           o.headers || jsonb_build_object('Outbox-Replay-Of', o.id::text),
+           o.subject,
+           CASE WHEN outbox_replay.new_msg_id THEN gen_random_uuid()::text ELSE o.msg_id END
+      FROM outbox_replay_candidates(outbox_replay.ids, outbox_replay.aggregate_type, outbox_replay.aggregate_id,
+                                    outbox_replay.event_type, outbox_replay.since, outbox_replay.until) c
+      JOIN outbox o ON o.id = c.id AND o.created_at = c.created_at
+     ORDER BY c.id;
+    GET DIAGNOSTICS replayed = ROW_COUNT;
+    RETURN replayed;
+END;
+$$;
+
+COMMENT ON FUNCTION outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean) IS
+    'Re-send published events still in the table as new events, in their original order (filters as outbox_replay_candidates, at least one); same msg_id unless new_msg_id (JetStream drops a copy inside its duplicate window); header Outbox-Replay-Of names the original. Returns how many.';
+
+CREATE OR REPLACE FUNCTION outbox_maintain(dry_run boolean DEFAULT false)
+RETURNS TABLE (action text, partition text, range_start timestamptz, range_end timestamptz, detail text)
+LANGUAGE plpgsql
+-- Runs as its owner: workers run it on a schedule without any right on the tables.
+SECURITY DEFINER
+SET search_path FROM CURRENT
+-- Scopes the lock_timeout set below (from outbox_settings) to this call: without a SET clause
+-- of its own it would last for the rest of the caller's transaction.
+SET lock_timeout = '1s'
+AS $$
+#variable_conflict use_column
+DECLARE
+    cfg        outbox_settings;
+    t          timestamptz := clock_timestamp();
+    origin     constant timestamptz := '2000-01-01 00:00:00+00';
+    width      interval;
+    lo         timestamptz;
+    hi         timestamptz;
+    edge       timestamptz;
+    name       text;
+    stray      bigint;
+    unfinished bigint;
+    p          record;
+    -- New partitions get outbox_default's storage parameters (its fillfactor, 10_tables.sql).
+    storage    text;
+    -- Every column but the generated ones, which are computed, never copied.
+    columns    text;
+BEGIN
+    SELECT * INTO STRICT cfg FROM outbox_settings;
+    width := cfg.partition_width;
+    SELECT coalesce(' WITH (' || array_to_string(c.reloptions, ', ') || ')', '')
+      INTO storage FROM pg_class c WHERE c.oid = 'outbox_default'::regclass;
+    SELECT string_agg(quote_ident(a.attname), ', ' ORDER BY a.attnum)
+      INTO columns FROM pg_attribute a
+     WHERE a.attrelid = 'outbox'::regclass AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = '';
+
+    -- One maintainer at a time: every worker runs this on a schedule. A dry run changes nothing
+    -- and does not take the lock, so an operator's look never makes a scheduled run skip.
+    IF NOT dry_run AND NOT pg_try_advisory_xact_lock(1868724336, 2) THEN
+        RETURN QUERY SELECT 'skip', NULL::text, NULL::timestamptz, NULL::timestamptz,
+                            'another outbox_maintain() is running';
+        RETURN;
+    END IF;
+
+    -- A DDL lock request that has to wait makes every claim and insert queue behind it: wait at
+    -- most maintenance_lock_timeout, then skip that partition until the next run.
+    PERFORM set_config('lock_timeout',
+                       (extract(epoch FROM cfg.maintenance_lock_timeout) * 1000)::bigint::text, true);
+
+    -- 1. Create: the current range, partitions_ahead ranges beyond it, and the range of every
+    --    row that fell into the default partition.
+    FOR lo IN
+        SELECT b FROM generate_series(date_bin(width, t, origin),
+                                      date_bin(width, t, origin) + width * cfg.partitions_ahead,
+                                      width) AS b
+        UNION
+        SELECT DISTINCT date_bin(width, d.created_at, origin) FROM outbox_default d
+        ORDER BY 1
+    LOOP
+        hi := lo + width;
+        -- Fit between existing partitions (partition_width may have changed since they were made):
+        -- step past every partition that covers lo (the end of one can be the start of the next),
+        -- then stop at the start of the next one.
+        LOOP
+            SELECT max(ep.range_end) INTO edge FROM outbox_partitions ep
+             WHERE NOT ep.is_default AND ep.range_start <= lo AND ep.range_end > lo;
+            EXIT WHEN edge IS NULL OR lo >= hi;
+            lo := edge;
+        END LOOP;
+        SELECT min(ep.range_start) INTO edge FROM outbox_partitions ep
+         WHERE NOT ep.is_default AND ep.range_start > lo AND ep.range_start < hi;
+        hi := coalesce(edge, hi);
+        CONTINUE WHEN lo >= hi;
+
+        name := 'outbox_p' || to_char(lo AT TIME ZONE 'UTC', 'YYYYMMDD"T"HH24MISS');
+        SELECT count(*) INTO stray FROM outbox_default d WHERE d.created_at >= lo AND d.created_at < hi;
+        IF dry_run THEN
+            RETURN QUERY SELECT 'create', name, lo, hi,
+                                CASE WHEN stray > 0 THEN format('would move %s rows from outbox_default', stray) END;
+            CONTINUE;
+        END IF;
+        BEGIN
+            IF stray = 0 THEN
+                EXECUTE format('CREATE TABLE %I PARTITION OF outbox FOR VALUES FROM (%L) TO (%L)', name, lo, hi) || storage;
+            ELSE
+                -- Rows already in the default partition would violate the new partition's range:
+                -- move them into a fresh table first, then attach it.
+                LOCK TABLE outbox_default IN ACCESS EXCLUSIVE MODE;
+                EXECUTE format('CREATE TABLE %I (LIKE outbox INCLUDING DEFAULTS INCLUDING CONSTRAINTS INCLUDING GENERATED)',
+                               name) || storage;
+                EXECUTE format('WITH moved AS (DELETE FROM outbox_default WHERE created_at >= %L AND created_at < %L RETURNING *)
+                                INSERT INTO %I (%s) SELECT %s FROM moved', lo, hi, name, columns, columns);
+                GET DIAGNOSTICS stray = ROW_COUNT;
+                EXECUTE format('ALTER TABLE outbox ATTACH PARTITION %I FOR VALUES FROM (%L) TO (%L)', name, lo, hi);
+            END IF;
+            RETURN QUERY SELECT 'create', name, lo, hi,
+                                CASE WHEN stray > 0 THEN format('moved %s rows from outbox_default', stray) END;
+        EXCEPTION
+            WHEN lock_not_available THEN
+                RETURN QUERY SELECT 'skip', name, lo, hi, 'lock not granted within maintenance_lock_timeout; next run';
+            WHEN check_violation THEN
+                RETURN QUERY SELECT 'skip', name, lo, hi, 'rows arrived in outbox_default meanwhile; next run moves them';
+        END;
+    END LOOP;
+
+    -- 2. Drop: partitions whose whole range is past retention and hold only finished events.
+    FOR p IN
+        SELECT * FROM outbox_partitions ep
+         WHERE NOT ep.is_default AND ep.range_end <= t - cfg.retention
+         ORDER BY ep.range_start
+    LOOP
+        BEGIN
+            IF NOT dry_run THEN
+                -- Parent first, then the partition: the order every query on outbox takes them,
+                -- and the order DROP TABLE would take them anyway. Holding both, nothing can
+                -- change the partition between the check below and the drop.
+                LOCK TABLE ONLY outbox IN ACCESS EXCLUSIVE MODE;
+                EXECUTE format('LOCK TABLE %I IN ACCESS EXCLUSIVE MODE', p.partition);
+            END IF;
+            EXECUTE format('SELECT count(*) FROM %I WHERE unfinished',
+                           p.partition) INTO unfinished;
+            IF unfinished > 0 THEN
+                RETURN QUERY SELECT 'keep', p.partition, p.range_start, p.range_end,
+                                    format('%s unfinished events (pending, leased or dead)', unfinished);
+            ELSE
+                IF NOT dry_run THEN
+                    EXECUTE format('DROP TABLE %I', p.partition);
+                END IF;
+                RETURN QUERY SELECT 'drop', p.partition, p.range_start, p.range_end,
+                                    format('%s freed', p.total_size);
+            END IF;
+        EXCEPTION
+            WHEN lock_not_available THEN
+                RETURN QUERY SELECT 'skip', p.partition, p.range_start, p.range_end,
+                                    'lock not granted within maintenance_lock_timeout; next run';
+        END;
+    END LOOP;
+END;
+$$;
+
+-- Keys of finished events are forgotten here, not on the producers' path: a producer that
+-- deleted or touched other keys' rows would make producers wait on each other, and deadlock
+-- where two of them write several keys at once. The worker calls it with outbox_maintain();
+-- any scheduler can call it: it is cheap when there is nothing to do.
+CREATE OR REPLACE FUNCTION outbox_idempotency_forget(max_keys integer DEFAULT 10000) RETURNS integer
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    forgotten integer;
+BEGIN
+    -- The keys looked at longest ago: those whose event is finished (or gone with its partition)
+    -- are forgotten, the others go to the back of the line, so that every call makes progress.
+    -- SKIP LOCKED: a key a producer is taking right now is left for the next call; this never
+    -- waits for a producer (producers may wait for it, briefly).
+    WITH looked AS MATERIALIZED (
+        SELECT k.idempotency_key,
+               EXISTS (SELECT 1 FROM outbox o WHERE o.id = k.event_id AND o.unfinished) AS held
+          FROM outbox_idempotency k
+         ORDER BY k.looked_at
+         LIMIT max_keys
+           FOR UPDATE SKIP LOCKED),
+    gone AS (
+        DELETE FROM outbox_idempotency k USING looked l
+         WHERE k.idempotency_key = l.idempotency_key AND NOT l.held
+     RETURNING 1),
+    kept AS (
+        UPDATE outbox_idempotency k SET looked_at = now()
+          FROM looked l
+         WHERE k.idempotency_key = l.idempotency_key AND l.held)
+    SELECT count(*) INTO forgotten FROM gone;
+    RETURN forgotten;
+END;
+$$;
+
+COMMENT ON FUNCTION outbox_idempotency_forget(integer) IS
+    'Forget up to max_keys idempotency keys whose event is finished (the oldest looked-at first); returns how many. The worker calls it with outbox_maintain().';
+
+-- Events failing right now (failed at least once, not delivered yet: pending and waiting for
+-- their retry, or leased again for one), grouped by their last error's first line with the
+-- digits masked, so that "no ack for event 17" and "... 18" are one reason. Only unfinished
+-- events are read, and no payload or headers. subjects: where those events go, resolved as the
+-- claim resolves them, which names the subject that a "(no responders)" error lacks.
+CREATE OR REPLACE VIEW outbox_failing AS
+SELECT min(split_part(o.last_error, E'\n', 1))                        AS reason,
+       count(*)                                                       AS events,
+       min(o.attempts)                                                AS min_attempts,
+       max(o.attempts)                                                AS max_attempts,
+       count(*) FILTER (WHERE o.state = 'processing')                 AS retrying_now,
+       min(o.next_attempt_at) FILTER (WHERE o.state = 'pending')      AS next_retry_at,
+       array_agg(DISTINCT o.event_type::text ORDER BY o.event_type::text) AS event_types,
+       (array_agg(o.id ORDER BY o.id))[1:20]                          AS ids,
+       (array_agg(DISTINCT coalesce(o.subject::text,
+                                    s.subject_prefix || '.' || o.aggregate_type || '.' || o.event_type)))[1:5]
+                                                                      AS subjects
+  FROM outbox o CROSS JOIN (SELECT subject_prefix FROM outbox_settings) s
+ WHERE o.unfinished
+   AND o.last_error IS NOT NULL
+   AND ((o.state = 'pending' AND o.attempts > 0) OR (o.state = 'processing' AND o.attempts > 1))
+ GROUP BY regexp_replace(split_part(o.last_error, E'\n', 1), '[0-9]+', 'N', 'g');
+
+COMMENT ON VIEW outbox_failing IS
+    'Events failing now (failed at least once, not delivered yet), one row per last error with its digits masked: how many, their attempts, the first 20 ids, up to 5 subjects. Reads only unfinished events.';
+
+CREATE OR REPLACE FUNCTION outbox_xmin_holders()
+RETURNS TABLE (kind text, pid integer, name text, since timestamptz, age interval, xmin_age integer,
+               state text, query text, application_name text, past_threshold boolean)
+LANGUAGE sql
+STABLE
+-- Reads other roles' sessions in pg_stat_activity: runs as its owner (see above).
+SECURITY DEFINER
+SET search_path FROM CURRENT
+-- pg_stat_activity and the others are functions estimated at 1,000 rows each: keep the planner
+-- from compiling a query that reads a few dozen rows of memory.
+SET jit = off
+AS $$
+    WITH holder AS (
+        SELECT 'session'::text AS kind, a.pid, NULL::text AS name, a.xact_start AS since,
+               greatest(age(a.backend_xmin), age(a.backend_xid)) AS xmin_age,
+               a.state, left(a.query, 200) AS query, a.application_name
+          FROM pg_stat_activity a
+         WHERE a.datname = current_database()
+           AND (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)
+           AND a.pid <> pg_backend_pid()
+           AND a.backend_type IS DISTINCT FROM 'autovacuum worker'
+        UNION ALL
+        SELECT 'walsender', a.pid, a.client_addr::text, NULL, age(a.backend_xmin),
+               a.state, NULL, a.application_name
+          FROM pg_stat_activity a
+         WHERE a.backend_type = 'walsender' AND a.backend_xmin IS NOT NULL
+        UNION ALL
+        SELECT 'prepared transaction', NULL, p.gid, p.prepared, age(p.transaction),
+               'prepared', NULL, NULL
+          FROM pg_prepared_xacts p
+         WHERE p.database = current_database()
+        UNION ALL
+        SELECT 'replication slot', r.active_pid, r.slot_name, NULL, age(r.xmin),
+               CASE WHEN r.active THEN 'active' ELSE 'inactive' END, NULL, NULL
+          FROM pg_replication_slots r
+         WHERE r.xmin IS NOT NULL)
+    SELECT h.kind, h.pid, h.name, h.since, now() - h.since, h.xmin_age, h.state, h.query, h.application_name,
+           CASE WHEN h.kind = 'replication slot' THEN h.state = 'inactive'
+                WHEN h.kind = 'walsender' THEN false
+                ELSE coalesce(now() - h.since > s.xmin_warn_after, false)
+           END
+      FROM holder h CROSS JOIN outbox_settings s
+     ORDER BY h.xmin_age DESC NULLS LAST, h.since NULLS LAST, h.pid
+$$;
+
+COMMENT ON FUNCTION outbox_xmin_holders() IS
+    'What holds back the xmin horizon (VACUUM of the outbox) in this database, the oldest first: sessions, prepared transactions, replication slots, walsenders; past_threshold: held longer than outbox_settings.xmin_warn_after (a slot: inactive).';
+
+-- The row of outbox_health_row(), and the oldest xmin holder past the threshold with how many
+-- there are: those columns read no outbox table, so they need none of the row's pinned plans.
+CREATE OR REPLACE VIEW outbox_health AS
+SELECT h.backlog, h.pending, h.processing, h.waiting_retry, h.dead, h.expired_leases, h.oldest_pending_age,
+       h.last_claim_at, h.worker_claimed_last_minute, h.open_producers, h.oldest_producer_pid,
+       h.oldest_producer_age, h.held_by_open_transactions,
+       coalesce(x.holders, 0)::integer AS xmin_holders,
+       x.kind              AS xmin_holder_kind,
+       x.pid               AS xmin_holder_pid,
+       x.name              AS xmin_holder_name,
+       x.age               AS xmin_holder_age,
+       x.state             AS xmin_holder_state,
+       x.query             AS xmin_holder_query,
+       x.application_name  AS xmin_holder_application
+  FROM outbox_health_row() h
+  LEFT JOIN LATERAL (SELECT x.kind, x.pid, x.name, x.age, x.state, x.query, x.application_name,
+                            count(*) OVER () AS holders
+                       FROM outbox_xmin_holders() x
+                      WHERE x.past_threshold
+                      ORDER BY x.xmin_age DESC NULLS LAST
+                      LIMIT 1) x ON true;
+
+COMMENT ON VIEW outbox_health IS
+    'One row, cheap (reads unfinished events, the intake row, the lock table and the server''s activity, never the bulk of published ones): backlog, oldest pending age, dead letters, expired leases, last claim and whether a worker claimed within the last minute, open producing transactions and what they hold back, and what holds back the xmin horizon past outbox_settings.xmin_warn_after.';
+
+COMMENT ON COLUMN outbox_health.xmin_holders IS 'Holders of the xmin horizon past outbox_settings.xmin_warn_after (outbox_xmin_holders()): while they hold it, VACUUM removes no dead row version of the outbox and claims slow down.';
+
+COMMENT ON COLUMN outbox_health.xmin_holder_kind IS 'The oldest of them: session, prepared transaction, replication slot; NULL when none.';
+
+COMMENT ON COLUMN outbox_health.xmin_holder_pid IS 'Its backend pid (a session; a slot''s walsender); pg_terminate_backend(pid) ends a session.';
+
+COMMENT ON COLUMN outbox_health.xmin_holder_name IS 'The prepared transaction''s gid or the replication slot''s name.';
+
+COMMENT ON COLUMN outbox_health.xmin_holder_age IS 'How long it has held: since its transaction began (a session), since PREPARE (a prepared transaction); NULL for a slot.';
+
+COMMENT ON COLUMN outbox_health.xmin_holder_state IS 'pg_stat_activity.state (e.g. idle in transaction); prepared; a slot: active or inactive.';
+
+COMMENT ON COLUMN outbox_health.xmin_holder_query IS 'The start (200 characters) of the session''s current or last query.';
+
+COMMENT ON COLUMN outbox_health.xmin_holder_application IS 'The session''s application_name.';
+
+-- 3. Nobody may call anything by default.
+REVOKE EXECUTE ON FUNCTION
+    outbox_aggregate_key(text, text), outbox_assign_id(), outbox_idempotency_take(text, bigint),
+    outbox_idempotency_event(text), outbox_cancel(bigint[]),
+    outbox_wake_workers(), outbox_worker_idle(), outbox_worker_busy(), outbox_next_wakeup(),
+    outbox_retry_delay(integer, interval, interval), outbox_commit_guard(), outbox_commit_horizon(),
+    outbox_heads_writing(), outbox_heads_floor(), outbox_take_in(bigint, bigint, integer),
+    outbox_claim(integer, interval, text),
+    outbox_refresh_heads(text[], text[]), outbox_complete(bigint[], uuid),
+    outbox_fail(bigint, uuid, text, boolean), outbox_release(bigint[], uuid),
+    outbox_extend(bigint[], uuid, interval),
+    outbox_requeue(bigint[]), outbox_discard(bigint[], text),
+    outbox_replay_candidates(bigint[], text, text, text, timestamptz, timestamptz),
+    outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean),
+    outbox_maintain(boolean), outbox_idempotency_forget(integer),
+    outbox_open_producers(), outbox_health_row(), outbox_xmin_holders(), outbox_unfinished_subjects(integer)
+FROM PUBLIC;
+
+-- 5. Producers: write events, nothing else.
+GRANT INSERT (aggregate_type, aggregate_id, event_type, payload, subject, headers, msg_id,
+              deliver_at, idempotency_key, expires_at) ON outbox
+    TO outbox_producer;
+
+-- The trigger takes idempotency keys as the producer; outboxpg.enqueue asks which event holds one.
+GRANT EXECUTE ON FUNCTION outbox_idempotency_take(text, bigint), outbox_idempotency_event(text)
+    TO outbox_producer;
+
+GRANT EXECUTE ON FUNCTION outbox_cancel(bigint[]) TO outbox_producer;
+
+-- 6. Workers: the functions the worker calls, the two settings it reads at start, and the
+--    one-row outbox_health for its metrics (counts and ages, no event data).
+GRANT EXECUTE ON FUNCTION
+    outbox_claim(integer, interval, text), outbox_complete(bigint[], uuid),
+    outbox_fail(bigint, uuid, text, boolean), outbox_release(bigint[], uuid),
+    outbox_extend(bigint[], uuid, interval),
+    outbox_next_wakeup(), outbox_worker_idle(), outbox_worker_busy(), outbox_maintain(boolean),
+    outbox_idempotency_forget(integer), outbox_unfinished_subjects(integer),
+    outbox_health_row(), outbox_open_producers(), outbox_xmin_holders()
+TO outbox_worker;
+
+-- 7. Operators: the views, the settings (read only), the repairs, and the events' metadata
+--    for the inspection queries of sql/ (which events wait, on what, who holds a lease, why one
+--    died) - but not payload and headers, the application's data.
+GRANT SELECT ON outbox_stats, outbox_dead_letters, outbox_failing, outbox_partitions, outbox_health,
+                outbox_settings
+    TO outbox_operator;
+
+-- The queue of aggregates, the intake cursor and the idempotency keys: what sql/health.sql and
+-- the CLI look at.
+GRANT SELECT ON outbox_heads, outbox_intake, outbox_idempotency TO outbox_operator;
+
+GRANT EXECUTE ON FUNCTION
+    outbox_requeue(bigint[]), outbox_discard(bigint[], text), outbox_cancel(bigint[]),
+    outbox_replay_candidates(bigint[], text, text, text, timestamptz, timestamptz),
+    outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean),
+    outbox_maintain(boolean), outbox_idempotency_forget(integer), outbox_idempotency_event(text),
+    outbox_unfinished_subjects(integer), outbox_health_row(), outbox_open_producers(), outbox_xmin_holders()
+TO outbox_operator;
+
+GRANT SELECT (id, created_at, aggregate_type, aggregate_id, event_type, subject, msg_id, state, attempts,
+              next_attempt_at, locked_by, claimed_at, locked_until, lease_token, last_error,
+              published_at, dead_at, discarded_at, discard_reason,
+              in_flow, unfinished,   -- what the partial indexes select on
+              tableoid,              -- which partition an event is in
+              deliver_at, idempotency_key, expires_at)
+    ON outbox TO outbox_operator;
