@@ -231,7 +231,7 @@ def load_publisher(spec: str) -> Any:
 
 def print_event(event: OutboxEvent) -> None:
     """A publisher for trying things out: prints each event on one line
-    (``outboxpg-worker --publisher outboxpg.publishers:print_event``)."""
+    (``outboxpg-worker --publisher outboxpg.relay.publishers:print_event``)."""
     print(f"{event.id} {event.subject} msg_id={event.msg_id} attempt={event.attempt} "
           f"{event.payload.decode('utf-8', 'replace')}", flush=True)
 

@@ -223,7 +223,7 @@ async def _deliver(env: Env, prefix: str, until: Callable[[], bool], keep_stream
     """A real worker (worker-a:4711, NATS publisher) until ``until()``; the stream (named
     ``prefix.upper()``) is deleted afterwards unless ``keep_stream``."""
     from outboxpg.relay.nats_publisher import NatsPublisher, ensure_stream
-    from outboxpg.worker import Worker, WorkerConfig
+    from outboxpg.relay.worker import Worker, WorkerConfig
 
     publisher = NatsPublisher(env.nats_url, ack_timeout=5, **publisher_options)
     await publisher.start()

@@ -1,5 +1,5 @@
-"""What users and scripts import keeps working after the package was arranged by role
-(outboxpg.relay, outboxpg.cli): the names README.md and docs/ show, and the old module paths."""
+"""What users and scripts import: the names README.md and docs/ show, each at one path
+(outboxpg.relay, outboxpg.cli)."""
 
 from __future__ import annotations
 
@@ -18,20 +18,13 @@ def test_the_producer_api_is_at_the_top() -> None:
     assert {"Event", "enqueue", "enqueue_many"} <= set(outboxpg.__all__)
 
 
-def test_old_module_paths_are_the_new_objects() -> None:
-    from outboxpg.nats_publisher import NatsPublisher, supports_atomic_batch
-    from outboxpg.publishers import FunctionPublisher, print_event
-    from outboxpg.worker import RawJsonLoader, Worker, WorkerConfig
-    from outboxpg.worker_cli import main
+def test_each_thing_has_one_import_path() -> None:
+    """The compatibility modules of the package's first layout are gone (nothing was released
+    with them): the relay, the publishers and the worker command have one path each."""
+    import importlib.util
 
-    assert Worker is outboxpg.relay.worker.Worker and WorkerConfig is outboxpg.relay.worker.WorkerConfig
-    assert RawJsonLoader is outboxpg.relay.worker.RawJsonLoader
-    assert FunctionPublisher is outboxpg.relay.publishers.FunctionPublisher
-    assert print_event is outboxpg.relay.publishers.print_event
-    assert NatsPublisher is outboxpg.relay.nats_publisher.NatsPublisher
-    assert supports_atomic_batch is outboxpg.relay.nats_publisher.supports_atomic_batch
-    from outboxpg.cli.outboxpg_worker import main as worker_main
-    assert main is worker_main
+    for gone in ("outboxpg.worker", "outboxpg.worker_cli", "outboxpg.publishers", "outboxpg.nats_publisher"):
+        assert importlib.util.find_spec(gone) is None, gone
 
 
 def test_error_classes_live_in_errors_and_stay_importable_from_events() -> None:
@@ -40,7 +33,7 @@ def test_error_classes_live_in_errors_and_stay_importable_from_events() -> None:
 
 
 def test_python_m_entry_points() -> None:
-    for module, prog in (("outboxpg.cli", "outboxpg"), ("outboxpg.worker_cli", "outboxpg-worker")):
+    for module, prog in (("outboxpg.cli", "outboxpg"), ("outboxpg.cli.outboxpg_worker", "outboxpg-worker")):
         r = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True, timeout=60)
         assert (r.returncode, r.stdout.split()[0], r.stderr) == (0, prog, ""), (module, r)
 

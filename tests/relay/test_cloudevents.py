@@ -21,7 +21,7 @@ from workers import all_in, wait_until
 from outboxpg import Event, enqueue, enqueue_many
 from outboxpg.cloudevents import CloudEvents, default_source
 from outboxpg.relay.nats_publisher import NatsPublisher
-from outboxpg.worker import Worker, WorkerConfig
+from outboxpg.relay.worker import Worker, WorkerConfig
 
 WORKER = str(Path(sys.executable).parent / "outboxpg-worker")
 CE_NAMES = ["ce-specversion", "ce-id", "ce-source", "ce-type", "ce-subject", "ce-time", "content-type"]
@@ -144,7 +144,7 @@ def run_worker(*args: str, env: dict[str, str] | None = None) -> subprocess.Comp
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--cloudevents", "--publisher", "outboxpg.publishers:print_event"],
+    (["--cloudevents", "--publisher", "outboxpg.relay.publishers:print_event"],
      "outboxpg-worker: --cloudevents applies to the NATS publisher only, not with --publisher: a publisher of your "
      "own can call outboxpg.cloudevents.CloudEvents(source).headers(event)"),
     (["--cloudevents-source", "https://shop.example/orders"],

@@ -23,7 +23,7 @@ from nats.js.api import StreamConfig
 
 from outboxpg import enqueue
 from outboxpg.relay.nats_publisher import NatsPublisher
-from outboxpg.worker import Worker, WorkerConfig
+from outboxpg.relay.worker import Worker, WorkerConfig
 
 Conn = psycopg.Connection[Any]
 

@@ -33,7 +33,7 @@ from outboxpg.embedded import free_port
 from outboxpg.events import NotSent, OutboxEvent, PermanentError
 from outboxpg.relay.nats_publisher import NatsPublisher
 from outboxpg.relay.publishers import FunctionPublisher
-from outboxpg.worker import Worker, WorkerConfig
+from outboxpg.relay.worker import Worker, WorkerConfig
 
 Conn = psycopg.Connection[Any]
 

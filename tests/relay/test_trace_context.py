@@ -25,7 +25,7 @@ from outboxpg import Event, enqueue, enqueue_many
 from outboxpg.events import OutboxEvent, PermanentError
 from outboxpg.relay.nats_publisher import NatsPublisher
 from outboxpg.relay.tracing import publish_tracer
-from outboxpg.worker import Worker, WorkerConfig
+from outboxpg.relay.worker import Worker, WorkerConfig
 
 
 @pytest.fixture

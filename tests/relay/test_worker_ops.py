@@ -14,7 +14,7 @@ from outboxpg.events import OutboxEvent, PermanentError
 from outboxpg.locks import MAINTENANCE_LOCK
 from outboxpg.relay.metrics import WorkerMetrics
 from outboxpg.relay.publishers import FunctionPublisher
-from outboxpg.worker import Worker, WorkerConfig
+from outboxpg.relay.worker import Worker, WorkerConfig
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
