@@ -38,7 +38,8 @@ from typing import Any
 
 import psycopg
 
-from outboxpg.events import NotSent, runs_of
+from outboxpg.events import runs_of
+from outboxpg.relay.publishers import NotSent
 
 FAULT_KINDS = ("kill9", "sigterm", "pg_terminate", "pg_restart_fast", "pg_restart_immediate",
                "nats_outage", "sigstop")

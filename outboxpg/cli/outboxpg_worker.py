@@ -2,8 +2,8 @@
 
 Every flag can also come from an environment variable, OUTBOXPG_<FLAG> (e.g. OUTBOXPG_DSN,
 OUTBOXPG_BATCH_SIZE, OUTBOXPG_POLL_ONLY=1). Flags win over the environment. Each option is
-declared once, as a field of WorkerConfig (outboxpg.relay.config) or of CommandOptions below;
-flags, variables and help are built from those (outboxpg.cli.options).
+declared once (outboxpg.option), as a field of WorkerConfig (outboxpg.relay.config) or of
+CommandOptions below; flags, variables and help are built from those (outboxpg.cli.options).
 
 At start it fails fast, with one line on stderr and an exit code, on what no retry can fix:
 2 a bad flag or DSN, or PostgreSQL cannot be reached; 3 the outbox schema is missing or too old;
@@ -41,11 +41,11 @@ from outboxpg.cli.common import (
     restore_double_dash,
     secrets_of,
 )
+from outboxpg.cli.errors import EXIT_CONNECT, EXIT_FAILED, EXIT_SCHEMA, EXIT_USAGE, CliError
 from outboxpg.cli.options import OneLineParser, add_options, from_args
 from outboxpg.cloudevents import SPEC_VERSION, CloudEvents, check_source, default_source
-from outboxpg.errors import EXIT_CONNECT, EXIT_FAILED, EXIT_SCHEMA, EXIT_USAGE, CliError, describe, first_line, one_line
+from outboxpg.option import option
 from outboxpg.relay.backoff import next_delay
-from outboxpg.relay.config import WorkerConfig, option
 from outboxpg.relay.pooler import POOLER_HINT, behind_transaction_pooler
 from outboxpg.relay.streams import (
     MAX_SUBJECTS,
@@ -55,7 +55,8 @@ from outboxpg.relay.streams import (
     uncaptured,
     under_prefix,
 )
-from outboxpg.relay.worker import Worker, application_name
+from outboxpg.relay.worker import Worker, WorkerConfig, application_name
+from outboxpg.text import describe, first_line, join_lines
 
 log = logging.getLogger("outboxpg.worker")
 
@@ -323,7 +324,7 @@ class _OneLine(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
         if "\n" in text:
-            record.msg, record.args = one_line(text), None
+            record.msg, record.args = join_lines(text), None
         return True
 
 

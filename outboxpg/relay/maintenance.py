@@ -10,9 +10,9 @@ import logging
 
 import psycopg
 
-from outboxpg.errors import first_line
 from outboxpg.relay.gateway import Gateway
 from outboxpg.relay.stats import Recorder
+from outboxpg.text import first_line
 
 __all__ = ["maintain_every"]
 

@@ -113,11 +113,12 @@ from nats.js import JetStreamContext
 from nats.js.api import StreamConfig
 
 from outboxpg.cloudevents import HEADER_NAMES, CloudEvents
-from outboxpg.errors import NotSent, PermanentError, describe
-from outboxpg.events import OutboxEvent, not_sent_after, runs_of
+from outboxpg.events import OutboxEvent, runs_of
 from outboxpg.relay.backoff import next_delay
+from outboxpg.relay.publishers import NotSent, PermanentError, not_sent_after
 from outboxpg.relay.streams import stream_for
 from outboxpg.relay.tracing import PublishTracer, publish_tracer
+from outboxpg.text import describe
 
 __all__ = ["NatsPublisher", "check_stream", "ensure_stream", "parse_servers", "supports_atomic_batch"]
 

@@ -176,7 +176,7 @@ def test_every_worker_option_has_its_flag_and_variable_declared_once() -> None:
 
     from outboxpg.cli.options import env_name, flag_name, from_args
     from outboxpg.cli.outboxpg_worker import build_parser
-    from outboxpg.relay.config import WorkerConfig
+    from outboxpg.relay.worker import WorkerConfig
 
     help_text = run("--help").stdout
     for f in dataclasses.fields(WorkerConfig):

@@ -27,9 +27,16 @@ def test_each_thing_has_one_import_path() -> None:
         assert importlib.util.find_spec(gone) is None, gone
 
 
-def test_error_classes_live_in_errors_and_stay_importable_from_events() -> None:
-    assert outboxpg.events.PermanentError is outboxpg.errors.PermanentError
-    assert outboxpg.events.NotSent is outboxpg.errors.NotSent
+def test_errors_live_with_who_raises_and_catches_them() -> None:
+    """The publisher protocol's errors are the relay's; the command lines' are the CLI's; the
+    schema's HandInstalled stays in outboxpg.errors, where outboxpg.schema imports it from."""
+    import outboxpg.cli.errors
+
+    assert {"PermanentError", "NotSent", "PublisherNotFound"} <= set(outboxpg.relay.publishers.__all__)
+    assert {"CliError", "EXIT_USAGE"} <= set(outboxpg.cli.errors.__all__)
+    assert outboxpg.errors.__all__ == ["HandInstalled"]
+    for module in (outboxpg.events, outboxpg.errors):
+        assert not hasattr(module, "PermanentError") and not hasattr(module, "NotSent"), module
 
 
 def test_python_m_entry_points() -> None:

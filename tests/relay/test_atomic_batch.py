@@ -16,8 +16,9 @@ from nats.js.api import StreamConfig
 from runs import assert_in_order_once, start, states, stream_ids, until_published, write
 from workers import event
 
-from outboxpg.events import NotSent, OutboxEvent, PermanentError
+from outboxpg.events import OutboxEvent
 from outboxpg.relay.nats_publisher import NatsPublisher, ensure_stream
+from outboxpg.relay.publishers import NotSent, PermanentError
 
 
 async def stored(stream: StreamHandle) -> list[dict[str, str]]:

@@ -15,8 +15,9 @@ import pytest
 from jetstream import make_stream
 from workers import event
 
-from outboxpg.events import OutboxEvent, PermanentError
+from outboxpg.events import OutboxEvent
 from outboxpg.relay.nats_publisher import NatsPublisher
+from outboxpg.relay.publishers import PermanentError
 
 
 async def test_outcomes_in_order_and_duplicates_counted(nats_server: Any) -> None:

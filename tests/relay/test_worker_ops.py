@@ -10,10 +10,10 @@ from workers import count_in, equals, start, wait_until
 
 from outboxpg import enqueue
 from outboxpg.embedded import free_port
-from outboxpg.events import OutboxEvent, PermanentError
+from outboxpg.events import OutboxEvent
 from outboxpg.locks import MAINTENANCE_LOCK
 from outboxpg.relay.metrics import WorkerMetrics
-from outboxpg.relay.publishers import FunctionPublisher
+from outboxpg.relay.publishers import FunctionPublisher, PermanentError
 from outboxpg.relay.worker import Worker, WorkerConfig
 
 
