@@ -18,9 +18,9 @@ from typing import Any
 import psycopg
 import pytest
 from commands import WORKER
+from locks import WAKEUP_LOCK
 
 from outboxpg import Event, enqueue_many
-from outboxpg.locks import WAKEUP_LOCK
 
 CLI = str(Path(sys.executable).parent / "outboxpg")
 Conn = psycopg.Connection[Any]
