@@ -88,7 +88,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 import outboxpg  # noqa: E402  (the working tree's producer helpers: enqueue_many for phase 5)
 from outboxpg.schema import yoyo_uri  # noqa: E402
-from outboxpg.relay.nats_publisher import supports_atomic_batch  # noqa: E402
+from outboxpg.relay.nats.connection import supports_atomic_batch  # noqa: E402
 import processes
 from proc_cpu import CpuMeter, QuietWaiter  # noqa: E402
 

@@ -64,7 +64,7 @@ class FlakyPublisher:
     OUTBOXPG_SOAK_STATS_DIR/pub-<pid>.log (one line each: survives kill -9)."""
 
     def __init__(self) -> None:
-        from outboxpg.relay.nats_publisher import NatsPublisher
+        from outboxpg.relay.nats.publisher import NatsPublisher
 
         self.fail_rate = float(os.environ.get("OUTBOXPG_SOAK_FAIL_RATE", "0.05"))
         self.rng = random.Random(f'{os.environ.get("OUTBOXPG_SOAK_SEED", "0")}-{os.getpid()}')

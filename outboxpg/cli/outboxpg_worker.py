@@ -46,8 +46,7 @@ from outboxpg.cli.options import OneLineParser, add_options, from_args
 from outboxpg.cloudevents import SPEC_VERSION, CloudEvents, check_source, default_source
 from outboxpg.option import option
 from outboxpg.relay.backoff import next_delay
-from outboxpg.relay.pooler import POOLER_HINT, behind_transaction_pooler
-from outboxpg.relay.streams import (
+from outboxpg.relay.nats.streams import (
     MAX_SUBJECTS,
     Subject,
     explicit_to_add,
@@ -55,6 +54,7 @@ from outboxpg.relay.streams import (
     uncaptured,
     under_prefix,
 )
+from outboxpg.relay.pooler import POOLER_HINT, behind_transaction_pooler
 from outboxpg.relay.worker import Worker, WorkerConfig, application_name
 from outboxpg.text import describe, first_line, join_lines
 
@@ -101,7 +101,8 @@ async def _stream_setup(args: argparse.Namespace, publisher: Any, cfg: WorkerCon
     """Check (and with --ensure-stream, create) the stream the worker will publish into: one
     capturing <prefix>.> and the explicit subjects of the unfinished events. A failure is
     logged, not fatal: publishes then fail and are retried, as without a stream."""
-    from outboxpg.relay.nats_publisher import check_stream, ensure_stream, supports_atomic_batch
+    from outboxpg.relay.nats.connection import supports_atomic_batch
+    from outboxpg.relay.nats.streams import check_stream, ensure_stream
 
     window = timedelta(seconds=cfg.lease) + backoff_cap + timedelta(seconds=60)
     explicit = [s for s in subjects if s.explicit and not under_prefix(s.subject, prefix)]
@@ -291,7 +292,7 @@ async def _main(args: argparse.Namespace) -> int:
     # Your own publisher first: a misspelt one is reported before anything else is set up.
     custom = _load_publisher(args.publisher, cfg) if args.publisher else None
     if custom is None:
-        from outboxpg.relay.nats_publisher import parse_servers
+        from outboxpg.relay.nats.connection import parse_servers
 
         servers = parse_servers(args.nats_url)   # ValueError: exit 2 with its one line
     settings, database = await _check_database(cfg)
@@ -299,7 +300,7 @@ async def _main(args: argparse.Namespace) -> int:
     if custom is not None:
         publisher = custom
     else:
-        from outboxpg.relay.nats_publisher import NatsPublisher
+        from outboxpg.relay.nats.publisher import NatsPublisher
 
         if not await _wait_for_nats(servers, stopping):
             return 0

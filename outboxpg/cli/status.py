@@ -16,7 +16,7 @@ from outboxpg import statements
 from outboxpg.cli.common import add_dsn, number_type, open_outbox, print_json, where_am_i, where_text
 from outboxpg.cli.render import jsonable, pairs, table
 from outboxpg.relay.horizon import XminHolder
-from outboxpg.relay.streams import MAX_SUBJECTS, Subject, missing_text
+from outboxpg.relay.nats.streams import MAX_SUBJECTS, Subject, missing_text
 from outboxpg.text import age, clip_first_line, describe
 
 STATES = ("pending", "processing", "published", "dead", "discarded")
@@ -66,7 +66,7 @@ def register(sub: Any) -> None:
 async def _uncaptured(url: str, subjects: list[Subject]) -> list[Subject]:
     import nats
 
-    from outboxpg.relay.streams import uncaptured
+    from outboxpg.relay.nats.streams import uncaptured
 
     seen: list[Exception] = []
 

@@ -20,7 +20,7 @@ from workers import all_in, wait_until
 
 from outboxpg import Event, enqueue, enqueue_many
 from outboxpg.cloudevents import CloudEvents, default_source
-from outboxpg.relay.nats_publisher import NatsPublisher
+from outboxpg.relay.nats.publisher import NatsPublisher
 from outboxpg.relay.worker import Worker, WorkerConfig
 
 WORKER = str(Path(sys.executable).parent / "outboxpg-worker")
@@ -94,7 +94,7 @@ async def test_stored_messages_parse_as_cloudevents_with_the_required_attributes
     assert "Content-Type" not in by_type["created"].headers
     assert sorted(k for k in by_type["created"].headers if k.startswith("ce-") or k == "content-type") == sorted(
         CE_NAMES + ["ce-dataschema"])
-    if publisher.atomic_server:
+    if publisher.connection.atomic_server:
         # The run of 40 went as one atomic batch (nats-server 2.12+): its messages, which parsed
         # above, carry the batch's headers beside ours.
         run = [m for m in messages if m.headers["Outbox-Aggregate-Id"] == "o-2"]

@@ -31,7 +31,7 @@ from jetstream import NatsProxy, make_stream, read_stream
 from outboxpg import Event, enqueue_many
 from outboxpg.embedded import free_port
 from outboxpg.events import OutboxEvent
-from outboxpg.relay.nats_publisher import NatsPublisher
+from outboxpg.relay.nats.publisher import NatsPublisher
 from outboxpg.relay.publishers import FunctionPublisher, NotSent, PermanentError
 from outboxpg.relay.worker import Worker, WorkerConfig
 

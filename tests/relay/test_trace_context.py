@@ -23,7 +23,7 @@ from workers import all_in, wait_until
 
 from outboxpg import Event, enqueue, enqueue_many
 from outboxpg.events import OutboxEvent
-from outboxpg.relay.nats_publisher import NatsPublisher
+from outboxpg.relay.nats.publisher import NatsPublisher
 from outboxpg.relay.publishers import PermanentError
 from outboxpg.relay.tracing import publish_tracer
 from outboxpg.relay.worker import Worker, WorkerConfig

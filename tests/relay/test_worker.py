@@ -15,7 +15,7 @@ from workers import count_in, equals, start, wait_until
 
 from outboxpg import Event, enqueue, enqueue_many
 from outboxpg.events import OutboxEvent
-from outboxpg.relay.nats_publisher import NatsPublisher
+from outboxpg.relay.nats.publisher import NatsPublisher
 from outboxpg.relay.publishers import FunctionPublisher
 
 
