@@ -55,7 +55,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from outboxpg import schema, sql_files  # noqa: E402
 from outboxpg.events import CLAIM_COLUMNS  # noqa: E402
-from outboxpg.worker import RawJsonLoader  # noqa: E402
+from outboxpg.relay.gateway import RawJsonLoader  # noqa: E402
 from proc_cpu import CpuMeter, QuietWaiter, speed_reference_ms  # noqa: E402  (bench/, beside this file)
 
 WORKER = str(Path(sys.executable).parent / "outboxpg-worker")

@@ -85,7 +85,7 @@ async def claim(self, *args, **kwargs):
         _out.write(f"{{at:.6f}} {{(time.perf_counter() - t0) * 1000:.3f}}\\n")
 
 gateway.Gateway.claim = claim
-from outboxpg.worker_cli import main
+from outboxpg.cli.outboxpg_worker import main
 sys.exit(main())
 """
 

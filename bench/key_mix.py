@@ -88,7 +88,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 import outboxpg  # noqa: E402  (the working tree's producer helpers: enqueue_many for phase 5)
 from outboxpg.schema import yoyo_uri  # noqa: E402
-from outboxpg.nats_publisher import supports_atomic_batch  # noqa: E402
+from outboxpg.relay.nats.connection import supports_atomic_batch  # noqa: E402
 import processes
 from proc_cpu import CpuMeter, QuietWaiter  # noqa: E402
 
@@ -102,7 +102,10 @@ sys.path.insert(0, {root!r})
 import outboxpg
 if not outboxpg.__file__.startswith({root!r}):
     sys.exit("key_mix shim: imported outboxpg from " + outboxpg.__file__ + ", not from {root}")
-from outboxpg.worker_cli import main
+try:
+    from outboxpg.cli.outboxpg_worker import main
+except ModuleNotFoundError:   # an OLD side from before outboxpg.cli (3451e34 has outboxpg/worker_cli.py)
+    from outboxpg.worker_cli import main
 sys.exit(main())
 """
 

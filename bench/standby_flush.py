@@ -32,7 +32,7 @@ import psycopg
 from outboxpg import schema
 from outboxpg.embedded import EmbeddedPostgres, EmbeddedStandby
 from outboxpg.events import OutboxEvent
-from outboxpg.worker import Worker, WorkerConfig
+from outboxpg.relay.worker import Worker, WorkerConfig
 
 
 def quantiles(values: list[float]) -> str:

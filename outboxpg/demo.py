@@ -24,7 +24,9 @@ from nats.js.api import DeliverPolicy
 
 from outboxpg import enqueue, schema, statements
 from outboxpg.embedded import EmbeddedNats, EmbeddedPostgres
-from outboxpg.relay.nats_publisher import NatsPublisher, ensure_stream, supports_atomic_batch
+from outboxpg.relay.nats.connection import supports_atomic_batch
+from outboxpg.relay.nats.publisher import NatsPublisher
+from outboxpg.relay.nats.streams import ensure_stream
 from outboxpg.relay.worker import Worker, WorkerConfig
 
 STEPS = ("created", "paid", "shipped")

@@ -1,4 +1,5 @@
-"""What a worker hands to a publisher, and how a publisher says "never retry this"."""
+"""What a worker hands to a publisher: the events of a claim, and the runs they form. How a
+publisher answers (PermanentError, NotSent) is the publisher protocol's: outboxpg.relay.publishers."""
 
 from __future__ import annotations
 
@@ -9,11 +10,7 @@ from typing import Any
 
 import orjson
 
-# Publishers raise or return these; they are importable from here as they always were.
-from outboxpg.errors import NotSent, PermanentError
-
-__all__ = ["OutboxEvent", "PermanentError", "NotSent", "CLAIM_COLUMNS", "CLAIM_COLUMN_NAMES", "LEASE_TOKEN",
-           "event_from_row", "runs_of"]
+__all__ = ["OutboxEvent", "CLAIM_COLUMNS", "CLAIM_COLUMN_NAMES", "LEASE_TOKEN", "event_from_row", "runs_of"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,12 +88,3 @@ def runs_of(events: Sequence[OutboxEvent]) -> list[list[int]]:
             group.append(i)
     return list(groups.values())
 
-
-def not_sent_after(events: Sequence[OutboxEvent], positions: Sequence[int], failed_id: int,
-                   outcomes: list[Any]) -> None:
-    """The outcome of the events at ``positions`` (the rest of a run after its failed event
-    ``failed_id``): NotSent, one instance for them all."""
-    if positions:
-        skipped = NotSent(f"not sent: event {failed_id} of its aggregate failed before it")
-        for i in positions:
-            outcomes[i] = skipped

@@ -14,12 +14,12 @@ from typing import Any, TypeVar
 
 import psycopg
 import pytest
+from locks import WAKEUP_LOCK
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import dict_row
 
-from outboxpg.locks import WAKEUP_LOCK  # noqa: F401 (the tests import it from here)
-from outboxpg.worker import Worker
+from outboxpg.relay.worker import Worker
 
 T = TypeVar("T")
 

@@ -14,7 +14,7 @@ import psycopg
 from helpers import Running
 
 from outboxpg.events import OutboxEvent
-from outboxpg.worker import Worker, WorkerConfig
+from outboxpg.relay.worker import Worker, WorkerConfig
 
 
 async def wait_until(pred: Callable[[], Awaitable[bool]], timeout: float, what: str, interval: float = 0.05) -> float:

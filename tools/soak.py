@@ -38,7 +38,8 @@ from typing import Any
 
 import psycopg
 
-from outboxpg.events import NotSent, runs_of
+from outboxpg.events import runs_of
+from outboxpg.relay.publishers import NotSent
 
 FAULT_KINDS = ("kill9", "sigterm", "pg_terminate", "pg_restart_fast", "pg_restart_immediate",
                "nats_outage", "sigstop")
@@ -63,7 +64,7 @@ class FlakyPublisher:
     OUTBOXPG_SOAK_STATS_DIR/pub-<pid>.log (one line each: survives kill -9)."""
 
     def __init__(self) -> None:
-        from outboxpg.relay.nats_publisher import NatsPublisher
+        from outboxpg.relay.nats.publisher import NatsPublisher
 
         self.fail_rate = float(os.environ.get("OUTBOXPG_SOAK_FAIL_RATE", "0.05"))
         self.rng = random.Random(f'{os.environ.get("OUTBOXPG_SOAK_SEED", "0")}-{os.getpid()}')

@@ -16,7 +16,8 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
 from outboxpg import schema, sql_files, statements
-from outboxpg.errors import EXIT_CONNECT, EXIT_SCHEMA, CliError, first_line
+from outboxpg.cli.errors import EXIT_CONNECT, EXIT_SCHEMA, CliError
+from outboxpg.text import first_line
 
 DSN_HELP = "libpq connection string or URI (default: $OUTBOXPG_DSN, else libpq's PG* variables)"
 

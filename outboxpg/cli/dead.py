@@ -21,8 +21,9 @@ from psycopg.rows import dict_row
 
 from outboxpg import statements
 from outboxpg.cli.common import add_dsn, add_yes, confirm, number_type, open_outbox, point_in_time, print_json
-from outboxpg.cli.render import counts_by_type, id_list, one_line, pairs, table
-from outboxpg.errors import CliError
+from outboxpg.cli.errors import CliError
+from outboxpg.cli.render import counts_by_type, id_list, pairs, table
+from outboxpg.text import clip_first_line
 
 # Columns of outbox that dead show leaves out: what the partial indexes select on (0002), no
 # information beyond state.
@@ -126,7 +127,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         return 0
     lines = table(["id", "dead_at", "attempts", "aggregate", "event_type", "last_error"],
                   [[r["id"], r["dead_at"], r["attempts"], f"{r['aggregate_type']}/{r['aggregate_id']}", r["event_type"],
-                    one_line(r["last_error"], 200)] for r in rows])
+                    clip_first_line(r["last_error"], 200)] for r in rows])
     if sys.stdout.isatty():  # fit the terminal: cut the last column (last_error)
         width = max(shutil.get_terminal_size().columns, 60)
         lines = [line if len(line) <= width else line[: width - 3] + "..." for line in lines]

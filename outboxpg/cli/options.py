@@ -1,5 +1,5 @@
 """Command-line options built from their one declaration: a dataclass field made with
-outboxpg.relay.config.option() (type, default, help). Field ``batch_size`` becomes the flag
+outboxpg.option.option() (type, default, help). Field ``batch_size`` becomes the flag
 --batch-size and the environment variable OUTBOXPG_BATCH_SIZE; the flag wins over the
 variable, the variable over the field's default. A value that does not parse, from either, is a
 CliError: one line, exit 2."""
@@ -14,7 +14,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from outboxpg.errors import EXIT_USAGE, CliError
+from outboxpg.cli.errors import EXIT_USAGE, CliError
 
 __all__ = ["OneLineParser", "add_options", "env_name", "flag_name", "from_args"]
 

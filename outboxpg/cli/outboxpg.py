@@ -41,10 +41,11 @@ from outboxpg.cli.common import (
     where_am_i,
     where_text,
 )
+from outboxpg.cli.errors import EXIT_CONNECT, EXIT_FAILED, EXIT_SCHEMA, CliError
 from outboxpg.cli.options import OneLineParser
-from outboxpg.errors import EXIT_CONNECT, EXIT_FAILED, EXIT_SCHEMA, CliError, describe, first_line
+from outboxpg.text import describe, first_line
 
-__all__ = ["CliError", "build_parser", "main"]
+__all__ = ["build_parser", "main"]
 
 
 def _print_notice(diag: psycopg.errors.Diagnostic) -> None:

@@ -2,8 +2,8 @@
 
 Every flag can also come from an environment variable, OUTBOXPG_<FLAG> (e.g. OUTBOXPG_DSN,
 OUTBOXPG_BATCH_SIZE, OUTBOXPG_POLL_ONLY=1). Flags win over the environment. Each option is
-declared once, as a field of WorkerConfig (outboxpg.relay.config) or of CommandOptions below;
-flags, variables and help are built from those (outboxpg.cli.options).
+declared once (outboxpg.option), as a field of WorkerConfig (outboxpg.relay.config) or of
+CommandOptions below; flags, variables and help are built from those (outboxpg.cli.options).
 
 At start it fails fast, with one line on stderr and an exit code, on what no retry can fix:
 2 a bad flag or DSN, or PostgreSQL cannot be reached; 3 the outbox schema is missing or too old;
@@ -41,13 +41,12 @@ from outboxpg.cli.common import (
     restore_double_dash,
     secrets_of,
 )
+from outboxpg.cli.errors import EXIT_CONNECT, EXIT_FAILED, EXIT_SCHEMA, EXIT_USAGE, CliError
 from outboxpg.cli.options import OneLineParser, add_options, from_args
 from outboxpg.cloudevents import SPEC_VERSION, CloudEvents, check_source, default_source
-from outboxpg.errors import EXIT_CONNECT, EXIT_FAILED, EXIT_SCHEMA, EXIT_USAGE, CliError, describe, first_line, one_line
+from outboxpg.option import option
 from outboxpg.relay.backoff import next_delay
-from outboxpg.relay.config import WorkerConfig, option
-from outboxpg.relay.pooler import POOLER_HINT, behind_transaction_pooler
-from outboxpg.relay.streams import (
+from outboxpg.relay.nats.streams import (
     MAX_SUBJECTS,
     Subject,
     explicit_to_add,
@@ -55,7 +54,9 @@ from outboxpg.relay.streams import (
     uncaptured,
     under_prefix,
 )
-from outboxpg.relay.worker import Worker, application_name
+from outboxpg.relay.pooler import POOLER_HINT, behind_transaction_pooler
+from outboxpg.relay.worker import Worker, WorkerConfig, application_name
+from outboxpg.text import describe, first_line, join_lines
 
 log = logging.getLogger("outboxpg.worker")
 
@@ -100,7 +101,8 @@ async def _stream_setup(args: argparse.Namespace, publisher: Any, cfg: WorkerCon
     """Check (and with --ensure-stream, create) the stream the worker will publish into: one
     capturing <prefix>.> and the explicit subjects of the unfinished events. A failure is
     logged, not fatal: publishes then fail and are retried, as without a stream."""
-    from outboxpg.relay.nats_publisher import check_stream, ensure_stream, supports_atomic_batch
+    from outboxpg.relay.nats.connection import supports_atomic_batch
+    from outboxpg.relay.nats.streams import check_stream, ensure_stream
 
     window = timedelta(seconds=cfg.lease) + backoff_cap + timedelta(seconds=60)
     explicit = [s for s in subjects if s.explicit and not under_prefix(s.subject, prefix)]
@@ -290,7 +292,7 @@ async def _main(args: argparse.Namespace) -> int:
     # Your own publisher first: a misspelt one is reported before anything else is set up.
     custom = _load_publisher(args.publisher, cfg) if args.publisher else None
     if custom is None:
-        from outboxpg.relay.nats_publisher import parse_servers
+        from outboxpg.relay.nats.connection import parse_servers
 
         servers = parse_servers(args.nats_url)   # ValueError: exit 2 with its one line
     settings, database = await _check_database(cfg)
@@ -298,7 +300,7 @@ async def _main(args: argparse.Namespace) -> int:
     if custom is not None:
         publisher = custom
     else:
-        from outboxpg.relay.nats_publisher import NatsPublisher
+        from outboxpg.relay.nats.publisher import NatsPublisher
 
         if not await _wait_for_nats(servers, stopping):
             return 0
@@ -323,7 +325,7 @@ class _OneLine(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
         if "\n" in text:
-            record.msg, record.args = one_line(text), None
+            record.msg, record.args = join_lines(text), None
         return True
 
 

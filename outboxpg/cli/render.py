@@ -1,4 +1,5 @@
-"""Plain-text rendering for the CLI: aligned tables, label/value lists, ages, JSON-ready rows."""
+"""Plain-text rendering for the CLI: aligned tables, label/value lists, JSON-ready rows (ages and
+clipped lines are outboxpg.text's, shared with the relay)."""
 
 from __future__ import annotations
 
@@ -8,40 +9,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from decimal import Decimal
 from typing import Any
 
-__all__ = ["cell", "age", "table", "pairs", "jsonable", "one_line", "counts_by_type", "id_list"]
+from outboxpg.text import age
 
-
-def age(td: dt.timedelta | None) -> str:
-    """A duration for people: '850 ms', '12.3 s', '4 min 05 s', '2 h 07 min', '3 d 04 h'."""
-    if td is None:
-        return ""
-    s = td.total_seconds()
-    sign = "-" if s < 0 else ""
-    s = abs(s)
-    if s < 1:
-        return f"{sign}{s * 1000:.0f} ms"
-    if s < 60:
-        return f"{sign}{s:.1f} s"
-    m, sec = divmod(int(s), 60)
-    if m < 60:
-        return f"{sign}{m} min {sec:02d} s"
-    h, m = divmod(m, 60)
-    if h < 24:
-        return f"{sign}{h} h {m:02d} min"
-    d, h = divmod(h, 24)
-    return f"{sign}{d} d {h:02d} h"
-
-
-def one_line(text: str | None, width: int | None = None) -> str:
-    """The first line of ``text``, cut to ``width`` characters (with '...' when cut)."""
-    if text is None:
-        return ""
-    lines = text.strip().splitlines()
-    first = lines[0] if lines else ""
-    more = len(lines) > 1
-    if width is not None and len(first) > width:
-        return first[: max(width - 3, 1)] + "..."
-    return first + (" ..." if more else "")
+__all__ = ["cell", "table", "pairs", "jsonable", "counts_by_type", "id_list"]
 
 
 def cell(value: Any) -> str:

@@ -20,11 +20,12 @@ from psycopg.rows import dict_row
 
 from outboxpg import statements
 from outboxpg.cli.common import add_dsn, add_yes, confirm, open_outbox, point_in_time
+from outboxpg.cli.errors import EXIT_USAGE, CliError
 from outboxpg.cli.options import add_options, from_args
 from outboxpg.cli.render import counts_by_type, id_list
-from outboxpg.errors import EXIT_USAGE, CliError, first_line
-from outboxpg.relay.config import option
+from outboxpg.option import option
 from outboxpg.replays import FILTERS, PARAMETERS, arguments, replay
+from outboxpg.text import first_line
 
 __all__ = ["ReplayFilters", "register"]
 

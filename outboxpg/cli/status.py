@@ -14,10 +14,10 @@ from psycopg.rows import dict_row
 
 from outboxpg import statements
 from outboxpg.cli.common import add_dsn, number_type, open_outbox, print_json, where_am_i, where_text
-from outboxpg.cli.render import age, jsonable, one_line, pairs, table
-from outboxpg.errors import describe
+from outboxpg.cli.render import jsonable, pairs, table
 from outboxpg.relay.horizon import XminHolder
-from outboxpg.relay.streams import MAX_SUBJECTS, Subject, missing_text
+from outboxpg.relay.nats.streams import MAX_SUBJECTS, Subject, missing_text
+from outboxpg.text import age, clip_first_line, describe
 
 STATES = ("pending", "processing", "published", "dead", "discarded")
 
@@ -66,7 +66,7 @@ def register(sub: Any) -> None:
 async def _uncaptured(url: str, subjects: list[Subject]) -> list[Subject]:
     import nats
 
-    from outboxpg.relay.streams import uncaptured
+    from outboxpg.relay.nats.streams import uncaptured
 
     seen: list[Exception] = []
 
@@ -262,7 +262,7 @@ def _render(snap: dict[str, Any]) -> list[str]:
         lines += ["", "failing now (failed, not delivered yet: waiting for a retry or retrying; by last error)"]
         lines += table(["events", "attempts min", "max", "retrying now", "event types", "last error"],
                        [[f["events"], f["min_attempts"], f["max_attempts"], f["retrying_now"],
-                         ", ".join(f["event_types"]), one_line(f["reason"], 120)] for f in snap["failing"]])
+                         ", ".join(f["event_types"]), clip_first_line(f["reason"], 120)] for f in snap["failing"]])
     if snap["states"] is not None:
         lines += ["", "events by state"]
         lines += table(["state", "events"], list(snap["states"].items()))

@@ -7,7 +7,8 @@ the outcomes back; every decision about an event is made by the SQL functions it
 - stats: the running totals, the metrics and the log lines about outcomes, one call per event
   of the loop; metrics: the Prometheus metrics themselves
 - maintenance: outbox_maintain() on a schedule; wakeup: the LISTEN connection and the wakeup lock
-- publishers: the publisher protocol and adapters for plain functions; nats_publisher: NATS JetStream
-- streams: which JetStream streams capture the outbox's subjects; pooler: the transaction-pooler probe
+- publishers: the publisher protocol (Publisher, PermanentError, NotSent) and adapters for plain
+  functions; nats/: the NATS JetStream publisher and stream administration (nats/__init__.py)
+- pooler: the transaction-pooler probe; tracing: a span per published event
 - backoff: the one pause schedule of reconnects and retries
 """

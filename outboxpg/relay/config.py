@@ -1,30 +1,18 @@
 """The worker's options, each declared once: a field of WorkerConfig with its type, default and
-help. ``outboxpg-worker`` builds its flags (``batch_size``: --batch-size) and environment
-variables (OUTBOXPG_BATCH_SIZE) from these fields (outboxpg.cli.options), and WorkerConfig from
-what it parsed; its own options (NATS, metrics, logging) are declared the same way beside it."""
+help (outboxpg.option). ``outboxpg-worker`` builds its flags (``batch_size``: --batch-size) and
+environment variables (OUTBOXPG_BATCH_SIZE) from these fields (outboxpg.cli.options), and
+WorkerConfig from what it parsed; its own options (NATS, metrics, logging) are declared the same
+way beside it. Import WorkerConfig from outboxpg.relay.worker."""
 
 from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Callable, Sequence
-from dataclasses import MISSING, dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-__all__ = ["WorkerConfig", "option"]
+from outboxpg.option import option
 
-
-def option(help: str, default: Any = MISSING, *, default_factory: Callable[[], Any] | Any = MISSING,
-           metavar: str | None = None, choices: Sequence[str] | None = None,
-           command_default: Any = MISSING, flag: str | None = None, environment: bool = True) -> Any:
-    """A dataclass field that is also a command-line option. ``command_default``: the command's
-    default where the field has none (WorkerConfig's dsn is required; the command's is '',
-    libpq's PG* variables). ``flag``: the flag when it is not the field's name (--id for
-    ``ids``); ``environment``: False where a value left in the environment must not act (the
-    filters of a command that changes events)."""
-    metadata = {"help": help, "metavar": metavar, "choices": tuple(choices) if choices else None,
-                "command_default": command_default, "flag": flag, "environment": environment}
-    return field(default=default, default_factory=default_factory, metadata=metadata)
+__all__ = ["WorkerConfig"]
 
 
 def _default_name() -> str:

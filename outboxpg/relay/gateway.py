@@ -21,11 +21,11 @@ from psycopg.adapt import Buffer, Loader
 from psycopg_pool import AsyncConnectionPool
 from psycopg_pool.pool_async import AddConnection
 
-from outboxpg.errors import first_line
 from outboxpg.events import CLAIM_COLUMNS
 from outboxpg.relay.backoff import DB_MAX_DELAY, next_delay
 from outboxpg.relay.config import WorkerConfig
 from outboxpg.relay.wakeup import CONNECT_OPTIONS
+from outboxpg.text import first_line
 
 __all__ = ["Gateway", "RawJsonLoader", "Reported", "lsn_value"]
 

@@ -15,9 +15,8 @@ from typing import Any
 
 import psycopg
 
-from outboxpg.cli.render import age, one_line
-from outboxpg.errors import first_line
 from outboxpg.relay.gateway import Gateway
+from outboxpg.text import age, clip_first_line, first_line
 
 __all__ = ["XminHolder", "XminWatch", "watch_xmin_every"]
 
@@ -59,7 +58,7 @@ class XminHolder:
         if self.xmin_age is not None:
             parts.append(f"{self.xmin_age} transactions ago")
         if self.query:
-            parts.append(f"query {one_line(' '.join(self.query.split()), _QUERY_CHARS)!r}")
+            parts.append(f"query {clip_first_line(' '.join(self.query.split()), _QUERY_CHARS)!r}")
         return ", ".join(parts)
 
     def advice(self) -> str:

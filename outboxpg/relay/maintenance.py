@@ -1,7 +1,7 @@
 """The worker's scheduled outbox_maintain(): partitions created ahead, expired ones dropped; and
 outbox_idempotency_forget(): idempotency keys of finished events forgotten, a batch a run.
-Workers take turns through the advisory lock inside outbox_maintain() (outboxpg.locks.
-MAINTENANCE_LOCK): one of many does the work, the others' runs skip."""
+Workers take turns through the advisory lock inside outbox_maintain() (MAINTENANCE_LOCK in
+tests/locks.py): one of many does the work, the others' runs skip."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import logging
 
 import psycopg
 
-from outboxpg.errors import first_line
 from outboxpg.relay.gateway import Gateway
 from outboxpg.relay.stats import Recorder
+from outboxpg.text import first_line
 
 __all__ = ["maintain_every"]
 

@@ -36,13 +36,29 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from outboxpg.errors import NotSent, PermanentError, PublisherNotFound, describe
-from outboxpg.events import OutboxEvent, not_sent_after, runs_of
+from outboxpg.events import OutboxEvent, runs_of
+from outboxpg.text import describe
 
 __all__ = ["Publisher", "FunctionPublisher", "NotSent", "PermanentError", "PublisherNotFound", "as_publisher",
-           "load_publisher", "print_event", "runs_of"]
+           "load_publisher", "not_sent_after", "print_event"]
 
 Outcome = BaseException | None
+
+
+class PermanentError(Exception):
+    """Raise (or return) this from a publisher for an event that can never be published:
+    the event is dead-lettered at once with the message as its reason, instead of retried."""
+
+
+class NotSent(Exception):
+    """The outcome a publisher gives an event it did not try to publish because an earlier event
+    of its run failed (or the batch ran out of time first). The worker hands such events back
+    with outbox_release (no attempt counted); the first failure of a run is what outbox_fail
+    records."""
+
+
+class PublisherNotFound(ValueError):
+    """``load_publisher``: the module named in the spec does not exist on ``sys.path``."""
 
 
 @runtime_checkable
@@ -181,6 +197,16 @@ class _SyncBatch:
             return list(self.outcomes)
 
 
+def not_sent_after(events: Sequence[OutboxEvent], positions: Sequence[int], failed_id: int,
+                   outcomes: list[Any]) -> None:
+    """The outcome of the events at ``positions`` (the rest of a run after its failed event
+    ``failed_id``): NotSent, one instance for them all."""
+    if positions:
+        skipped = NotSent(f"not sent: event {failed_id} of its aggregate failed before it")
+        for i in positions:
+            outcomes[i] = skipped
+
+
 def _set_done(done: asyncio.Future[None]) -> None:
     if not done.done():
         done.set_result(None)
@@ -231,7 +257,7 @@ def load_publisher(spec: str) -> Any:
 
 def print_event(event: OutboxEvent) -> None:
     """A publisher for trying things out: prints each event on one line
-    (``outboxpg-worker --publisher outboxpg.publishers:print_event``)."""
+    (``outboxpg-worker --publisher outboxpg.relay.publishers:print_event``)."""
     print(f"{event.id} {event.subject} msg_id={event.msg_id} attempt={event.attempt} "
           f"{event.payload.decode('utf-8', 'replace')}", flush=True)
 

@@ -22,9 +22,9 @@ import contextlib
 import logging
 import time
 
-from outboxpg.errors import first_line
 from outboxpg.relay.backoff import DB_MAX_DELAY, next_delay
 from outboxpg.relay.gateway import Gateway
+from outboxpg.text import first_line
 
 __all__ = ["POLL_INTERVAL", "StandbyFlush"]
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from outboxpg.errors import describe
 from outboxpg.events import OutboxEvent
 from outboxpg.relay.metrics import WorkerMetrics
+from outboxpg.text import describe
 
 __all__ = ["Recorder", "WorkerStats"]
 

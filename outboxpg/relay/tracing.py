@@ -26,8 +26,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from outboxpg.errors import NotSent, describe
 from outboxpg.events import OutboxEvent
+from outboxpg.relay.publishers import NotSent
+from outboxpg.text import describe
 from outboxpg.tracecontext import extract
 
 __all__ = ["PublishTracer", "publish_tracer"]

@@ -16,8 +16,8 @@ from typing import Any
 import psycopg
 
 from outboxpg import statements
-from outboxpg.errors import first_line
 from outboxpg.relay.backoff import DB_MAX_DELAY, next_delay
+from outboxpg.text import first_line
 
 __all__ = ["CONNECT_OPTIONS", "Listener", "IdleLock"]
 

@@ -42,20 +42,21 @@ from typing import Any
 
 import psycopg
 
-from outboxpg.errors import PermanentError, describe, first_line
 from outboxpg.events import LEASE_TOKEN, OutboxEvent, event_from_row, runs_of
 from outboxpg.relay.backoff import DB_MAX_DELAY, next_delay
 from outboxpg.relay.config import WorkerConfig
-from outboxpg.relay.gateway import Gateway, RawJsonLoader, connection_lost, id_array, lsn_value
+from outboxpg.relay.gateway import Gateway, connection_lost, id_array, lsn_value
 from outboxpg.relay.horizon import watch_xmin_every
 from outboxpg.relay.maintenance import maintain_every
 from outboxpg.relay.metrics import WorkerMetrics
-from outboxpg.relay.publishers import as_publisher
+from outboxpg.relay.publishers import PermanentError, as_publisher
 from outboxpg.relay.standby import StandbyFlush
-from outboxpg.relay.stats import Recorder, WorkerStats
+from outboxpg.relay.stats import Recorder
 from outboxpg.relay.wakeup import IdleLock, Listener
+from outboxpg.text import describe, first_line
 
-__all__ = ["RawJsonLoader", "Worker", "WorkerConfig", "WorkerStats", "application_name", "split_runs"]
+# WorkerConfig is declared in relay/config.py (gateway.py reads it too); its import path is this module.
+__all__ = ["Worker", "WorkerConfig", "application_name", "split_runs"]
 
 log = logging.getLogger("outboxpg.worker")
 

@@ -18,7 +18,7 @@ from psycopg.conninfo import conninfo_to_dict
 from roles import Login
 
 from outboxpg.events import OutboxEvent
-from outboxpg.worker import Worker, WorkerConfig
+from outboxpg.relay.worker import Worker, WorkerConfig
 
 Conn = psycopg.Connection[Any]
 

@@ -52,7 +52,7 @@ def test_every_metric_the_dashboard_queries_is_exported(dsn: str, conn: psycopg.
     for n in range(3):
         insert(conn, "order", f"o-{n}", "created")
     port = free_port()
-    w = Proc(tmp_path, "--dsn", dsn, "--publisher", "outboxpg.publishers:print_event", "--metrics-port", str(port))
+    w = Proc(tmp_path, "--dsn", dsn, "--publisher", "outboxpg.relay.publishers:print_event", "--metrics-port", str(port))
     try:
         end = time.monotonic() + 20
         while conn.execute("SELECT count(*) FROM outbox WHERE state = 'published'").fetchone() != (3,):

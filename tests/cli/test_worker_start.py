@@ -18,9 +18,9 @@ from typing import Any
 import psycopg
 import pytest
 from commands import WORKER
+from locks import WAKEUP_LOCK
 
 from outboxpg import Event, enqueue_many
-from outboxpg.locks import WAKEUP_LOCK
 
 CLI = str(Path(sys.executable).parent / "outboxpg")
 Conn = psycopg.Connection[Any]
@@ -176,7 +176,7 @@ def test_every_worker_option_has_its_flag_and_variable_declared_once() -> None:
 
     from outboxpg.cli.options import env_name, flag_name, from_args
     from outboxpg.cli.outboxpg_worker import build_parser
-    from outboxpg.relay.config import WorkerConfig
+    from outboxpg.relay.worker import WorkerConfig
 
     help_text = run("--help").stdout
     for f in dataclasses.fields(WorkerConfig):

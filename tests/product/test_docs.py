@@ -222,8 +222,9 @@ async def _deliver(env: Env, prefix: str, until: Callable[[], bool], keep_stream
                    **publisher_options: Any) -> None:
     """A real worker (worker-a:4711, NATS publisher) until ``until()``; the stream (named
     ``prefix.upper()``) is deleted afterwards unless ``keep_stream``."""
-    from outboxpg.relay.nats_publisher import NatsPublisher, ensure_stream
-    from outboxpg.worker import Worker, WorkerConfig
+    from outboxpg.relay.nats.publisher import NatsPublisher
+    from outboxpg.relay.nats.streams import ensure_stream
+    from outboxpg.relay.worker import Worker, WorkerConfig
 
     publisher = NatsPublisher(env.nats_url, ack_timeout=5, **publisher_options)
     await publisher.start()

@@ -16,8 +16,10 @@ from nats.js.api import StreamConfig
 from runs import assert_in_order_once, start, states, stream_ids, until_published, write
 from workers import event
 
-from outboxpg.events import NotSent, OutboxEvent, PermanentError
-from outboxpg.relay.nats_publisher import NatsPublisher, ensure_stream
+from outboxpg.events import OutboxEvent
+from outboxpg.relay.nats.publisher import NatsPublisher
+from outboxpg.relay.nats.streams import ensure_stream
+from outboxpg.relay.publishers import NotSent, PermanentError
 
 
 async def stored(stream: StreamHandle) -> list[dict[str, str]]:
@@ -57,7 +59,7 @@ async def test_a_long_run_is_stored_whole_in_order_as_batches_of_at_most_1000(na
         assert [int(m["Nats-Batch-Sequence"]) for m in hot_msgs[:3]] == [1, 2, 3]
         # The short run went one by one.
         assert all("Nats-Batch-Id" not in m for m in msgs if m["Outbox-Aggregate-Id"] == "short")
-        assert pub._atomic_open == 0 and not pub._waiting
+        assert pub.inflight.atomic_open == 0 and not pub.inflight.waiting
     finally:
         await pub.close()
         await stream.nc.close()
@@ -100,7 +102,7 @@ async def test_a_refused_batch_stores_nothing_and_its_retry_goes_one_by_one(nats
             assert out == [None] * 40
             expected = [i for i in range(1, 41) if not (refusal == "duplicate-in-batch" and i == 21)]
             assert [int(m["Outbox-Id"]) for m in msgs] == expected
-        assert pub._atomic_open == 0 and not pub._waiting
+        assert pub.inflight.atomic_open == 0 and not pub.inflight.waiting
     finally:
         await pub.close()
         await stream.nc.close()

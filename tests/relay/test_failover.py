@@ -27,8 +27,8 @@ from psycopg import sql
 
 from outboxpg import schema
 from outboxpg.embedded import EmbeddedPostgres, EmbeddedStandby, free_port
-from outboxpg.nats_publisher import NatsPublisher
-from outboxpg.worker import Worker, WorkerConfig
+from outboxpg.relay.nats.publisher import NatsPublisher
+from outboxpg.relay.worker import Worker, WorkerConfig
 
 WORKER = str(Path(sys.executable).parent / "outboxpg-worker")
 

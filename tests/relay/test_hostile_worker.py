@@ -22,8 +22,8 @@ from jetstream import StreamHandle, make_stream, read_stream
 from nats.js.api import StreamConfig
 
 from outboxpg import enqueue
-from outboxpg.relay.nats_publisher import NatsPublisher
-from outboxpg.worker import Worker, WorkerConfig
+from outboxpg.relay.nats.publisher import NatsPublisher
+from outboxpg.relay.worker import Worker, WorkerConfig
 
 Conn = psycopg.Connection[Any]
 

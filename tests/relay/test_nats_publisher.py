@@ -15,8 +15,9 @@ import pytest
 from jetstream import make_stream
 from workers import event
 
-from outboxpg.events import OutboxEvent, PermanentError
-from outboxpg.relay.nats_publisher import NatsPublisher
+from outboxpg.events import OutboxEvent
+from outboxpg.relay.nats.publisher import NatsPublisher
+from outboxpg.relay.publishers import PermanentError
 
 
 async def test_outcomes_in_order_and_duplicates_counted(nats_server: Any) -> None:
@@ -40,7 +41,7 @@ async def test_outcomes_in_order_and_duplicates_counted(nats_server: Any) -> Non
         assert info.state.messages == 5
         msg = await stream.js.get_msg(stream.name, 2)
         assert msg.headers is not None and msg.headers["Outbox-Id"] == "1" and msg.data == b'{"i": 1}'
-        assert not pub._waiting
+        assert not pub.inflight.waiting
     finally:
         await pub.close()
         await stream.nc.close()
@@ -82,7 +83,7 @@ async def test_answers_on_the_reply_subject(nats_server: Any) -> None:
         assert isinstance(out["unavailable"], nats.js.errors.ServiceUnavailableError)
         assert isinstance(out["garbage"], RuntimeError) and "unreadable" in str(out["garbage"])
         assert isinstance(out["silent"], TimeoutError)
-        assert not pub._waiting, "a timed-out publish is forgotten"
+        assert not pub.inflight.waiting, "a timed-out publish is forgotten"
     finally:
         await pub.close()
         await nc.close()
@@ -111,7 +112,7 @@ async def test_a_late_ack_is_ignored_and_concurrent_batches_keep_their_own(nats_
         assert fast == [None] * 200
         await asyncio.sleep(0.6)   # the slow acks arrive now, for nobody
         assert await pub.publish_batch([event(1, f"{prefix}.fast")]) == [None]
-        assert not pub._waiting
+        assert not pub.inflight.waiting
     finally:
         await pub.close()
         await nc.close()
@@ -184,12 +185,18 @@ class _FakeNats:
         await self.pub._on_ack(_FakeMsg(reply, data))  # type: ignore[arg-type]
 
 
+def _connect_fake(pub: NatsPublisher, fake: _FakeNats) -> None:
+    """``fake`` in place of the client NatsPublisher.start() would connect."""
+    connection = pub.connection
+    connection.nc = fake  # type: ignore[assignment]
+    connection.js = object()  # type: ignore[assignment]
+    connection.reply_prefix, connection.reply_prefix_len = fake.prefix, len(fake.prefix)
+
+
 def _fake_publisher(seed: int, ack_timeout: float = 2.0, **kw: Any) -> tuple[NatsPublisher, _FakeNats]:
     pub = NatsPublisher(ack_timeout=ack_timeout)
     fake = _FakeNats(pub, seed, **kw)
-    pub.nc = fake  # type: ignore[assignment]
-    pub.js = object()  # type: ignore[assignment]
-    pub._reply_prefix, pub._reply_prefix_len = fake.prefix, len(fake.prefix)
+    _connect_fake(pub, fake)
     return pub, fake
 
 
@@ -234,7 +241,7 @@ async def test_a_run_sends_event_k_plus_1_only_after_k_is_acked_and_stops_at_its
     assert fake.sent.count(a[2]) == 1 and len(fake.sent) == len(set(fake.sent))
     # Runs are pipelined: the first event of every run went out before the first ack came back.
     assert fake.sent_at_first_ack == 4
-    assert not pub._waiting
+    assert not pub.inflight.waiting
 
 
 async def test_single_event_runs_are_all_sent_before_the_first_ack() -> None:
@@ -334,11 +341,9 @@ def _fake_atomic_publisher(seed: int, events: list[OutboxEvent], ack_timeout: fl
                            **kw: Any) -> tuple[NatsPublisher, _FakeAtomicNats]:
     pub = NatsPublisher(ack_timeout=ack_timeout, atomic_min_run=min_run)
     fake = _FakeAtomicNats(pub, seed, **kw)
-    pub.nc = fake  # type: ignore[assignment]
-    pub.js = object()  # type: ignore[assignment]
-    pub._reply_prefix, pub._reply_prefix_len = fake.prefix, len(fake.prefix)
-    pub.atomic_server = True
-    pub._streams["fake.x"] = ("S", float("inf"))   # as if looked up: a stream with allow_atomic
+    _connect_fake(pub, fake)
+    pub.connection.atomic_server = True
+    pub.atomic.streams["fake.x"] = ("S", float("inf"))   # as if looked up: a stream with allow_atomic
     by_agg: dict[str, list[int]] = {}
     for e in events:
         by_agg.setdefault(e.aggregate_id, []).append(e.id)
@@ -359,7 +364,7 @@ async def test_long_runs_go_as_atomic_batches_chunk_after_chunk_and_a_refused_ch
         by_agg.setdefault(e.aggregate_id, []).append(e.id)
     a, b, c, d, e_ = (by_agg[k] for k in "abcde")
     pub, fake = _fake_atomic_publisher(seed, events, ack_timeout=10, refuse=frozenset({b[3], d[1500]}))
-    pub.atomic_max_runs = 4   # a, b, d and e are long
+    pub.atomic.max_runs = 4   # a, b, d and e are long
     answering = asyncio.ensure_future(fake.answer())
     try:
         out = dict(zip((ev.id for ev in events), await pub.publish_batch(events)))
@@ -381,7 +386,7 @@ async def test_long_runs_go_as_atomic_batches_chunk_after_chunk_and_a_refused_ch
     # c (short) and e (a retry) went one by one, with sequential acks.
     assert not any(x[0] in c or x[0] in e_ for x in fake.batches)
     assert [out[i] for i in c + e_] == [None] * 11
-    assert not pub._waiting and pub._atomic_open == 0
+    assert not pub.inflight.waiting and pub.inflight.atomic_open == 0
 
 
 async def test_an_unanswered_commit_times_out_its_chunk() -> None:
@@ -400,7 +405,7 @@ async def test_an_unanswered_commit_times_out_its_chunk() -> None:
     r0 = by_agg["r0"]
     assert isinstance(out[r0[0]], TimeoutError) and all(type(out[i]).__name__ == "NotSent" for i in r0[1:])
     assert [out[i] for i in by_agg["r1"]] == [None] * 5
-    assert not pub._waiting and pub._atomic_open == 0 and pub._long_runs == 0
+    assert not pub.inflight.waiting and pub.inflight.atomic_open == 0 and pub.inflight.long_runs == 0
 
 
 async def test_batches_only_while_few_long_runs_are_in_flight() -> None:
@@ -409,7 +414,7 @@ async def test_batches_only_while_few_long_runs_are_in_flight() -> None:
     many = _interleaved({f"m{n}": 5 for n in range(3)})
     few = [event(1000 + n, "fake.x", aggregate_id="f") for n in range(5)]
     pub, fake = _fake_atomic_publisher(0, many + few)
-    assert pub.atomic_max_runs == 2
+    assert pub.atomic.max_runs == 2
     answering = asyncio.ensure_future(fake.answer())
     try:
         assert await pub.publish_batch(many) == [None] * 15
@@ -430,4 +435,4 @@ async def test_batches_only_while_few_long_runs_are_in_flight() -> None:
     finally:
         answering.cancel()
     assert fake.violations == []
-    assert pub._long_runs == 0 and pub._atomic_open == 0
+    assert pub.inflight.long_runs == 0 and pub.inflight.atomic_open == 0

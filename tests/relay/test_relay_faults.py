@@ -30,10 +30,10 @@ from jetstream import NatsProxy, make_stream, read_stream
 
 from outboxpg import Event, enqueue_many
 from outboxpg.embedded import free_port
-from outboxpg.events import NotSent, OutboxEvent, PermanentError
-from outboxpg.relay.nats_publisher import NatsPublisher
-from outboxpg.relay.publishers import FunctionPublisher
-from outboxpg.worker import Worker, WorkerConfig
+from outboxpg.events import OutboxEvent
+from outboxpg.relay.nats.publisher import NatsPublisher
+from outboxpg.relay.publishers import FunctionPublisher, NotSent, PermanentError
+from outboxpg.relay.worker import Worker, WorkerConfig
 
 Conn = psycopg.Connection[Any]
 

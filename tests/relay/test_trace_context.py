@@ -22,10 +22,11 @@ from opentelemetry.trace import NoOpTracerProvider, SpanKind, StatusCode, format
 from workers import all_in, wait_until
 
 from outboxpg import Event, enqueue, enqueue_many
-from outboxpg.events import OutboxEvent, PermanentError
-from outboxpg.relay.nats_publisher import NatsPublisher
+from outboxpg.events import OutboxEvent
+from outboxpg.relay.nats.publisher import NatsPublisher
+from outboxpg.relay.publishers import PermanentError
 from outboxpg.relay.tracing import publish_tracer
-from outboxpg.worker import Worker, WorkerConfig
+from outboxpg.relay.worker import Worker, WorkerConfig
 
 
 @pytest.fixture

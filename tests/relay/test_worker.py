@@ -10,12 +10,12 @@ from typing import Any
 import psycopg
 import pytest
 from jetstream import make_stream, read_stream
+from locks import WAKEUP_LOCK
 from workers import count_in, equals, start, wait_until
 
 from outboxpg import Event, enqueue, enqueue_many
 from outboxpg.events import OutboxEvent
-from outboxpg.locks import WAKEUP_LOCK
-from outboxpg.relay.nats_publisher import NatsPublisher
+from outboxpg.relay.nats.publisher import NatsPublisher
 from outboxpg.relay.publishers import FunctionPublisher
 
 

@@ -5,16 +5,16 @@ from __future__ import annotations
 import asyncio
 import urllib.request
 
+from locks import MAINTENANCE_LOCK
 from prometheus_client.parser import text_string_to_metric_families
 from workers import count_in, equals, start, wait_until
 
 from outboxpg import enqueue
 from outboxpg.embedded import free_port
-from outboxpg.events import OutboxEvent, PermanentError
-from outboxpg.locks import MAINTENANCE_LOCK
+from outboxpg.events import OutboxEvent
 from outboxpg.relay.metrics import WorkerMetrics
-from outboxpg.relay.publishers import FunctionPublisher
-from outboxpg.worker import Worker, WorkerConfig
+from outboxpg.relay.publishers import FunctionPublisher, PermanentError
+from outboxpg.relay.worker import Worker, WorkerConfig
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

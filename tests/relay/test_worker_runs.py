@@ -19,7 +19,7 @@ from workers import wait_until
 
 from outboxpg import enqueue
 from outboxpg.events import OutboxEvent
-from outboxpg.relay.nats_publisher import NatsPublisher
+from outboxpg.relay.nats.publisher import NatsPublisher
 from outboxpg.relay.publishers import FunctionPublisher
 
 
@@ -170,7 +170,7 @@ async def test_nats_connection_dropped_in_the_middle_of_runs(dsn, conn, nats_ser
             # Cut at a moment when some run is in its middle: an event unacked, the one before
             # it stored (checked and cut with no await in between).
             deadline = time.monotonic() + 10
-            while not any(run.next > 0 for run in publisher._waiting.values()):
+            while not any(run.next > 0 for run in publisher.inflight.waiting.values()):
                 assert time.monotonic() < deadline, "no run in flight to cut"
                 await asyncio.sleep(0)
             if how == "proxy-cut":

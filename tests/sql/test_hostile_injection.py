@@ -3,7 +3,7 @@ insert, the SQL functions and the `outboxpg` command line's filters. Each value 
 effect beyond itself: the tables are still there, the value is stored and handed back
 verbatim, and a filter matches it literally (equality, not LIKE; a quote is a quote).
 
-The command line runs in this process (`outboxpg.cli.main(argv)`, its real entry point) so that
+The command line runs in this process (`outboxpg.cli.outboxpg.main(argv)`, its real entry point) so that
 a hundred invocations stay cheap; one runs as a subprocess, as a shell would start it.
 """
 
@@ -19,7 +19,8 @@ import pytest
 from hostile import INJECTIONS
 from psycopg.rows import dict_row
 
-from outboxpg import Event, cli, enqueue, enqueue_many
+from outboxpg import Event, enqueue, enqueue_many
+from outboxpg.cli.outboxpg import main as outboxpg_main
 
 Conn = psycopg.Connection[Any]
 
@@ -131,7 +132,7 @@ def claim_all_one(conn: Conn, worker: str) -> list[dict[str, Any]]:
 # -- the command line ---------------------------------------------------------------------------
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = cli.main(list(argv))
+    code = outboxpg_main(list(argv))
     out, err = capsys.readouterr()
     return code, out, err
 

@@ -31,7 +31,7 @@ from outboxpg import Event, enqueue, enqueue_many, schema, sql_api, sql_files
 from outboxpg.embedded import EmbeddedPostgres
 from outboxpg.events import OutboxEvent
 from outboxpg.relay.publishers import FunctionPublisher
-from outboxpg.worker import Worker, WorkerConfig
+from outboxpg.relay.worker import Worker, WorkerConfig
 
 GROUPS = ("outbox_producer", "outbox_worker", "outbox_operator")
 

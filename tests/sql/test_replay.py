@@ -19,7 +19,7 @@ from roles import Denied, login_roles
 from workers import count_in, start, wait_until
 
 import outboxpg
-from outboxpg.relay.nats_publisher import NatsPublisher
+from outboxpg.relay.nats.publisher import NatsPublisher
 
 Conn = psycopg.Connection[Any]
 BadFilter = psycopg.errors.InvalidParameterValue

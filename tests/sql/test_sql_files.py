@@ -7,6 +7,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
+import locks
 import psycopg
 import pytest
 from dataset import build_dataset, last_claim_at, producing_transaction
@@ -22,8 +23,6 @@ from helpers import (
 )
 from psycopg.rows import dict_row
 
-from outboxpg import locks
-
 FILES = ("health", "leases", "failures", "dead_letters", "partitions", "repair")
 
 
@@ -33,8 +32,8 @@ def snapshot(conn: psycopg.Connection[Any]) -> list[tuple[Any, ...]]:
 
 # -- every file -------------------------------------------------------------------------------
 
-def test_every_advisory_lock_key_of_the_sql_is_named_in_outboxpg_locks() -> None:
-    """The SQL spells the lock keys out; outboxpg.locks names them for Python and the tests."""
+def test_every_advisory_lock_key_of_the_sql_is_named_in_tests_locks() -> None:
+    """The SQL spells the lock keys out; tests/locks.py names them for the tests."""
     named_pairs = {v for v in vars(locks).values() if isinstance(v, tuple)}
     classes = {locks.LOCK_CLASS, locks.AGGREGATE_LOCK_CLASS, locks.HEADS_WRITER_LOCK_CLASS}
     migrations = sorted((SQL_DIR.parent / "migrations").glob("*.sql")) + sorted((SQL_DIR.parent / "schema").glob("*.sql"))

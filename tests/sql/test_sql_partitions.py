@@ -21,9 +21,8 @@ from helpers import (
     set_settings,
     states,
 )
+from locks import MAINTENANCE_LOCK
 from psycopg.rows import dict_row
-
-from outboxpg.locks import MAINTENANCE_LOCK
 
 Conn = psycopg.Connection[Any]
 

@@ -10,8 +10,8 @@ from helpers import Running
 from jetstream import make_stream
 from workers import wait_until
 
-from outboxpg.relay.nats_publisher import NatsPublisher
-from outboxpg.worker import Worker, WorkerConfig
+from outboxpg.relay.nats.publisher import NatsPublisher
+from outboxpg.relay.worker import Worker, WorkerConfig
 
 PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 INSERT = ("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers) "

@@ -24,7 +24,7 @@ from workers import start, wait_until
 from outboxpg import schema
 from outboxpg.embedded import EmbeddedPostgres
 from outboxpg.relay.publishers import FunctionPublisher
-from outboxpg.worker import WorkerConfig
+from outboxpg.relay.worker import WorkerConfig
 
 Conn = psycopg.Connection[Any]
 

@@ -1,5 +1,5 @@
-"""The advisory locks of outboxpg's SQL, by name. The SQL spells the keys out (a function cannot
-read Python); these names are for the Python side and the tests, and
+"""The advisory locks of outboxpg's SQL, by name, for the tests. The SQL spells the keys out (a
+function cannot read Python) and the package never takes them itself;
 tests/sql/test_sql_files.py checks that every key the SQL takes or looks for is one of them.
 
 Two-key locks are (classid, objid) in pg_locks, with objsubid = 2; 1868724336 is 'obxp'.

@@ -1,0 +1,54 @@
+"""The CLI's plain-text rendering: aligned tables, label/value lists, JSON-ready rows."""
+
+from __future__ import annotations
+
+import datetime as dt
+from decimal import Decimal
+
+from outboxpg.cli.render import cell, counts_by_type, id_list, jsonable, pairs, table
+
+
+def test_cells_for_people() -> None:
+    assert [cell(None), cell(True), cell(False), cell(3), cell(dt.timedelta(seconds=90))] == ["", "yes", "no", "3",
+                                                                                                "1 min 30 s"]
+    assert cell(dt.datetime(2026, 11, 23, 18, 55, 42, 123456)) == "2026-11-23 18:55:42"
+
+
+def test_a_table_aligns_numbers_right_and_the_rest_left() -> None:
+    assert table(["state", "events"], [["pending", 5], ["dead", 1200], ["published", None]]) == [
+        "  state      events",
+        "  ---------  ------",
+        "  pending         5",
+        "  dead         1200",
+        "  published",
+    ]
+    assert table(["a"], []) == ["  a", "  -"]
+
+
+def test_pairs_pad_labels_and_indent_continued_lines() -> None:
+    assert pairs([("id", 7), ("last_error", "boom\nDETAIL: x"), ("empty", "")]) == [
+        "  id          7",
+        "  last_error  boom",
+        "              DETAIL: x",
+        "  empty",
+    ]
+
+
+def test_jsonable_turns_intervals_into_seconds_and_decimals_into_floats() -> None:
+    row = {"age": dt.timedelta(minutes=2), "rate": Decimal("1.5"), "id": 3}
+    assert jsonable(row) == {"age_seconds": 120.0, "rate": 1.5, "id": 3}
+
+
+def test_counts_by_type_most_frequent_first() -> None:
+    rows = [{"aggregate_type": a, "event_type": e} for a, e in
+            [("order", "paid"), ("order", "created"), ("order", "created"), ("invoice", "issued")]]
+    assert counts_by_type(rows) == ["  aggregate_type  event_type  events",
+                                    "  --------------  ----------  ------",
+                                    "  order           created          2",
+                                    "  invoice         issued           1",
+                                    "  order           paid             1"]
+
+
+def test_id_lists_are_cut_after_the_limit() -> None:
+    assert id_list([1, 2, 3]) == "1, 2, 3"
+    assert id_list(list(range(1, 41)), limit=2) == "1, 2, ... (38 more)"
