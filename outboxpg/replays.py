@@ -6,7 +6,7 @@
 Like the producer helpers it never commits: the copies go out when the caller's transaction
 commits. Runs as a member of ``outbox_operator`` (or the owner). The rules (filters combined with
 AND, at least one; ids that are not published left out; original order) are the SQL function's:
-README, "Replay published events".
+docs/how-to/replay.md.
 """
 
 from __future__ import annotations

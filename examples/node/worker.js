@@ -1,4 +1,4 @@
-// An outboxpg worker in Node.js, on the SQL API alone (README: "A worker in any language").
+// An outboxpg worker in Node.js, on the SQL API alone (docs/how-to/other-language.md).
 //
 //   npm ci && DATABASE_URL=postgresql://relay@db/shop node worker.js
 //
@@ -125,7 +125,7 @@ async function main() {
         log({ claimed: rows.map((r) => r.id), lease_token: rows[0].lease_token });
         await handleBatch(client, rows);
       } else if (follow) {
-        await new Promise((resolve) => setTimeout(resolve, 1000));   // or LISTEN outbox: README "Waking workers"
+        await new Promise((resolve) => setTimeout(resolve, 1000));   // or LISTEN outbox: docs/explanation/wakeup.md
       } else {
         break;
       }

@@ -43,7 +43,7 @@ class WorkerConfig:
     standby_flushed: str = option("publish only events a standby has already flushed (written to its disk), so "
                                   "that an asynchronous failover cannot lose a published event: 'any' (any "
                                   "standby) or a standby's application_name; '' off. The worker's role needs "
-                                  "pg_read_all_stats (docs/operating.md)", "", metavar="any|NAME")
+                                  "pg_read_all_stats (docs/how-to/failover.md)", "", metavar="any|NAME")
 
     def validate(self) -> None:
         if self.batch_size < 1:

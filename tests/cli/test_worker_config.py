@@ -1,6 +1,6 @@
 """outboxpg-worker given bad configuration (issue 5), as a process: what it prints, how it exits,
 and that where it waits it backs off instead of spinning. The behaviour table is in
-docs/operating.md ("When the worker cannot start").
+docs/reference/cli.md ("When the worker cannot start").
 
   wrong DSN (refused port, unknown user or database, bad password, malformed)  exit 2, one line
   a database without the outbox schema                                         exit 3, one line

@@ -1,7 +1,8 @@
-"""The commands shown with their output in README.md and docs/operating.md still print that output
+"""The commands shown with their output in README.md and the pages of docs/ still print that output
 (issue 10: "docs that match").
 
-Every plain or `console` code block of those files carries a marker on the line before it:
+Every plain or `console` code block of those files (DOCS, below) carries a marker on the line
+before it:
 
   <!-- doc-check: run SCENARIO -->            its `$ command` lines are run, in order, in one bash
                                               session, in a fresh database built by SCENARIO
@@ -23,7 +24,8 @@ is replaced by `shop` in the output. Literal values a reader would write differe
 `db`, a login) are mapped in SUBSTITUTIONS, per scenario, in plain sight.
 
 OUTBOXPG_DOCS_UPDATE=1 bin/test tests/product/test_docs.py rewrites the checked blocks with what the
-commands print now (review the diff before committing it).
+commands print now (review the diff before committing it). A command whose output the doc abridges
+(a `...` line) keeps as many of its first and last lines as the doc showed, around one `...`.
 """
 
 from __future__ import annotations
@@ -52,9 +54,14 @@ from outboxpg import schema
 from outboxpg.embedded import EmbeddedNats
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = ("README.md", "docs/operating.md")
+# README.md and every page of docs/ but the two that tooling writes and checks on its own
+# (docs/sql-api.md, generated from the catalog; docs/migrations.md, the schema's release workflow).
+DOCS = ("README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md")
+                             if p.name not in ("sql-api.md", "migrations.md")))
 MARKER = re.compile(r"^<!-- doc-check: (run|excerpt|skip)\b\s*(.*?)\s*-->$")
 UPDATE = os.environ.get("OUTBOXPG_DOCS_UPDATE") == "1"
+# The virtual environment the tests run in (bin/test's .venv), as printed paths name it.
+VENV = sys.prefix if sys.prefix != sys.base_prefix else "\0no venv"
 SEP = "\x1edoc-check-exit"
 
 
@@ -110,20 +117,68 @@ def test_excerpt_is_in_its_file(block: Block) -> None:
     assert "\n".join(block.body) in text, f"{block.where}: not (any more) a part of {block.arg}"
 
 
+# -- links --------------------------------------------------------------------------------------
+
+# Every markdown file of the project but those of dependencies and tools' caches.
+MARKDOWN = sorted(p for p in ROOT.rglob("*.md")
+                  if not any(part.startswith(".") or part == "node_modules" for part in p.relative_to(ROOT).parts))
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def anchors(path: Path) -> set[str]:
+    """The anchors GitHub makes of a file's headings: lower case, punctuation but '-' and '_'
+    dropped, spaces as '-'; a repeated one gets -1, -2, ..."""
+    seen: dict[str, int] = {}
+    out = set()
+    in_code = False
+    for line in path.read_text().split("\n"):
+        if line.startswith("```"):
+            in_code = not in_code
+        m = re.match(r"^#{1,6} (.*)", line)
+        if m and not in_code:
+            slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+            n = seen.get(slug, 0)
+            seen[slug] = n + 1
+            out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+@pytest.mark.parametrize("doc", MARKDOWN, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_link_resolves(doc: Path) -> None:
+    """Relative links lead to a file of the checkout, and an anchor to a heading of it."""
+    broken = []
+    text = re.sub(r"^```.*?^```", "", doc.read_text(), flags=re.S | re.M)   # not inside code blocks
+    for target in LINK.findall(text):
+        if re.match(r"^[a-z]+:", target):
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (doc.parent / path).resolve() if path else doc
+        if not dest.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            broken.append(f"{target}: no heading with that anchor")
+    assert not broken, f"{doc.relative_to(ROOT)}: " + "; ".join(broken)
+
+
 # -- comparing ----------------------------------------------------------------------------------
 
 _VOLATILE = [
     (re.compile(r"\b[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b"), "<uuid>"),
     (re.compile(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d(:\d\d(\.\d+)?)?([+-]\d\d(:\d\d)?)?"), "<time>"),
+    (re.compile(r"<time>,\d+"), "<time>"),                                   # log lines' milliseconds
     (re.compile(r"\b\d+ days? \d\d:\d\d:\d\d(\.\d+)?|\b\d\d:\d\d:\d\d(\.\d+)?"), "<interval>"),
     (re.compile(r"\b\d+(\.\d+)? (ms|s|min|h)\b"), "<age>"),
     (re.compile(r"_p\d{8}T\d{6}"), "_p<date>"),
     (re.compile(r"(127\.0\.0\.1|localhost)(:|, port |\", port )\d+"), r"\1\2<port>"),
     (re.compile(r"\bpid \d+"), "pid <pid>"),
+    (re.compile(r"pg_terminate_backend\(\d+\)"), "pg_terminate_backend(<pid>)"),
     (re.compile(r'"port":\d+'), '"port":<port>'),
     (re.compile(r"\b\d+(\.\d+)?ms\b"), "<age>"),
     (re.compile(r'"(checked_at|last_claim_at|dead_at|created_at)":"[^"]*"'), r'"\1":"<time>"'),
     (re.compile(r'"(\w+_seconds)":[0-9.]+'), r'"\1":<seconds>'),
+    (re.compile(r'"(\w*pid)":\d+'), r'"\1":<pid>'),
+    (re.compile(r"\b(\w+_ms)=[0-9.]+"), r"\1=<ms>"),
+    (re.compile(r"\(default: [\w.-]+:\d+\)"), "(default: <host>:<pid>)"),   # outboxpg-worker --name
 ]
 
 
@@ -154,6 +209,15 @@ class Env:
     nats_url: str
     tmp: Path
     more: list[DatabaseJanitor]   # further databases of the scenario, <dbname>_<suffix>
+    cleanups: list[Callable[[], None]]   # run after the block, newest first
+
+    def own_nats(self) -> str:
+        """A nats-server of the scenario's own (its streams and subjects collide with nobody's):
+        its URL replaces the docs' nats://127.0.0.1:4222."""
+        server = EmbeddedNats().start()
+        self.cleanups.append(lambda: server.stop(remove=True))
+        self.nats_url = server.url
+        return server.url
 
     def database(self, suffix: str) -> str:
         """Another database for the scenario: <dbname>_<suffix> (shown as <suffix> in the output)."""
@@ -188,12 +252,70 @@ def connect(env: Env) -> psycopg.Connection[Any]:
 
 @scenario("blank")
 def _blank(env: Env) -> None:
-    """A database without the outbox schema (README: installing it with psql, then --adopt)."""
+    """A database without the outbox schema (docs/how-to/install.md: psql, then --adopt)."""
+
+
+@scenario("demo")
+def _demo(env: Env) -> None:
+    """README's bin/demo: it starts servers of its own; the scenario's database is not used."""
+
+
+def _own_nats(env: Env) -> dict[str, str]:
+    return {"nats://127.0.0.1:4222": env.nats_url}
+
+
+@scenario("app", _own_nats)
+def _app(env: Env) -> None:
+    """README "Use it in your app" and docs/tutorial.md: a database without the schema, and a
+    nats-server of the scenario's own (the docs' stream OUTBOX on outbox.> collides with nobody's)."""
+    env.own_nats()
+
+
+# docs/tutorial.md: each step starts where the one before it left the database.
+TUTORIAL_EVENTS = ("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) VALUES "
+                   """('order', 'o-1', 'created', '{"total": 42}'), ('order', 'o-2', 'created', '{"total": 7}'), """
+                   """('order', 'o-1', 'paid', '{"amount": 42}')""")
+SCENARIOS["tutorial"] = _app
+SUBSTITUTIONS["tutorial"] = _own_nats
+
+
+@scenario("tutorial-migrated", _own_nats)
+def _tutorial_migrated(env: Env) -> None:
+    """docs/tutorial.md after step 1: the schema installed."""
+    env.own_nats()
+    _migrate(env)
+
+
+@scenario("tutorial-written", _own_nats)
+def _tutorial_written(env: Env) -> None:
+    """docs/tutorial.md after step 2: its three events written."""
+    _tutorial_migrated(env)
+    with connect(env) as c:
+        c.execute(TUTORIAL_EVENTS)
+
+
+@scenario("tutorial-delivered", _own_nats)
+def _tutorial_delivered(env: Env) -> None:
+    """docs/tutorial.md after step 3: its three events delivered into the stream OUTBOX."""
+    _tutorial_written(env)
+    with connect(env) as c:
+        def delivered() -> bool:
+            return c.execute("SELECT count(*) FROM outbox WHERE state = 'published'").fetchone() == (3,)
+        asyncio.run(_deliver(env, "outbox", delivered, keep_stream=True))
+
+
+@scenario("producer-login", lambda env: {"user=app": "user={PGDATABASE}_app"})
+def _producer_login(env: Env) -> None:
+    """docs/how-to/operate.md "The wrong login": a login `app` (shown so: its real name is
+    <dbname>_app) that is a member of outbox_producer only."""
+    _migrate(env)
+    with connect(env) as c:
+        c.execute(sql.SQL("CREATE ROLE {} LOGIN IN ROLE outbox_producer").format(sql.Identifier(f"{env.dbname}_app")))
 
 
 @scenario("empty")
 def _empty(env: Env) -> None:
-    """The outbox schema installed, no event yet (README: scheduled events, idempotent enqueue)."""
+    """The outbox schema installed, no event yet (scheduling, idempotent enqueue, a worker by hand, the settings row)."""
     _migrate(env)
 
 
@@ -253,7 +375,7 @@ async def _deliver(env: Env, prefix: str, until: Callable[[], bool], keep_stream
 
 @scenario("shop")
 def _shop(env: Env) -> None:
-    """docs/operating.md's database: 120 orders delivered by a worker (worker-a:4711); three events
+    """docs/how-to/operate.md and dead-letters.md, the database "shop": 120 orders delivered by a worker (worker-a:4711); three events
     it dead-lettered (two payloads over NATS max_payload, one header block over JetStream's 64 KiB);
     an order event held back behind a dead one; one retry after a timeout; three events leased by
     worker-b:5120."""
@@ -284,14 +406,49 @@ def _shop(env: Env) -> None:
         c.execute("SELECT * FROM outbox_claim(10, '5 minutes', 'worker-b:5120')")
 
 
-# README "CloudEvents and trace context": the stream and subject prefix of the scenario's own.
+@scenario("held")
+def _held(env: Env) -> None:
+    """docs/how-to/operate.md, a producing transaction left open: 120 events of 40 orders (o-1 to
+    o-40) committed; a session named billing-import inserted an event of o-7 and one of o-12 and
+    stays idle in its transaction; then 120 more events of the 40 orders committed, and a worker
+    (relay-1) delivered all it could: everything but the 6 newer events of o-7 and o-12."""
+    _migrate(env)
+    many = ("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
+            "SELECT 'order', 'o-' || (n %% 40 + 1), 'updated', jsonb_build_object('n', n) FROM generate_series(%s::int, %s::int) n")
+    with connect(env) as c:
+        c.execute(many, (1, 120))
+    held = psycopg.connect(env.dsn, application_name="billing-import")   # a transaction stays open
+    env.cleanups.append(held.close)
+    held.execute("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
+                 "VALUES ('order', 'o-7', 'imported', '{}'), ('order', 'o-12', 'imported', '{}')")
+    with connect(env) as c:
+        c.execute(many, (121, 240))
+        while rows := c.execute("SELECT id, lease_token FROM outbox_claim(500, NULL, 'relay-1')").fetchall():
+            c.execute("SELECT outbox_complete(%s, %s)", ([i for i, _ in rows], rows[0][1]))
+
+
+@scenario("xmin")
+def _xmin(env: Env) -> None:
+    """docs/how-to/operate.md, a held snapshot: a session named nightly-report in a REPEATABLE READ
+    transaction, idle since its query, for more than a second."""
+    _migrate(env)
+    with connect(env) as c:
+        c.execute("CREATE TABLE orders (id text PRIMARY KEY, total numeric NOT NULL)")
+    report = psycopg.connect(env.dsn, application_name="nightly-report")
+    env.cleanups.append(report.close)
+    report.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+    report.execute("SELECT sum(total) FROM orders")
+    time.sleep(1.5)
+
+
+# docs/how-to/publish.md, CloudEvents: the stream and subject prefix of the scenario's own.
 CE_PREFIX = f"ce{uuid.uuid4().hex[:8]}"
 
 
 @scenario("cloudevents", lambda env: {"nats://nats:4222": env.nats_url, "--stream OUTBOX": f"--stream {CE_PREFIX.upper()}",
                                        "outbox.order.paid": f"{CE_PREFIX}.order.paid"})
 def _cloudevents(env: Env) -> None:
-    """README "CloudEvents and trace context": the README's INSERT with a traceparent, delivered
+    """docs/how-to/publish.md, CloudEvents: the page's INSERT with a traceparent, delivered
     by a worker with --cloudevents --cloudevents-source https://shop.example/orders."""
     from outboxpg.cloudevents import CloudEvents
 
@@ -323,7 +480,7 @@ NO_STREAM = "RuntimeError: no JetStream stream captures this subject (no respond
 
 @scenario("invoices")
 def _invoices(env: Env) -> None:
-    """docs/operating.md "Events failing right now": 40 orders delivered; three invoices with a
+    """docs/how-to/operate.md "Events failing right now": 40 orders delivered; three invoices with a
     subject of their own that no stream captures, failed 5 or 6 times; a 1.3 MB order
     dead-lettered for its size (the reasons as the worker records them)."""
     _migrate(env)
@@ -420,15 +577,18 @@ def doc_env(pg_server: Any, nats_server: EmbeddedNats, tmp_path: Path) -> Iterat
     with janitor:
         dsn = make_conninfo(host=pg_server.host, port=pg_server.port, user=pg_server.user, dbname=name,
                             password=pg_server.password)
-        env = Env(dsn, name, pg_server, nats_server.url, tmp_path, [])
+        env = Env(dsn, name, pg_server, nats_server.url, tmp_path, [], [])
         try:
             yield env
         finally:
+            for cleanup in reversed(env.cleanups):
+                cleanup()
             for more in env.more:
                 more.drop()
-        # Roles a scenario made are cluster-wide: theirs to drop (scenarios name them docs_*).
+        # Roles a scenario made are cluster-wide: theirs to drop (scenarios name them <dbname>_*).
         with psycopg.connect(dsn, autocommit=True) as c:
-            for (role,) in c.execute("SELECT rolname FROM pg_roles WHERE rolname LIKE 'docs\\_%'").fetchall():
+            for (role,) in c.execute("SELECT rolname FROM pg_roles WHERE rolname LIKE %s",
+                                     (name.replace("_", "\\_") + "\\_%",)).fetchall():
                 c.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
                 c.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
 
@@ -450,6 +610,8 @@ def test_commands_print_what_the_docs_show(block: Block, doc_env: Env) -> None:
     problems, new_body = [], []
     for step, (output, code) in zip(steps(block), results):
         actual_text = re.sub(re.escape(doc_env.dbname) + r"_(\w+)", r"\1", output).replace(doc_env.dbname, "shop")
+        # Paths of this checkout (bin/demo names its nats-server binary) as a reader's would be.
+        actual_text = actual_text.replace(VENV, "/path/to/outboxpg/.venv").replace(str(ROOT), "/path/to/outboxpg")
         expected = [e for e in step.expected if not re.fullmatch(r"\(exit code \d+\)", e)]
         if step.exit_code is not None and code != step.exit_code:
             problems.append(f"$ {step.command}\n  exit code {code}, the doc says {step.exit_code}")
@@ -457,11 +619,23 @@ def test_commands_print_what_the_docs_show(block: Block, doc_env: Env) -> None:
             problems.append(f"$ {step.command}\n--- the doc shows\n" + "\n".join(expected)
                             + "\n--- it prints now\n" + actual_text)
         new_body += ([f"$ {step.command}"] if ":" not in block.arg else []) + \
-            ([line.rstrip() for line in actual_text.split("\n")] if actual_text else []) + \
+            (abridged([line.rstrip() for line in actual_text.split("\n")], expected) if actual_text else []) + \
             ([f"(exit code {code})"] if step.exit_code is not None else [])
     if UPDATE and (problems or any(line != line.rstrip() for line in block.body)):
         _rewrite(block, new_body)
     assert not problems, f"{block.where} drifted:\n\n" + "\n\n".join(problems)
+
+
+def abridged(actual: list[str], expected: list[str]) -> list[str]:
+    """``actual`` cut as the doc cut the output it showed: as many first and last lines as the doc
+    had before its first and after its last ``...`` line, and one ``...`` between them."""
+    if "..." not in expected:
+        return actual
+    head = expected.index("...")
+    tail = len(expected) - 1 - max(i for i, line in enumerate(expected) if line == "...")
+    if head + tail >= len(actual):
+        return actual
+    return actual[:head] + ["..."] + (actual[len(actual) - tail:] if tail else [])
 
 
 def _rewrite(block: Block, body: list[str]) -> None:

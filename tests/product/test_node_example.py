@@ -1,4 +1,4 @@
-"""The Node.js worker of README "A worker in any language" (examples/node) against a real
+"""The Node.js worker of docs/how-to/other-language.md (examples/node) against a real
 database: `npm ci` in a copy of the example, then `node worker.js`. It covers a partly failed
 batch (the published prefix completed, the first failure failed, the rest of its run released),
 ids above 2^53 (bigint, not Number), payload::text (the stored bytes), one lease token per claim,
