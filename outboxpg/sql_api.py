@@ -52,7 +52,7 @@ def _f(name: str, *args: str, callers: tuple[str, ...] = (), definer: bool = Fal
 
 
 # -- what the worker calls (as the owner: a worker has no rights on the tables) -----------------
-CLAIM = _f("outbox_claim", "integer", "interval", "text", callers=(WORKER,), definer=True,
+CLAIM = _f("outbox_claim", "integer", "interval", "text", "bigint", callers=(WORKER,), definer=True,
            settings=(*PLANNER, *PATH))
 COMPLETE = _f("outbox_complete", "bigint[]", "uuid", callers=(WORKER,), definer=True, settings=(*PLANNER, *PATH))
 FAIL = _f("outbox_fail", "bigint", "uuid", "text", "boolean", callers=(WORKER,), definer=True,
@@ -77,18 +77,20 @@ OPEN_PRODUCERS = _f("outbox_open_producers", callers=(WORKER, OPERATOR), definer
 # behind outbox_health's xmin holder columns; the worker's xmin_held log line (reads other
 # roles' sessions in pg_stat_activity)
 XMIN_HOLDERS = _f("outbox_xmin_holders", callers=(WORKER, OPERATOR), definer=True, settings=("jit=off", *PATH))
+# who may create objects in the install schema besides its owners: the worker refuses to start while any may
+UNTRUSTED_CREATORS = _f("outbox_untrusted_creators", callers=(WORKER, OPERATOR))
 # -- operators: the repairs ---------------------------------------------------------------------
 REQUEUE = _f("outbox_requeue", "bigint[]", callers=(OPERATOR,), definer=True)
 DISCARD = _f("outbox_discard", "bigint[]", "text", callers=(OPERATOR,), definer=True)
 # re-send published events (operators only); the candidates are its dry run
 TS = "timestamp with time zone"
-REPLAY = _f("outbox_replay", "bigint[]", "text", "text", "text", TS, TS, "boolean", callers=(OPERATOR,), definer=True)
+REPLAY = _f("outbox_replay", "bigint[]", "text", "text", "text", TS, TS, "boolean", "integer", callers=(OPERATOR,),
+            definer=True)
 REPLAY_CANDIDATES = _f("outbox_replay_candidates", "bigint[]", "text", "text", "text", TS, TS, callers=(OPERATOR,),
                        definer=True, settings=("plan_cache_mode=force_custom_plan", *PATH))
 # -- producers and operators --------------------------------------------------------------------
 CANCEL = _f("outbox_cancel", "bigint[]", callers=(PRODUCER, OPERATOR), definer=True)   # scheduled events
 # idempotent enqueue. The insert trigger calls the first as the producer; enqueue the second.
-IDEMPOTENCY_TAKE = _f("outbox_idempotency_take", "text", "bigint", callers=(PRODUCER,), definer=True)
 IDEMPOTENCY_EVENT = _f("outbox_idempotency_event", "text", callers=(PRODUCER, OPERATOR), definer=True)
 # the worker calls it with outbox_maintain()
 IDEMPOTENCY_FORGET = _f("outbox_idempotency_forget", "integer", callers=(WORKER, OPERATOR), definer=True)
@@ -111,14 +113,16 @@ WAKE_WORKERS = _f("outbox_wake_workers", trigger=True)        # NOTIFY idle work
 FORGET_DELETED = _f("outbox_forget_deleted", trigger=True)    # rows deleted by hand take their heads along
 # the commit-order locks (the aggregate's, and the transaction's horizon) before the event's id
 ASSIGN_ID = _f("outbox_assign_id", trigger=True)
+# a producer's idempotency key, taken as the owner (producers may not read the keys)
+TAKE_IDEMPOTENCY_KEY = _f("outbox_take_idempotency_key", definer=True, trigger=True)
 
 FUNCTIONS: tuple[SqlFunction, ...] = (
     CLAIM, COMPLETE, FAIL, RELEASE, EXTEND, NEXT_WAKEUP, UNFINISHED_SUBJECTS, WORKER_IDLE, WORKER_BUSY,
-    MAINTAIN, HEALTH_ROW, OPEN_PRODUCERS, XMIN_HOLDERS, REQUEUE, DISCARD, REPLAY, REPLAY_CANDIDATES, CANCEL,
-    IDEMPOTENCY_TAKE, IDEMPOTENCY_EVENT, IDEMPOTENCY_FORGET,
+    MAINTAIN, HEALTH_ROW, OPEN_PRODUCERS, XMIN_HOLDERS, UNTRUSTED_CREATORS, REQUEUE, DISCARD, REPLAY,
+    REPLAY_CANDIDATES, CANCEL, IDEMPOTENCY_EVENT, IDEMPOTENCY_FORGET,
     AGGREGATE_KEY, RETRY_DELAY,
     COMMIT_GUARD, COMMIT_HORIZON, TAKE_IN, REFRESH_HEADS, HEADS_FLOOR, HEADS_WRITING,
-    WAKE_WORKERS, FORGET_DELETED, ASSIGN_ID,
+    WAKE_WORKERS, FORGET_DELETED, ASSIGN_ID, TAKE_IDEMPOTENCY_KEY,
 )
 
 # What outboxpg-worker checks at start (exists, and this login may execute it), in this order:

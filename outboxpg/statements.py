@@ -101,6 +101,22 @@ REQUIRED_OBJECTS: tuple[tuple[str, str], ...] = (
 # All of them in one statement, one round trip.
 REQUIRED = "SELECT " + ", ".join(f"{lookup} IS NOT NULL" for _, lookup in REQUIRED_OBJECTS)
 
+# Who besides superusers and the roles of the schema's owner and of the installing role may create
+# objects in the install schema (the first of the search_path): outboxpg migrate refuses before it
+# applies anything, as the install itself does (outbox_untrusted_creators, schema/80_observability.sql).
+UNTRUSTED_CREATORS = """
+SELECT n.nspname,
+       string_agg(CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE quote_ident(pg_get_userbyid(a.grantee)) END,
+                  ', ' ORDER BY a.grantee <> 0, pg_get_userbyid(a.grantee))
+  FROM pg_namespace n, aclexplode(coalesce(n.nspacl, acldefault('n', n.nspowner))) a
+ WHERE n.oid = current_schema()::regnamespace
+   AND a.privilege_type = 'CREATE'
+   AND (a.grantee = 0
+        OR NOT (pg_has_role(a.grantee, n.nspowner, 'USAGE') OR pg_has_role(a.grantee, current_user, 'USAGE')
+                OR (SELECT r.rolsuper FROM pg_roles r WHERE r.oid = a.grantee)))
+ GROUP BY n.nspname
+"""
+
 # -- what a schema holds (outboxpg.catalog: outboxpg migrate --adopt, tools/schema_step.py, tests) --
 
 CURRENT_SCHEMA = "SELECT current_schema()"

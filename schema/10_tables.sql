@@ -83,13 +83,48 @@ CREATE TABLE outbox_settings (
     -- is named (outbox_xmin_holders, 80_observability.sql): while it holds, VACUUM removes no
     -- dead row version, and every claim and report steps over more of them.
     xmin_warn_after    interval NOT NULL DEFAULT '1 minute'
-                       CONSTRAINT xmin_warn_after_positive CHECK (xmin_warn_after > interval '0')
+                       CONSTRAINT xmin_warn_after_positive CHECK (xmin_warn_after > interval '0'),
+
+    -- What producers may write, checked at INSERT (outbox_assign_id), where the producer's
+    -- transaction can still correct it; the worker never sees it.
+    -- An explicit subject must be under subject_prefix or one of these prefixes (a prefix names
+    -- whole tokens: 'payments' admits 'payments.capture', not 'paymentsX.capture'). Producers
+    -- share the worker's connection to the broker: a subject is an instruction to publish
+    -- somewhere, and the streams the operator set up capture these prefixes only.
+    allowed_subject_prefixes text[] NOT NULL DEFAULT '{}'
+                       CONSTRAINT allowed_subject_prefixes_are_valid_nats_subjects CHECK (
+                           -- each one as subject_prefix (subjects hold no space: joined by one,
+                           -- the elements stay apart)
+                           array_position(allowed_subject_prefixes, NULL) IS NULL
+                           AND array_to_string(allowed_subject_prefixes, ' ') ~ ('^((?!_INBOX(\.| |$))[^.*>$[:space:][:cntrl:]][^.*>[:space:][:cntrl:]]*(\.[^.*>[:space:][:cntrl:]]+)*'
+                                                                                 '( (?!_INBOX(\.| |$))[^.*>$[:space:][:cntrl:]][^.*>[:space:][:cntrl:]]*(\.[^.*>[:space:][:cntrl:]]+)*)*)?$')),
+    -- The largest event (payload and headers, as stored in jsonb) an INSERT may write: the
+    -- broker's limit (NATS max_payload, 1 MiB by default, headers included, less the headers
+    -- the worker adds). Events below 64 KiB are never checked (the setting cannot go lower).
+    max_event_bytes    integer  NOT NULL DEFAULT 1000000
+                       CONSTRAINT max_event_bytes_at_least_64_kib CHECK (max_event_bytes >= 65536),
+    -- How far ahead deliver_at may be: an event a year off is rarely meant, and one never due
+    -- holds its aggregate back for good.
+    max_deliver_delay  interval NOT NULL DEFAULT '1 year'
+                       CONSTRAINT max_deliver_delay_positive CHECK (max_deliver_delay > interval '0'),
+    -- The bytes of events one outbox_claim hands out when its caller names no budget: what a
+    -- worker holds in memory for a batch (an event larger than this still goes, alone).
+    max_claim_bytes    bigint   NOT NULL DEFAULT 67108864
+                       CONSTRAINT max_claim_bytes_positive CHECK (max_claim_bytes > 0)
 );
 
 COMMENT ON TABLE outbox_settings IS
     'outboxpg settings (one row). Change with UPDATE outbox_settings SET ...; read by every outbox function on each call.';
 COMMENT ON COLUMN outbox_settings.xmin_warn_after IS
     'A session or prepared transaction holding back the xmin horizon longer than this is named by outbox_health, outboxpg status and the worker''s log.';
+COMMENT ON COLUMN outbox_settings.allowed_subject_prefixes IS
+    'Prefixes (whole tokens) an explicit subject may have besides subject_prefix; any other subject is refused at INSERT.';
+COMMENT ON COLUMN outbox_settings.max_event_bytes IS
+    'The largest payload plus headers (jsonb bytes) an INSERT may write; at least 65536.';
+COMMENT ON COLUMN outbox_settings.max_deliver_delay IS
+    'How far ahead of now an INSERT may set deliver_at.';
+COMMENT ON COLUMN outbox_settings.max_claim_bytes IS
+    'The bytes of events (size_bytes) one outbox_claim hands out when the caller gives no max_bytes; one event always goes.';
 
 INSERT INTO outbox_settings DEFAULT VALUES;
 
@@ -204,6 +239,13 @@ CREATE TABLE outbox (
     -- Not handed out by then: discarded with reason 'expired' instead of being published late.
     -- An event already handed out when its time runs out is on the wire and is left alone.
     expires_at      timestamptz,
+    -- The login that wrote the event (session_user, which SET ROLE does not change), for
+    -- outbox_cancel and the idempotency keys: a producer acts on its own events only. Producers
+    -- may not write this column; a replay copies the original's.
+    produced_by     text         NOT NULL DEFAULT session_user,
+    -- payload and headers in bytes, as the insert trigger measured them (the jsonb datums before
+    -- compression): what max_event_bytes and a claim's byte budget count.
+    size_bytes      integer,
 
     -- A unique constraint on a partitioned table must contain the partition key.
     PRIMARY KEY (id, created_at),
@@ -221,6 +263,10 @@ COMMENT ON COLUMN outbox.idempotency_key IS
     'Optional: while an event with this key is unfinished, another one with it is not inserted.';
 COMMENT ON COLUMN outbox.expires_at IS
     'Discarded with reason ''expired'' if not handed out by then (NULL: never).';
+COMMENT ON COLUMN outbox.produced_by IS
+    'The login that wrote the event (session_user); set by the insert, never by the producer.';
+COMMENT ON COLUMN outbox.size_bytes IS
+    'payload and headers in bytes (jsonb), measured at insert.';
 
 -- Catches rows whose time range has no partition yet (maintenance lagging, or an explicit
 -- created_at far from now), so an insert never fails at a partition boundary.
@@ -330,16 +376,20 @@ COMMENT ON SEQUENCE outbox_intake_mark IS
 
 -- == Idempotency keys ============================================================================
 
--- Which event holds each idempotency key (outbox.idempotency_key). A unique key cannot span
--- the partitions of outbox (a unique index of a partitioned table must hold the partition key),
--- so the keys live here. Written by the insert trigger (outbox_idempotency_take); keys of
--- finished events are forgotten by outbox_idempotency_forget (70_partitions.sql).
+-- Which event holds each idempotency key (outbox.idempotency_key) of each producer. A unique
+-- key cannot span the partitions of outbox (a unique index of a partitioned table must hold the
+-- partition key), so the keys live here. Keys are a producer's own: the same key from two
+-- logins names two events. Written by the insert trigger (outbox_take_idempotency_key) only;
+-- keys of finished events are forgotten by outbox_idempotency_forget (70_partitions.sql).
 CREATE TABLE outbox_idempotency (
-    idempotency_key text        PRIMARY KEY,
+    idempotency_key text        NOT NULL,
     event_id        bigint      NOT NULL,
     -- When the key was taken, or outbox_idempotency_forget() last found its event unfinished.
-    looked_at       timestamptz NOT NULL DEFAULT now()
+    looked_at       timestamptz NOT NULL DEFAULT now(),
+    -- The event's outbox.produced_by: whose key it is.
+    produced_by     text        NOT NULL,
+    CONSTRAINT outbox_idempotency_pkey PRIMARY KEY (produced_by, idempotency_key)
 );
 CREATE INDEX outbox_idempotency_looked_at_idx ON outbox_idempotency (looked_at);
 COMMENT ON TABLE outbox_idempotency IS
-    'outboxpg: which event holds each idempotency key. Written by the insert trigger only.';
+    'outboxpg: which event holds each producer''s idempotency key. Written by the insert trigger only.';

@@ -439,7 +439,14 @@ COMMENT ON FUNCTION outbox_take_in(bigint, bigint, integer) IS
 -- The claim: the intake first, then passes over the due heads (a pass that reclaimed expired
 -- runs or discarded expired events looks again for the rest of the batch), then one UPDATE that
 -- leases the runs found, by the ctids locked on the way.
-CREATE OR REPLACE FUNCTION outbox_claim(batch_size integer, lease interval DEFAULT NULL, worker text DEFAULT NULL)
+--
+-- A claim hands out at most max_bytes of events (size_bytes: payload and headers; default
+-- outbox_settings.max_claim_bytes), so that what a worker holds for a batch is bounded whatever
+-- the producers wrote; at least one event goes, however large. The budget is spent in claim
+-- order (the oldest heads first, each run from its first event), so it cuts a run short but
+-- never skips an event: what it leaves stays due for the next claim.
+CREATE OR REPLACE FUNCTION outbox_claim(batch_size integer, lease interval DEFAULT NULL, worker text DEFAULT NULL,
+                                        max_bytes bigint DEFAULT NULL)
 RETURNS TABLE (
     id             bigint,
     subject        text,
@@ -508,6 +515,9 @@ DECLARE
     m_ready timestamptz[];
     m_leased timestamptz[];
     x_tids  tid[];
+    budget  bigint;         -- max_bytes, or the setting
+    pass_bytes bigint;
+    taken   bigint := 0;    -- bytes of the events of the passes before
     lo      timestamptz;
     hi      timestamptz;
 BEGIN
@@ -520,6 +530,11 @@ BEGIN
     lease := coalesce(lease, cfg.default_lease);
     IF lease <= interval '0' THEN
         RAISE EXCEPTION 'outbox_claim: lease must be positive, got %', lease
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    budget := coalesce(max_bytes, cfg.max_claim_bytes);
+    IF budget < 1 THEN
+        RAISE EXCEPTION 'outbox_claim: max_bytes must be 1 or more, got %', budget
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
     owner := coalesce(worker, nullif(current_setting('application_name'), ''), 'backend ' || pg_backend_pid());
@@ -567,12 +582,12 @@ BEGIN
         -- events past them are neither read nor locked.
         WITH cand AS MATERIALIZED (
             SELECT h.aggregate_type, h.aggregate_id, h.head_id AS old_head_id, h.ready_at AS old_ready,
-                   h.leased_until AS old_leased,
+                   h.leased_until AS old_leased, h.opened_id AS old_opened,
                    h.tid AS head_tid, h.lock_key, line.ids AS line_ids,
                    e.id, e.ctid, e.created_at, e.state, e.attempts, e.next_attempt_at, e.locked_until, e.lease_token,
-                   e.expires_at
+                   e.expires_at, e.size_bytes
               FROM (SELECT h.aggregate_type, h.aggregate_id, h.lock_key, h.head_id, h.ready_at, h.leased_until,
-                           h.ctid AS tid
+                           h.opened_id, h.ctid AS tid
                       FROM outbox_heads h
                      WHERE h.ready_at <= t
                        AND h.ready_at >= floor_at
@@ -591,7 +606,7 @@ BEGIN
                     OFFSET 0) line   -- once per head, not once per row of the join below
               LEFT JOIN LATERAL (
                    SELECT o.id, o.ctid, o.created_at, o.state, o.attempts, o.next_attempt_at, o.locked_until,
-                          o.lease_token, o.expires_at
+                          o.lease_token, o.expires_at, o.size_bytes
                      FROM outbox o
                     WHERE o.aggregate_type = h.aggregate_type AND o.aggregate_id = h.aggregate_id
                       AND o.unfinished AND o.id >= least(h.head_id, upto + 1)
@@ -609,11 +624,11 @@ BEGIN
                    first_value(m.lease_token) OVER w AS first_token,
                    first_value(m.locked_until) OVER w AS first_until,
                    first_value(m.matched) OVER w AS first_matched,
-                   -- The run: the prefix of events that are pending, due and not held back.
+                   -- The line's run: the prefix of events that are pending, due and not held back.
                    bool_and(m.matched AND m.state = 'pending' AND m.next_attempt_at <= t
                             AND (m.expires_at IS NULL OR m.expires_at > t)        -- never sent late
                             AND (m.id <= g.settled
-                                 OR (m.id <= g.open_below AND m.lock_key <> ALL (g.held_keys)))) OVER w AS in_run,
+                                 OR (m.id <= g.open_below AND m.lock_key <> ALL (g.held_keys)))) OVER w AS in_line,
                    -- A run whose lease ran out: its first event's retry (random jitter, drawn once).
                    CASE WHEN m.rn = 1 AND m.matched AND m.state = 'processing' AND m.locked_until < t
                         THEN t + outbox_retry_delay(m.attempts, cfg.backoff_base, cfg.backoff_cap) END AS retry_at,
@@ -622,6 +637,16 @@ BEGIN
                    m.rn = 1 AND m.matched AND m.state = 'pending' AND m.expires_at <= t AS lapsed
               FROM numbered m
             WINDOW w AS (PARTITION BY m.old_head_id ORDER BY m.id)),
+        -- The run, within the byte budget: in claim order (the oldest head first, each line from
+        -- its first event), the events whose bytes fit with those before them; and the claim's
+        -- first event in any case. Cut anywhere, each head keeps a prefix of its line.
+        budgeted AS MATERIALIZED (
+            SELECT m.*,
+                   m.in_line
+                   AND (taken + sum(coalesce(m.size_bytes, 0)) FILTER (WHERE m.in_line) OVER b <= budget
+                        OR (cardinality(c_ids) = 0 AND count(*) FILTER (WHERE m.in_line) OVER b = 1)) AS in_run
+              FROM marked m
+            WINDOW b AS (ORDER BY m.old_ready, m.old_opened, m.id)),
         -- The events still leased under an expired run's token go back.
         expired AS MATERIALIZED (
             SELECT m.id, m.ctid, m.created_at, m.rn = 1 AS is_first,
@@ -653,7 +678,7 @@ BEGIN
                         ELSE m.old_ready                               -- held back by the guard
                    END AS new_ready,
                    CASE WHEN m.in_run THEN t + lease END AS new_leased
-              FROM marked m
+              FROM budgeted m
              WHERE m.rn = 1),
         -- The heads that move are moved by the statement after this one, by ctid.
         moved AS (
@@ -661,8 +686,9 @@ BEGIN
               FROM head_next hn
              WHERE (hn.old_head_id, hn.old_ready, hn.old_leased)
                    IS DISTINCT FROM (hn.new_head_id, hn.new_ready, hn.new_leased))
-        SELECT (SELECT array_agg(m.id ORDER BY m.id) FROM marked m WHERE m.in_run),
-               (SELECT array_agg(m.ctid ORDER BY m.id) FROM marked m WHERE m.in_run),
+        SELECT (SELECT array_agg(m.id ORDER BY m.id) FROM budgeted m WHERE m.in_run),
+               (SELECT array_agg(m.ctid ORDER BY m.id) FROM budgeted m WHERE m.in_run),
+               (SELECT sum(coalesce(m.size_bytes, 0)) FROM budgeted m WHERE m.in_run),
                (SELECT array_agg(x.id ORDER BY x.id) FROM expired x),
                (SELECT array_agg(x.ctid ORDER BY x.id) FROM expired x),
                (SELECT array_agg(x.is_first ORDER BY x.id) FROM expired x),
@@ -670,9 +696,9 @@ BEGIN
                (SELECT count(*) FROM head_next),
                (SELECT array_agg(hn.aggregate_type) FROM head_next hn WHERE hn.line_length = 0),
                (SELECT array_agg(hn.aggregate_id) FROM head_next hn WHERE hn.line_length = 0),
-               (SELECT min(m.created_at) FROM marked m
+               (SELECT min(m.created_at) FROM budgeted m
                  WHERE m.in_run OR m.lapsed OR m.id IN (SELECT x.id FROM expired x)),
-               (SELECT max(m.created_at) FROM marked m
+               (SELECT max(m.created_at) FROM budgeted m
                  WHERE m.in_run OR m.lapsed OR m.id IN (SELECT x.id FROM expired x)),
                (SELECT array_agg(m.id ORDER BY m.id) FROM marked m WHERE m.lapsed),
                (SELECT array_agg(m.ctid ORDER BY m.id) FROM marked m WHERE m.lapsed),
@@ -680,7 +706,7 @@ BEGIN
                (SELECT array_agg(mv.new_head_id) FROM moved mv),
                (SELECT array_agg(mv.new_ready) FROM moved mv),
                (SELECT array_agg(mv.new_leased) FROM moved mv)
-          INTO pass_ids, pass_tids, r_ids, r_tids, r_first, r_retry, seen_heads, pass_empty_types,
+          INTO pass_ids, pass_tids, pass_bytes, r_ids, r_tids, r_first, r_retry, seen_heads, pass_empty_types,
                pass_empty_ids, pass_lo, pass_hi, x_ids, x_tids, m_tids, m_heads, m_ready,
                m_leased;
         IF m_tids IS NOT NULL THEN
@@ -704,6 +730,7 @@ BEGIN
         EXIT WHEN seen_heads = 0;
         c_ids  := c_ids || pass_ids;          -- || and least/greatest ignore NULLs
         c_tids := c_tids || pass_tids;
+        taken  := taken + coalesce(pass_bytes, 0);
         lo := least(lo, pass_lo);
         hi := greatest(hi, pass_hi);
 
@@ -737,7 +764,7 @@ BEGIN
                AND (o.id = ANY (x_ids)) IS TRUE
                AND o.created_at BETWEEN pass_lo AND pass_hi;
         END IF;
-        EXIT WHEN (r_ids IS NULL AND x_ids IS NULL) OR cardinality(c_ids) >= n;
+        EXIT WHEN (r_ids IS NULL AND x_ids IS NULL) OR cardinality(c_ids) >= n OR taken >= budget;
     END LOOP;
 
     IF cardinality(empty_types) > 0 THEN
@@ -774,5 +801,5 @@ BEGIN
 END;
 $$;
 
-COMMENT ON FUNCTION outbox_claim(integer, interval, text) IS
-    'Lease up to batch_size due events under a new lease_token: runs of up to max_run consecutive events per aggregate, oldest heads first, rows in id order; reclaims expired runs (one failed attempt for the run''s first event).';
+COMMENT ON FUNCTION outbox_claim(integer, interval, text, bigint) IS
+    'Lease up to batch_size due events (at most max_bytes of them, default outbox_settings.max_claim_bytes; one at least) under a new lease_token: runs of up to max_run consecutive events per aggregate, oldest heads first, rows in id order; reclaims expired runs (one failed attempt for the run''s first event).';

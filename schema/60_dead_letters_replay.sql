@@ -188,10 +188,12 @@ $$;
 COMMENT ON FUNCTION outbox_replay_candidates(bigint[], text, text, text, timestamptz, timestamptz) IS
     'The published events outbox_replay would copy with the same filters (combined with AND, at least one; created_at in [since, until)), in id order: its dry run.';
 
+-- At most max_events copies a call, all or nothing: a filter that matches more (a slip such as
+-- since => '-infinity') copies nothing and says how to go on.
 CREATE OR REPLACE FUNCTION outbox_replay(ids bigint[] DEFAULT NULL, aggregate_type text DEFAULT NULL,
                               aggregate_id text DEFAULT NULL, event_type text DEFAULT NULL,
                               since timestamptz DEFAULT NULL, until timestamptz DEFAULT NULL,
-                              new_msg_id boolean DEFAULT false) RETURNS integer
+                              new_msg_id boolean DEFAULT false, max_events integer DEFAULT 10000) RETURNS integer
 LANGUAGE plpgsql
 -- Runs as its owner: an operator may not insert events nor read payloads itself.
 SECURITY DEFINER
@@ -203,20 +205,35 @@ BEGIN
     IF new_msg_id IS NULL THEN
         RAISE EXCEPTION 'outbox_replay: new_msg_id must not be NULL' USING ERRCODE = 'null_value_not_allowed';
     END IF;
-    -- Through the insert path of every event (its trigger assigns the ids in this statement's order).
-    INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers, subject, msg_id)
+    IF max_events IS NULL OR max_events < 1 THEN
+        RAISE EXCEPTION 'outbox_replay: max_events must be 1 or more, got %', coalesce(max_events::text, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    -- Through the insert path of every event (its trigger assigns the ids in this statement's
+    -- order). A copy belongs to the original's producer. One more than the cap is read: finding
+    -- it undoes the statement.
+    INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers, subject, msg_id, produced_by)
     SELECT o.aggregate_type, o.aggregate_id, o.event_type, o.payload,
            o.headers || jsonb_build_object('Outbox-Replay-Of', o.id::text),
            o.subject,
-           CASE WHEN outbox_replay.new_msg_id THEN gen_random_uuid()::text ELSE o.msg_id END
-      FROM outbox_replay_candidates(outbox_replay.ids, outbox_replay.aggregate_type, outbox_replay.aggregate_id,
-                                    outbox_replay.event_type, outbox_replay.since, outbox_replay.until) c
+           CASE WHEN outbox_replay.new_msg_id THEN gen_random_uuid()::text ELSE o.msg_id END,
+           o.produced_by
+      FROM (SELECT c.id, c.created_at
+              FROM outbox_replay_candidates(outbox_replay.ids, outbox_replay.aggregate_type, outbox_replay.aggregate_id,
+                                            outbox_replay.event_type, outbox_replay.since, outbox_replay.until) c
+             ORDER BY c.id
+             LIMIT max_events + 1) c
       JOIN outbox o ON o.id = c.id AND o.created_at = c.created_at
      ORDER BY c.id;
     GET DIAGNOSTICS replayed = ROW_COUNT;
+    IF replayed > max_events THEN
+        RAISE EXCEPTION 'outbox_replay: more than max_events (%) published events match: nothing was replayed', max_events
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Narrow the filters (since, until, aggregate_type, ...), or raise max_events.';
+    END IF;
     RETURN replayed;
 END;
 $$;
 
-COMMENT ON FUNCTION outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean) IS
-    'Re-send published events still in the table as new events, in their original order (filters as outbox_replay_candidates, at least one); same msg_id unless new_msg_id (JetStream drops a copy inside its duplicate window); header Outbox-Replay-Of names the original. Returns how many.';
+COMMENT ON FUNCTION outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean, integer) IS
+    'Re-send published events still in the table as new events, in their original order (filters as outbox_replay_candidates, at least one; at most max_events, else none); same msg_id unless new_msg_id (JetStream drops a copy inside its duplicate window); header Outbox-Replay-Of names the original. Returns how many.';

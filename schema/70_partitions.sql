@@ -211,8 +211,11 @@ CREATE OR REPLACE TRIGGER outbox_forget_truncated
 
 -- Keys of finished events are forgotten here, not on the producers' path: a producer that
 -- deleted or touched other keys' rows would make producers wait on each other, and deadlock
--- where two of them write several keys at once. The worker calls it with outbox_maintain();
--- any scheduler can call it: it is cheap when there is nothing to do.
+-- where two of them write several keys at once. The worker calls it with outbox_maintain()
+-- (outboxpg-worker --maintenance-interval); any scheduler can call it: it is cheap when
+-- there is nothing to do. So a key lives as long as its event is unfinished, and up to one
+-- such interval after; only an event's insert takes a key, so keys cannot pile up beyond the
+-- events that made them.
 CREATE OR REPLACE FUNCTION outbox_idempotency_forget(max_keys integer DEFAULT 10000) RETURNS integer
 LANGUAGE plpgsql
 SECURITY DEFINER
@@ -226,7 +229,7 @@ BEGIN
     -- SKIP LOCKED: a key a producer is taking right now is left for the next call; this never
     -- waits for a producer (producers may wait for it, briefly).
     WITH looked AS MATERIALIZED (
-        SELECT k.idempotency_key,
+        SELECT k.produced_by, k.idempotency_key,
                EXISTS (SELECT 1 FROM outbox o WHERE o.id = k.event_id AND o.unfinished) AS held
           FROM outbox_idempotency k
          ORDER BY k.looked_at
@@ -234,12 +237,12 @@ BEGIN
            FOR UPDATE SKIP LOCKED),
     gone AS (
         DELETE FROM outbox_idempotency k USING looked l
-         WHERE k.idempotency_key = l.idempotency_key AND NOT l.held
+         WHERE k.produced_by = l.produced_by AND k.idempotency_key = l.idempotency_key AND NOT l.held
      RETURNING 1),
     kept AS (
         UPDATE outbox_idempotency k SET looked_at = now()
           FROM looked l
-         WHERE k.idempotency_key = l.idempotency_key AND l.held)
+         WHERE k.produced_by = l.produced_by AND k.idempotency_key = l.idempotency_key AND l.held)
     SELECT count(*) INTO forgotten FROM gone;
     RETURN forgotten;
 END;

@@ -45,11 +45,13 @@
 -- before the relay falls behind, and long enough not to name every slow report query. pg_dump
 -- holds one snapshot for its whole run: it is named too, rightly.
 --
--- Reading other roles' sessions in pg_stat_activity (xact_start, state, query) needs
+-- Reading other roles' sessions in pg_stat_activity (xact_start, state) needs
 -- pg_read_all_stats or a superuser: outbox_open_producers() and outbox_xmin_holders() run as
 -- their owner. An owner without that right sees the holders (backend_xid and backend_xmin are
 -- shown to everyone) but not their age: they are then listed with age NULL and never past the
--- threshold (GRANT pg_read_all_stats TO the owner).
+-- threshold (GRANT pg_read_all_stats TO the owner). A holder is named by its pid, role, state,
+-- age and application_name, never by its query: the text of another session's query may hold
+-- another application's data, and workers and operators see these functions.
 DO $$ BEGIN PERFORM set_config('search_path', format('%I, pg_temp', current_schema()), false); END $$;
 
 -- Every event counted, published ones included: a tool for people, not for a tight loop.
@@ -217,7 +219,7 @@ COMMENT ON FUNCTION outbox_health_row() IS
 
 CREATE OR REPLACE FUNCTION outbox_xmin_holders()
 RETURNS TABLE (kind text, pid integer, name text, since timestamptz, age interval, xmin_age integer,
-               state text, query text, application_name text, past_threshold boolean)
+               state text, role text, application_name text, past_threshold boolean)
 LANGUAGE sql
 STABLE
 -- Reads other roles' sessions in pg_stat_activity: runs as its owner (see above).
@@ -230,7 +232,7 @@ AS $$
     WITH holder AS (
         SELECT 'session'::text AS kind, a.pid, NULL::text AS name, a.xact_start AS since,
                greatest(age(a.backend_xmin), age(a.backend_xid)) AS xmin_age,
-               a.state, left(a.query, 200) AS query, a.application_name
+               a.state, a.usename::text AS role, a.application_name
           FROM pg_stat_activity a
          WHERE a.datname = current_database()
            AND (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)
@@ -238,7 +240,7 @@ AS $$
            AND a.backend_type IS DISTINCT FROM 'autovacuum worker'
         UNION ALL
         SELECT 'walsender', a.pid, a.client_addr::text, NULL, age(a.backend_xmin),
-               a.state, NULL, a.application_name
+               a.state, a.usename::text, a.application_name
           FROM pg_stat_activity a
          WHERE a.backend_type = 'walsender' AND a.backend_xmin IS NOT NULL
         UNION ALL
@@ -251,7 +253,7 @@ AS $$
                CASE WHEN r.active THEN 'active' ELSE 'inactive' END, NULL, NULL
           FROM pg_replication_slots r
          WHERE r.xmin IS NOT NULL)
-    SELECT h.kind, h.pid, h.name, h.since, now() - h.since, h.xmin_age, h.state, h.query, h.application_name,
+    SELECT h.kind, h.pid, h.name, h.since, now() - h.since, h.xmin_age, h.state, h.role, h.application_name,
            CASE WHEN h.kind = 'replication slot' THEN h.state = 'inactive'
                 WHEN h.kind = 'walsender' THEN false
                 ELSE coalesce(now() - h.since > s.xmin_warn_after, false)
@@ -275,10 +277,10 @@ SELECT h.backlog, h.pending, h.processing, h.waiting_retry, h.dead, h.expired_le
        x.name              AS xmin_holder_name,
        x.age               AS xmin_holder_age,
        x.state             AS xmin_holder_state,
-       x.query             AS xmin_holder_query,
+       x.role              AS xmin_holder_role,
        x.application_name  AS xmin_holder_application
   FROM outbox_health_row() h
-  LEFT JOIN LATERAL (SELECT x.kind, x.pid, x.name, x.age, x.state, x.query, x.application_name,
+  LEFT JOIN LATERAL (SELECT x.kind, x.pid, x.name, x.age, x.state, x.role, x.application_name,
                             count(*) OVER () AS holders
                        FROM outbox_xmin_holders() x
                       WHERE x.past_threshold
@@ -303,7 +305,7 @@ COMMENT ON COLUMN outbox_health.xmin_holder_pid IS 'Its backend pid (a session; 
 COMMENT ON COLUMN outbox_health.xmin_holder_name IS 'The prepared transaction''s gid or the replication slot''s name.';
 COMMENT ON COLUMN outbox_health.xmin_holder_age IS 'How long it has held: since its transaction began (a session), since PREPARE (a prepared transaction); NULL for a slot.';
 COMMENT ON COLUMN outbox_health.xmin_holder_state IS 'pg_stat_activity.state (e.g. idle in transaction); prepared; a slot: active or inactive.';
-COMMENT ON COLUMN outbox_health.xmin_holder_query IS 'The start (200 characters) of the session''s current or last query.';
+COMMENT ON COLUMN outbox_health.xmin_holder_role IS 'The role the session (or walsender) logged in as.';
 COMMENT ON COLUMN outbox_health.xmin_holder_application IS 'The session''s application_name.';
 
 -- The subjects the next events to go out will be published to. A JetStream stream must capture
@@ -342,3 +344,32 @@ $$;
 
 COMMENT ON FUNCTION outbox_unfinished_subjects(integer) IS
     'The subjects the next events to go out (pending and leased, the first 10,000 in id order) go to: explicit (the event''s own) or the default <subject_prefix>.<aggregate_type>.<event_type>, with how many events each; the most used first, at most max_subjects.';
+
+-- Who, besides superusers and the roles of the schema's and the outbox's owners, may create
+-- objects in the install schema:
+-- such a role can plant a function or operator that the SECURITY DEFINER functions, whose
+-- search_path is this schema, would pick over a built-in (an exact format(text, timestamptz,
+-- text) wins over format(text, VARIADIC "any")), and so run its code as the owner. The install
+-- refuses then (90_privileges.sql), and so does the worker at start: an install opened up later
+-- is caught when the worker next starts. NULL: nobody.
+CREATE OR REPLACE FUNCTION outbox_untrusted_creators() RETURNS text
+LANGUAGE sql
+STABLE
+SET search_path FROM CURRENT
+AS $$
+    -- The schema's own grants of CREATE, so that the answer names whom to REVOKE it from (a
+    -- grant to PUBLIC is one name, not every role).
+    SELECT string_agg(CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE quote_ident(pg_get_userbyid(a.grantee)) END,
+                      ', ' ORDER BY a.grantee <> 0, pg_get_userbyid(a.grantee))
+      FROM pg_namespace n, aclexplode(coalesce(n.nspacl, acldefault('n', n.nspowner))) a
+     WHERE n.oid = current_schema()::regnamespace
+       AND a.privilege_type = 'CREATE'
+       AND (a.grantee = 0
+            OR NOT (pg_has_role(a.grantee, n.nspowner, 'USAGE')
+                    OR pg_has_role(a.grantee, (SELECT c.relowner FROM pg_class c WHERE c.oid = 'outbox'::regclass),
+                                   'USAGE')
+                    OR (SELECT r.rolsuper FROM pg_roles r WHERE r.oid = a.grantee)))
+$$;
+
+COMMENT ON FUNCTION outbox_untrusted_creators() IS
+    'Roles other than the schema owner''s and superusers that may CREATE in the install schema, where they could plant objects the SECURITY DEFINER functions would use (NULL: none). The install and the worker refuse while there are any.';

@@ -9,28 +9,29 @@
 -- they are created here only when missing, so that every database (and every schema) outboxpg
 -- is installed into shares the same three.
 --
---   outbox_producer  INSERT into outbox, only the columns an event is made of; SELECT of the id
---                    column only, for INSERT ... RETURNING id (outboxpg.enqueue); USAGE and
+--   outbox_producer  INSERT into outbox, only the columns an event is made of (not
+--                    produced_by, size_bytes, its state, attempts or created_at); SELECT of the
+--                    id column only, for INSERT ... RETURNING id (outboxpg.enqueue); USAGE and
 --                    SELECT of the id sequence and SELECT on outbox_settings, which the insert
---                    trigger uses as the producer. EXECUTE of
---                    outbox_cancel (the events it scheduled) and of the idempotency functions
---                    the insert path calls. It cannot read events back, set their state,
---                    attempts or created_at. The insert triggers run as the producer and only
---                    read those, take advisory locks and NOTIFY (built-ins everyone may call):
---                    a trigger needs no EXECUTE grant on its function to fire.
+--                    trigger uses as the producer; EXECUTE of outbox_cancel (its own events) and
+--                    outbox_idempotency_event (which of its events holds a key). It cannot read
+--                    events back. The insert trigger runs as the producer and only reads those,
+--                    takes advisory locks and NOTIFYs (built-ins everyone may call); the keys'
+--                    trigger runs as the owner. A trigger needs no EXECUTE grant to fire.
 --   outbox_worker    EXECUTE of the functions the worker calls (claim, complete, fail,
 --                    release, extend, next_wakeup, worker_idle, worker_busy, maintain,
 --                    idempotency_forget, unfinished_subjects, health_row, open_producers,
---                    xmin_holders); SELECT of outbox_settings.subject_prefix and .backoff_cap
---                    (the worker checks its JetStream stream against them at start); SELECT on
+--                    xmin_holders, untrusted_creators); SELECT of outbox_settings.subject_prefix,
+--                    .allowed_subject_prefixes and .backoff_cap (the worker checks its JetStream
+--                    stream against them at start); SELECT on
 --                    outbox_health (its metrics: counts and ages only). LISTEN needs no
 --                    privilege. It cannot read, change or delete events except through those
 --                    functions, nor requeue or discard them.
 --   outbox_operator  SELECT on the views and on outbox_settings, outbox_heads, outbox_intake and
 --                    outbox_idempotency; EXECUTE of the repairs (requeue, discard, replay,
 --                    cancel), outbox_maintain and the inspection functions; SELECT on every
---                    column of outbox except payload and headers (the inspection queries in sql/
---                    read the events' metadata); SELECT on yoyo's _yoyo_migration, where it
+--                    column of outbox except payload, headers and lease_token (the inspection
+--                    queries in sql/ read the events' metadata); SELECT on yoyo's _yoyo_migration, where it
 --                    exists (the command line checks the applied steps). It cannot read
 --                    payloads, change events other than through the repair functions, claim, or
 --                    change settings.
@@ -82,45 +83,35 @@ BEGIN
                         quote_ident(current_schema()), bad;
     END IF;
     -- Whoever may create objects in this schema can plant a function or operator that the
-    -- SECURITY DEFINER functions would pick up (their search_path is this schema), e.g. an exact
-    -- format(text, timestamptz, text) wins over the built-in format(text, VARIADIC "any").
-    -- Superusers, and the installing role with its members, own everything here anyway.
-    SELECT string_agg(who, ', ' ORDER BY who) INTO bad
-      FROM (SELECT 'PUBLIC' AS who
-             WHERE EXISTS (SELECT 1
-                             FROM pg_namespace n, aclexplode(coalesce(n.nspacl, acldefault('n', n.nspowner))) a
-                            WHERE n.oid = current_schema()::regnamespace AND a.grantee = 0
-                              AND a.privilege_type = 'CREATE')
-            UNION ALL
-            SELECT quote_ident(r.rolname)
-              FROM pg_roles r
-             WHERE NOT r.rolsuper AND r.rolname !~ '^pg_'
-               AND has_schema_privilege(r.oid, current_schema()::regnamespace, 'CREATE')
-               AND NOT pg_has_role(r.oid, current_user, 'USAGE')) w;
+    -- SECURITY DEFINER functions would pick up, and run it as the owner (outbox_untrusted_creators).
+    bad := outbox_untrusted_creators();
     IF bad IS NOT NULL THEN
-        RAISE WARNING 'outboxpg: % may CREATE in schema %, where the SECURITY DEFINER outbox functions look up names: they could take them over',
-                      bad, quote_ident(current_schema())
-            USING HINT = format('REVOKE CREATE ON SCHEMA %I FROM ...; install outboxpg into a schema only its owner can write to (docs/privileges.md).',
-                                current_schema());
+        RAISE EXCEPTION 'outboxpg: % may CREATE in schema %, where the SECURITY DEFINER outbox functions look up names: refusing to install',
+                        bad, quote_ident(current_schema())
+            -- A code of its own (class OB: outboxpg), so that outboxpg migrate can tell it apart.
+            USING ERRCODE = 'OBX01',
+                  HINT = format('REVOKE CREATE ON SCHEMA %I FROM %s; then install again (docs/privileges.md).',
+                                current_schema(), bad);
     END IF;
 END $$;
 
 -- 3. Nobody may call anything by default.
 REVOKE EXECUTE ON FUNCTION
-    outbox_aggregate_key(text, text), outbox_assign_id(), outbox_idempotency_take(text, bigint),
+    outbox_aggregate_key(text, text), outbox_assign_id(), outbox_take_idempotency_key(),
     outbox_idempotency_event(text), outbox_cancel(bigint[]),
     outbox_wake_workers(), outbox_worker_idle(), outbox_worker_busy(), outbox_next_wakeup(),
     outbox_retry_delay(integer, interval, interval), outbox_commit_guard(), outbox_commit_horizon(),
     outbox_heads_writing(), outbox_heads_floor(), outbox_take_in(bigint, bigint, integer),
-    outbox_claim(integer, interval, text),
+    outbox_claim(integer, interval, text, bigint),
     outbox_refresh_heads(text[], text[]), outbox_complete(bigint[], uuid),
     outbox_fail(bigint, uuid, text, boolean), outbox_release(bigint[], uuid),
     outbox_extend(bigint[], uuid, interval),
     outbox_requeue(bigint[]), outbox_discard(bigint[], text),
     outbox_replay_candidates(bigint[], text, text, text, timestamptz, timestamptz),
-    outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean),
-    outbox_maintain(boolean), outbox_idempotency_forget(integer),
-    outbox_open_producers(), outbox_health_row(), outbox_xmin_holders(), outbox_unfinished_subjects(integer)
+    outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean, integer),
+    outbox_maintain(boolean), outbox_forget_deleted(), outbox_idempotency_forget(integer),
+    outbox_open_producers(), outbox_health_row(), outbox_xmin_holders(), outbox_unfinished_subjects(integer),
+    outbox_untrusted_creators()
 FROM PUBLIC;
 
 -- 4. The schema itself: PUBLIC usually has USAGE (public schema); grant it where it has not.
@@ -146,22 +137,21 @@ GRANT USAGE ON SEQUENCE outbox_id_seq TO outbox_producer;       -- nextval() in 
 GRANT SELECT ON outbox_settings TO outbox_producer;
 GRANT SELECT ON SEQUENCE outbox_id_seq TO outbox_producer;
 GRANT EXECUTE ON FUNCTION outbox_aggregate_key(text, text) TO outbox_producer;
--- The trigger takes idempotency keys as the producer; outboxpg.enqueue asks which event holds one.
-GRANT EXECUTE ON FUNCTION outbox_idempotency_take(text, bigint), outbox_idempotency_event(text)
-    TO outbox_producer;
+-- outboxpg.enqueue asks which of its events holds a key.
+GRANT EXECUTE ON FUNCTION outbox_idempotency_event(text) TO outbox_producer;
 GRANT EXECUTE ON FUNCTION outbox_cancel(bigint[]) TO outbox_producer;
 
 -- 6. Workers: the functions the worker calls, the two settings it reads at start, and the
 --    one-row outbox_health for its metrics (counts and ages, no event data).
 GRANT EXECUTE ON FUNCTION
-    outbox_claim(integer, interval, text), outbox_complete(bigint[], uuid),
+    outbox_claim(integer, interval, text, bigint), outbox_complete(bigint[], uuid),
     outbox_fail(bigint, uuid, text, boolean), outbox_release(bigint[], uuid),
     outbox_extend(bigint[], uuid, interval),
     outbox_next_wakeup(), outbox_worker_idle(), outbox_worker_busy(), outbox_maintain(boolean),
     outbox_idempotency_forget(integer), outbox_unfinished_subjects(integer),
-    outbox_health_row(), outbox_open_producers(), outbox_xmin_holders()
+    outbox_health_row(), outbox_open_producers(), outbox_xmin_holders(), outbox_untrusted_creators()
 TO outbox_worker;
-GRANT SELECT (subject_prefix, backoff_cap) ON outbox_settings TO outbox_worker;
+GRANT SELECT (subject_prefix, backoff_cap, allowed_subject_prefixes) ON outbox_settings TO outbox_worker;
 GRANT SELECT ON outbox_health TO outbox_worker;
 
 -- 7. Operators: the views, the settings (read only), the repairs, and the events' metadata
@@ -176,19 +166,21 @@ GRANT SELECT ON outbox_heads, outbox_intake, outbox_idempotency TO outbox_operat
 GRANT EXECUTE ON FUNCTION
     outbox_requeue(bigint[]), outbox_discard(bigint[], text), outbox_cancel(bigint[]),
     outbox_replay_candidates(bigint[], text, text, text, timestamptz, timestamptz),
-    outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean),
+    outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean, integer),
     outbox_maintain(boolean), outbox_idempotency_forget(integer), outbox_idempotency_event(text),
-    outbox_unfinished_subjects(integer), outbox_health_row(), outbox_open_producers(), outbox_xmin_holders()
+    outbox_unfinished_subjects(integer), outbox_health_row(), outbox_open_producers(), outbox_xmin_holders(),
+    outbox_untrusted_creators()
 TO outbox_operator;
 -- An aggregate's advisory lock key (a hash of its name): sql/health.sql matches the keys that open
 -- producing transactions hold in pg_locks with the events they hold back.
 GRANT EXECUTE ON FUNCTION outbox_aggregate_key(text, text) TO outbox_operator;
+-- Not lease_token: whoever holds it can report on a worker's events.
 GRANT SELECT (id, created_at, aggregate_type, aggregate_id, event_type, subject, msg_id, state, attempts,
-              next_attempt_at, locked_by, claimed_at, locked_until, lease_token, last_error,
+              next_attempt_at, locked_by, claimed_at, locked_until, last_error,
               published_at, dead_at, discarded_at, discard_reason,
               in_flow, unfinished,   -- what the partial indexes select on
               tableoid,              -- which partition an event is in
-              deliver_at, idempotency_key, expires_at)
+              deliver_at, idempotency_key, expires_at, produced_by, size_bytes)
     ON outbox TO outbox_operator;
 -- The outboxpg command line (status, maintain, dead) checks which steps are applied in yoyo's
 -- bookkeeping table, when the schema was installed with yoyo (outboxpg migrate) rather than psql.

@@ -50,7 +50,7 @@ SELECT v.item, v.value
                             (17, 'xmin_holder_name',           h.xmin_holder_name),
                             (18, 'xmin_holder_age',            h.xmin_holder_age::text),
                             (19, 'xmin_holder_state',          h.xmin_holder_state),
-                            (20, 'xmin_holder_query',          left(h.xmin_holder_query, 60)),
+                            (20, 'xmin_holder_role',           h.xmin_holder_role),
                             (21, 'xmin_holder_application',    h.xmin_holder_application)) AS v(n, item, value)
  ORDER BY v.n;
 
@@ -79,7 +79,7 @@ SELECT x.kind,
        date_trunc('second', x.age) AS held_for,
        x.xmin_age                  AS xmin_age_xacts,
        x.past_threshold            AS past_xmin_warn_after,
-       left(regexp_replace(x.query, '\s+', ' ', 'g'), 60) AS query
+       x.role
   FROM outbox_xmin_holders() x;
 
 \echo '== events per state (reads the whole table)'

@@ -4,7 +4,7 @@
 --
 -- Shows, read-only (it reads only events in flight, through the partial index outbox_in_flow_idx):
 --   1. per owner (locked_by: the worker's --name, by default host:pid; or the claiming session's
---      application_name): leased events, claims (lease tokens) behind them, how many are past
+--      application_name): leased events, the claims behind them (one claim time each), how many are past
 --      locked_until, the oldest claim and the first and last expiry;
 --   2. the expired leases one by one (at most 20): their worker died or hung. A claim hands out
 --      a run (consecutive events of one aggregate) under one lease; the next outbox_claim() by
@@ -16,7 +16,7 @@
 \echo '== leases per owner'
 SELECT locked_by,
        count(*)                                      AS leased,
-       count(DISTINCT lease_token)                   AS claims,
+       count(DISTINCT claimed_at)                    AS claims,
        count(*) FILTER (WHERE locked_until < now())  AS expired,
        min(claimed_at)                               AS oldest_claimed_at,
        date_trunc('second', now() - min(claimed_at)) AS oldest_claim_age,

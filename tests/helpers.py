@@ -125,6 +125,11 @@ def set_settings(conn: psycopg.Connection[Any], **values: Any) -> None:
         sql.SQL("{} = {}").format(sql.Identifier(k), sql.Literal(v)) for k, v in values.items())))
 
 
+def allow_subjects(conn: psycopg.Connection[Any], *prefixes: str) -> None:
+    """Let producers write explicit subjects under these prefixes too (outbox_settings)."""
+    conn.execute("UPDATE outbox_settings SET allowed_subject_prefixes = %s", (list(prefixes),))
+
+
 def server_now(conn: psycopg.Connection[Any]) -> Any:
     row = conn.execute("SELECT clock_timestamp()").fetchone()
     assert row is not None

@@ -110,7 +110,7 @@ class Released:
     """The released steps, object by object: the last definition of each (with the ALTER
     FUNCTION statements after it), and every statement's text."""
     definitions: dict[tuple[str, str], list[Statement]]
-    order: list[tuple[str, str]]            # by first definition in the steps
+    order: list[tuple[str, str]]            # functions, views, triggers, comments; each by last definition
     texts: set[str]                         # every statement, words only
     grants: list[Statement]                 # GRANT, REVOKE and DO statements, in order
 
@@ -122,13 +122,18 @@ def _released(texts: list[tuple[str, str]]) -> Released:
             out.texts.add(_words(s.text))
             key = _object(s)
             if key is not None:
-                if key not in out.definitions:
-                    out.order.append(key)
+                if key in out.order:
+                    out.order.remove(key)
+                out.order.append(key)
                 out.definitions[key] = [s]
             elif s.kind == "alter function" and ("function", s.name) in out.definitions:
                 out.definitions[("function", s.name)].append(s)
             elif s.kind in ("grant", "revoke", "do"):
                 out.grants.append(s)
+    # Made again in this order: a view or a trigger needs its functions, a comment its object;
+    # functions are made before the views they read (no SQL function here reads a view).
+    kinds = ("function", "view", "trigger", "comment")
+    out.order.sort(key=lambda k: kinds.index(k[0]))
     return out
 
 

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import psycopg
 
-from outboxpg import schema, sql_files
+from outboxpg import schema, sql_files, statements
 from outboxpg.cli import dead as cli_dead
 from outboxpg.cli import replay as cli_replay
 from outboxpg.cli import status as cli_status
@@ -41,7 +41,7 @@ from outboxpg.cli.common import (
     where_am_i,
     where_text,
 )
-from outboxpg.cli.errors import EXIT_CONNECT, EXIT_FAILED, EXIT_SCHEMA, CliError
+from outboxpg.cli.errors import EXIT_CONNECT, EXIT_FAILED, EXIT_SCHEMA, EXIT_USAGE, CliError
 from outboxpg.cli.options import OneLineParser
 from outboxpg.text import describe, first_line
 
@@ -59,6 +59,11 @@ def _hand_installed_hint(where: str) -> str:
             "then outboxpg migrate")
 
 
+# The install's refusal when roles other than the owner's may create objects in its schema
+# (schema/90_privileges.sql).
+_OTHERS_MAY_CREATE = "OBX01"
+
+
 def _unknown_steps_hint(where: str, steps: list[str]) -> str:
     return (f"{where} records outbox steps this version does not ship ({schema.describe_steps(steps)}): steps "
             "of a release in the making, since squashed into one step; roll them back with the outboxpg that "
@@ -70,6 +75,13 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     with connect(dsn) as conn:     # one-line errors for a bad DSN; what is installed, read only
         where = where_text(where_am_i(conn))
         rec = schema.recorded(conn)
+        exposed = conn.execute(statements.UNTRUSTED_CREATORS).fetchone()
+    if exposed is not None and not (args.rollback or args.status):
+        name, who = exposed
+        raise CliError(f"{who} may CREATE in schema {name} of {where}, where the outbox's SECURITY DEFINER functions "
+                       f"look up names (whoever may create there can run code as the owner): refusing to install; "
+                       f"REVOKE CREATE ON SCHEMA {name} FROM {who}, then migrate again (docs/privileges.md)",
+                       EXIT_USAGE)
     if args.rollback:
         done = schema.rollback(dsn, args.steps, on_notice=_print_notice)
         print("\n".join(f"rolled back {m}" for m in done) if done else "nothing to roll back")
@@ -84,6 +96,11 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     else:
         try:
             done = schema.migrate(dsn, on_notice=_print_notice)
+        except psycopg.Error as exc:
+            if exc.sqlstate == _OTHERS_MAY_CREATE and exc.diag.message_primary:   # a grant made meanwhile
+                raise CliError(f"{exc.diag.message_primary.removeprefix('outboxpg: ')}: "
+                               f"{exc.diag.message_hint or ''}".rstrip(": "), EXIT_USAGE) from None
+            raise
         except schema.HandInstalled:
             raise CliError(_hand_installed_hint(where)) from None
         except schema.UnknownSteps as exc:

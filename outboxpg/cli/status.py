@@ -164,7 +164,7 @@ def _xmin_holder(h: dict[str, Any]) -> XminHolder | None:
     held = h["xmin_holder_age"]
     return XminHolder(h["xmin_holder_kind"], h["xmin_holder_pid"], h["xmin_holder_name"], None,
                       None if held is None else held.total_seconds(), None, h["xmin_holder_state"],
-                      h["xmin_holder_query"], h["xmin_holder_application"])
+                      h["xmin_holder_role"], h["xmin_holder_application"])
 
 
 def _xmin_text(h: dict[str, Any]) -> str:

@@ -53,8 +53,8 @@ _SLEEP_FOR = "SELECT extract(epoch FROM outbox_next_wakeup() - clock_timestamp()
 _MAINTAIN = "SELECT action, partition, detail FROM outbox_maintain()"
 # Keys of finished events forgotten (0022), a batch a run.
 _FORGET_KEYS = "SELECT outbox_idempotency_forget()"
-# The oldest holder of the xmin horizon past outbox_settings.xmin_warn_after (0017), if any.
-_XMIN_HOLDER = ("SELECT kind, pid, name, since, extract(epoch FROM age)::float8, xmin_age, state, query, "
+# The oldest holder of the xmin horizon past outbox_settings.xmin_warn_after, if any.
+_XMIN_HOLDER = ("SELECT kind, pid, name, since, extract(epoch FROM age)::float8, xmin_age, state, role, "
                 "application_name FROM outbox_xmin_holders() WHERE past_threshold "
                 "ORDER BY xmin_age DESC NULLS LAST LIMIT 1")
 
@@ -244,7 +244,7 @@ class Gateway:
 
     async def oldest_xmin_holder(self) -> tuple[Any, ...] | None:
         """outbox_xmin_holders()'s oldest holder past the threshold: (kind, pid, name, since,
-        age in seconds, xmin_age, state, query, application_name), or None."""
+        age in seconds, xmin_age, state, role, application_name), or None."""
         async with self.pool.connection() as conn:
             return await (await conn.execute(_XMIN_HOLDER)).fetchone()
 

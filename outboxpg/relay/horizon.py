@@ -16,13 +16,18 @@ from typing import Any
 import psycopg
 
 from outboxpg.relay.gateway import Gateway
-from outboxpg.text import age, clip_first_line, first_line
+from outboxpg.text import age, first_line
 
 __all__ = ["XminHolder", "XminWatch", "watch_xmin_every"]
 
 log = logging.getLogger("outboxpg.worker")
 
-_QUERY_CHARS = 100
+
+
+def sql_literal(text: str) -> str:
+    """``text`` as a SQL string literal (PostgreSQL's quote_literal with standard_conforming_strings
+    on): safe to paste into psql whatever the name holds."""
+    return "'" + text.replace("'", "''") + "'"
 
 
 @dataclass(frozen=True)
@@ -34,7 +39,7 @@ class XminHolder:
     age_seconds: float | None
     xmin_age: int | None        # transactions since its xmin
     state: str | None
-    query: str | None
+    role: str | None            # the role a session or walsender logged in as (never its query)
     application_name: str | None
 
     @property
@@ -43,11 +48,13 @@ class XminHolder:
         return self.kind, self.pid, self.name, self.since
 
     def text(self) -> str:
-        """For people: "session pid 4242 (application 'report'), idle in transaction, for 2 min 05 s,
-        query 'SELECT ...'"."""
+        """For people: "session pid 4242 of role 'shop_app' (application 'report'), idle in
+        transaction, for 2 min 05 s"."""
         who = self.kind if self.pid is None else f"{self.kind} pid {self.pid}"
         if self.name is not None:
             who += f" {self.name!r}"
+        if self.role:
+            who += f" of role {self.role!r}"
         if self.application_name:
             who += f" (application {self.application_name!r})"
         parts = [who]
@@ -57,8 +64,6 @@ class XminHolder:
             parts.append(f"for {age(timedelta(seconds=self.age_seconds))}")
         if self.xmin_age is not None:
             parts.append(f"{self.xmin_age} transactions ago")
-        if self.query:
-            parts.append(f"query {clip_first_line(' '.join(self.query.split()), _QUERY_CHARS)!r}")
         return ", ".join(parts)
 
     def advice(self) -> str:
@@ -67,9 +72,9 @@ class XminHolder:
                     f"end the transaction in its application, or SELECT pg_terminate_backend({self.pid})")
         if self.kind == "prepared transaction":
             return (f"VACUUM can remove no dead row version while it holds: COMMIT PREPARED or "
-                    f"ROLLBACK PREPARED '{self.name}'")
+                    f"ROLLBACK PREPARED {sql_literal(self.name or '')}")
         return (f"VACUUM can remove no dead row version while it holds: bring its standby back, or "
-                f"SELECT pg_drop_replication_slot('{self.name}') if nothing uses it any more")
+                f"SELECT pg_drop_replication_slot({sql_literal(self.name or '')}) if nothing uses it any more")
 
 
 class XminWatch:
@@ -89,11 +94,10 @@ class XminWatch:
         if holder.identity == self.logged:
             return
         self.logged = holder.identity
-        query = None if holder.query is None else " ".join(holder.query.split())[:_QUERY_CHARS]
-        log.warning("event=xmin_held kind=%r pid=%s name=%r age_s=%s xmin_age=%s state=%r application=%r "
-                    "query=%r note=%r", holder.kind, holder.pid, holder.name,
+        log.warning("event=xmin_held kind=%r pid=%s name=%r age_s=%s xmin_age=%s state=%r role=%r application=%r "
+                    "note=%r", holder.kind, holder.pid, holder.name,
                     "unknown" if holder.age_seconds is None else f"{holder.age_seconds:.0f}", holder.xmin_age,
-                    holder.state, holder.application_name, query, holder.advice())
+                    holder.state, holder.role, holder.application_name, holder.advice())
 
     def failed(self, exc: psycopg.Error) -> None:
         """The look failed: said once, until one succeeds again (delivery does not depend on it)."""

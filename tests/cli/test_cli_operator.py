@@ -13,7 +13,7 @@ from typing import Any
 import psycopg
 import pytest
 from commands import one_line_error, run, run_all
-from helpers import claim, fail, fail_times, insert
+from helpers import allow_subjects, claim, fail, fail_times, insert
 from psycopg.conninfo import conninfo_to_dict
 from roles import Login
 
@@ -50,6 +50,7 @@ def test_schema_not_installed_names_the_database(empty_dsn: str) -> None:
 # -- events failing right now -----------------------------------------------------------------
 
 def test_status_shows_events_failing_now_grouped_by_reason(dsn: str, conn: Conn) -> None:
+    allow_subjects(conn, "elsewhere")
     stuck = insert(conn, "order", "o-stuck", "created", subject="elsewhere.orders")
     fail_times(conn, stuck, "RuntimeError: no JetStream stream captures this subject (no responders)", 4)
     timeouts = [insert(conn, "order", f"o-{n}", "paid") for n in range(3)]

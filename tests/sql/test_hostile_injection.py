@@ -36,8 +36,10 @@ def name_for(v: str) -> str:
 
 @pytest.fixture
 def canary(conn: Conn) -> Conn:
-    """A table that an injected DROP TABLE hi_canary or DELETE would hit."""
+    """A table that an injected DROP TABLE hi_canary or DELETE would hit; explicit subjects under
+    "inj" allowed (outbox_settings.allowed_subject_prefixes)."""
     conn.execute("CREATE TABLE hi_canary (x int); INSERT INTO hi_canary VALUES (1)")
+    conn.execute("UPDATE outbox_settings SET allowed_subject_prefixes = '{inj}'")
     return conn
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import Listener, claim, complete, fail, psql_args, psql_env, release
+from helpers import Listener, allow_subjects, claim, complete, fail, psql_args, psql_env, release
 from jetstream import make_stream, read_stream
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
@@ -47,12 +47,12 @@ TRIGGER_FUNCTIONS = {f.signature for f in sql_api.FUNCTIONS if f.trigger}
 SECURITY_DEFINER = {f.signature for f in sql_api.FUNCTIONS if f.definer}
 # Who may read each view.
 VIEWS = {"outbox_stats": {"outbox_operator"}, "outbox_dead_letters": {"outbox_operator"},
-         "outbox_failing": {"outbox_operator"},   # 0016
+         "outbox_failing": {"outbox_operator"},
          "outbox_partitions": {"outbox_operator"}, "outbox_health": {"outbox_worker", "outbox_operator"}}
 OUTBOX_COLUMNS = {"id", "created_at", "aggregate_type", "aggregate_id", "event_type", "payload", "headers", "subject",
                   "msg_id", "state", "attempts", "next_attempt_at", "locked_by", "claimed_at", "locked_until",
                   "lease_token", "last_error", "published_at", "dead_at", "discarded_at", "discard_reason",
-                  "in_flow", "unfinished", "deliver_at", "idempotency_key", "expires_at"}
+                  "in_flow", "unfinished", "deliver_at", "idempotency_key", "expires_at", "produced_by", "size_bytes"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -112,11 +112,12 @@ def test_table_and_view_privileges(conn: psycopg.Connection[Any]) -> None:
         "aggregate_type", "aggregate_id", "event_type", "payload", "subject", "headers", "msg_id", "deliver_at", "idempotency_key", "expires_at"}
     assert columns("outbox_producer", "outbox", "SELECT") == {"id"}
     assert columns("outbox_worker", "outbox", "SELECT") == set()
-    assert columns("outbox_operator", "outbox", "SELECT") == OUTBOX_COLUMNS - {"payload", "headers"}
+    assert columns("outbox_operator", "outbox", "SELECT") == OUTBOX_COLUMNS - {"payload", "headers", "lease_token"}
     assert conn.execute("SELECT has_column_privilege('outbox_operator', 'outbox', 'tableoid', 'SELECT')").fetchone() == (True,)
     assert columns("outbox_producer", "outbox", "SELECT") | columns("outbox_producer", "outbox", "INSERT") \
-        | columns("outbox_operator", "outbox", "SELECT") == OUTBOX_COLUMNS   # the list above is complete
-    assert columns("outbox_worker", "outbox_settings", "SELECT") == {"subject_prefix", "backoff_cap"}
+        | columns("outbox_operator", "outbox", "SELECT") == OUTBOX_COLUMNS - {"lease_token"}   # the list is complete
+    assert columns("outbox_worker", "outbox_settings", "SELECT") == {"subject_prefix", "backoff_cap",
+                                                                     "allowed_subject_prefixes"}
     assert may("outbox_producer", "outbox_settings", "SELECT")          # the commit-order trigger reads it
     for role in GROUPS:
         for priv in ("UPDATE", "DELETE", "TRUNCATE", "REFERENCES", "TRIGGER"):
@@ -138,6 +139,7 @@ def test_table_and_view_privileges(conn: psycopg.Connection[Any]) -> None:
 # --------------------------------------------------------------------------------------------
 
 def test_producer_may_insert_and_nothing_else(logins: dict[str, Login], conn: psycopg.Connection[Any]) -> None:
+    allow_subjects(conn, "custom")
     with logins["producer"].connect() as p, Listener(logins["worker"].dsn) as listener, \
             logins["worker"].connect() as idle:
         first = insert(p, "1")
@@ -644,9 +646,9 @@ def test_upgrade_where_later_steps_came_first(outbox_template: Any, empty_dsn: s
             denied(w, "SELECT * FROM outbox")
 
 
-def test_install_warns_when_others_may_create_in_the_schema(outbox_template: Any, empty_dsn: str) -> None:
+def test_install_refuses_when_a_login_may_create_in_the_schema(outbox_template: Any, empty_dsn: str) -> None:
     """Whoever may CREATE in the install schema could plant an overload the SECURITY DEFINER
-    functions would pick up: the install names them."""
+    functions would pick up: the install refuses, naming that login and the REVOKE to run."""
     with login_roles(empty_dsn, app="outbox_producer") as apps, \
             psycopg.connect(empty_dsn, autocommit=True) as admin:
         admin.execute("CREATE SCHEMA writable")
@@ -655,9 +657,11 @@ def test_install_warns_when_others_may_create_in_the_schema(outbox_template: Any
                                  "-c", "SET search_path = writable", "-f", "-"],
                                 input=sql_files.install_sql(), capture_output=True, text=True,
                                 env=psql_env(empty_dsn), timeout=120)
-        assert result.returncode == 0, result.stderr
-        warnings = [line for line in result.stderr.splitlines() if "WARNING" in line]
-        assert len(warnings) == 1 and apps["app"].name in warnings[0] and "may CREATE in schema writable" in warnings[0]
+        assert result.returncode != 0, result.stderr
+        errors = [line for line in result.stderr.splitlines() if "ERROR" in line or "HINT" in line]
+        assert errors and apps["app"].name in errors[0] and "may CREATE in schema writable" in errors[0], errors
+        assert any(f"REVOKE CREATE ON SCHEMA writable FROM {apps['app'].name}" in e for e in errors), errors
+        assert admin.execute("SELECT to_regclass('writable.outbox')").fetchone() == (None,)
         admin.execute("DROP SCHEMA writable CASCADE")
 
 

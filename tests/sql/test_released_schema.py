@@ -423,7 +423,10 @@ def test_rolling_the_newest_step_back_gives_the_steps_before_it(empty_dsn: str, 
                               "second: fresh): " + "\n".join(differences(rolled, before)))
 
     with psycopg.connect(empty_dsn, autocommit=True) as c:
-        assert c.execute("SELECT count(*) FROM outbox_heads WHERE aggregate_id = 'busy'").fetchone() == (0,)
+        # Where the steps before it park no head, the parked head is gone; where they do, it stays.
+        parks = c.execute("SELECT to_regclass('outbox_heads') IS NOT NULL AND EXISTS (SELECT FROM pg_attribute "
+                          "WHERE attrelid = 'outbox_heads'::regclass AND attname = 'parked')").fetchone() == (True,)
+        assert c.execute("SELECT count(*) FROM outbox_heads WHERE aggregate_id = 'busy'").fetchone() == (int(parks),)
         got = c.execute("SELECT id, lease_token FROM outbox_claim(100)").fetchall()
         assert [r[0] for r in got] == [waiting]              # the run in flight and the dead letter hold theirs
         assert c.execute("SELECT outbox_complete(%s::bigint[], %s)", ([waiting], got[0][1])).fetchone() == (1,)

@@ -12,7 +12,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import claim, complete, discard, fail, insert, insert_series
+from helpers import allow_subjects, claim, complete, discard, fail, insert, insert_series
 from jetstream import make_stream
 from psycopg.rows import dict_row
 from roles import Denied, login_roles
@@ -62,6 +62,7 @@ def max_id(conn: Conn) -> int:
 
 def test_copies_are_new_events_in_original_order_behind_what_waits(conn: Conn) -> None:
     # Three aggregates, interleaved; some events with headers and a subject of their own.
+    allow_subjects(conn, "shop")
     originals = []
     for n in range(9):
         agg = f"o-{n % 3}"

@@ -198,7 +198,7 @@ NO_PRODUCERS = {"open_producers": 0, "oldest_producer_pid": None, "oldest_produc
                 "held_by_open_transactions": 0,
                 # and nothing holds back the xmin horizon past xmin_warn_after
                 "xmin_holders": 0, "xmin_holder_kind": None, "xmin_holder_pid": None, "xmin_holder_name": None,
-                "xmin_holder_age": None, "xmin_holder_state": None, "xmin_holder_query": None,
+                "xmin_holder_age": None, "xmin_holder_state": None, "xmin_holder_role": None,
                 "xmin_holder_application": None}
 
 

@@ -1,0 +1,808 @@
+-- outboxpg release schema-3, rolled back: takes a database of release schema-3 back to schema-2.
+--
+-- Produced by tools/schema_step.py (bin/schema-step) from schema/ and migrations/next/: do not
+-- edit it. schema/ holds each object's definition and why; docs/migrations.md says how a
+-- release is made. Once released (migrations/RELEASED) it is frozen.
+-- depends: 0016_schema_2
+DO $$ BEGIN PERFORM set_config('search_path', format('%I, pg_temp', current_schema()), false); END $$;
+
+-- Back to the last release, by hand: what the next release added goes, and the tables are put
+-- back. The released definitions of the functions, views and triggers the release replaced
+-- follow (tools/schema_step.py, docs/migrations.md). Emptied when a release is made.
+
+DROP TRIGGER outbox_take_idempotency_key ON outbox;
+DROP FUNCTION outbox_take_idempotency_key();
+DROP FUNCTION outbox_untrusted_creators();
+DROP VIEW outbox_health;
+DROP FUNCTION outbox_xmin_holders();
+DROP FUNCTION outbox_claim(integer, interval, text, bigint);
+DROP FUNCTION outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean, integer);
+
+-- Back to one namespace of keys: where two producers hold one key, the earlier event keeps it.
+DELETE FROM outbox_idempotency k
+ USING outbox_idempotency other
+ WHERE other.idempotency_key = k.idempotency_key AND other.event_id < k.event_id;
+ALTER TABLE outbox_idempotency DROP CONSTRAINT outbox_idempotency_pkey, DROP COLUMN produced_by,
+    ADD CONSTRAINT outbox_idempotency_pkey PRIMARY KEY (idempotency_key);
+
+-- A dropped column keeps its grants (and its roles' dependencies on them): revoked first.
+REVOKE SELECT (produced_by, size_bytes) ON outbox FROM outbox_operator;
+GRANT SELECT (lease_token) ON outbox TO outbox_operator;
+ALTER TABLE outbox DROP COLUMN produced_by, DROP COLUMN size_bytes;
+REVOKE SELECT (allowed_subject_prefixes) ON outbox_settings FROM outbox_worker;
+ALTER TABLE outbox_settings DROP COLUMN allowed_subject_prefixes, DROP COLUMN max_event_bytes,
+    DROP COLUMN max_deliver_delay, DROP COLUMN max_claim_bytes;
+GRANT EXECUTE ON FUNCTION outbox_forget_deleted() TO PUBLIC;
+
+-- The row trigger of every insert. In order:
+--   * deliver_at: written into next_attempt_at, the column every claim waits on for retries, so
+--     a scheduled event is a pending event whose first attempt is not due yet: its head is
+--     ready at that time, outbox_next_wakeup() says when, and nothing else changes;
+--   * trace context: outboxpg.traceparent (and outboxpg.tracestate), set for the transaction
+--     by a producer that cannot build headers itself (a trigger, a stored procedure), goes into
+--     the event's headers unless they hold a traceparent already (any case); a malformed one
+--     fails the insert, naming the setting, since a consumer would drop it;
+--   * the commit-order locks (above), then the id, so that the lock comes before the id;
+--   * the idempotency key: a row whose key an unfinished event holds is not inserted.
+-- outboxpg.held_aggregates is the trigger's own transaction-local setting: the keys the
+-- transaction holds (',k1,k2,'), 'all' once it holds (1868724336, 4), or 'off'. Like the locks
+-- it ends with the transaction, and a rolled-back savepoint takes back both. PL/pgSQL sets up
+-- every expression it evaluates once per transaction, and a one-event transaction pays for all
+-- of them: the settings are read only when a transaction writes a second aggregate, and the
+-- first event's locks go in one statement (bench/producer_instructions.py counts the cost).
+CREATE OR REPLACE FUNCTION outbox_assign_id() RETURNS trigger
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    held  text;       -- outboxpg.held_aggregates: ',k1,k2,' named so far; 'all'; 'off'
+    key   text;
+    trace text;
+    guard boolean;
+    most  integer;
+BEGIN
+    -- A row that has its id already is being moved, not produced (outbox_maintain).
+    IF NEW.id IS NOT NULL THEN
+        RETURN NEW;
+    END IF;
+    IF NEW.deliver_at IS NOT NULL THEN
+        NEW.next_attempt_at := NEW.deliver_at;
+    END IF;
+    IF current_setting('outboxpg.traceparent', true) <> '' THEN
+        trace := current_setting('outboxpg.traceparent', true);
+        IF NOT EXISTS (SELECT 1 FROM jsonb_object_keys(NEW.headers) k WHERE lower(k) = 'traceparent') THEN
+            IF trace !~ '^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$' THEN
+                RAISE EXCEPTION 'outbox: outboxpg.traceparent is not a W3C traceparent: %', left(trace, 80)
+                    USING ERRCODE = 'invalid_parameter_value',
+                          HINT = 'version-traceid-parentid-flags in lower-case hex, e.g. '
+                                 '00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01';
+            END IF;
+            NEW.headers := NEW.headers || jsonb_build_object('traceparent', trace);
+            trace := nullif(current_setting('outboxpg.tracestate', true), '');
+            IF trace IS NOT NULL THEN
+                NEW.headers := NEW.headers || jsonb_build_object('tracestate', trace);
+            END IF;
+        END IF;
+    END IF;
+
+    key := outbox_aggregate_key(NEW.aggregate_type, NEW.aggregate_id)::text;
+    held := current_setting('outboxpg.held_aggregates', true);
+    IF held IS NULL OR held = '' THEN
+        -- The transaction's first event. Before it takes any id, it says that a producing
+        -- transaction is open, (1868724336, 3); that it may commit ids above L, the last id
+        -- handed out so far, -(L + 1) (NULL: none since the sequence was made or reset; 0 then
+        -- holds back every id); and which aggregate it writes, (1868724337, key). Its later
+        -- events' ids are above L too, so once is enough: a claim reads the lowest L of each open
+        -- transaction. The horizon is taken with the guard off too (the claims' intake cursor
+        -- must not pass ids that an open transaction may still commit), and so is the first
+        -- aggregate's name: the settings are read only for a second aggregate, and claims with
+        -- the guard off ignore names.
+        PERFORM pg_advisory_xact_lock_shared(1868724336, 3),
+                pg_advisory_xact_lock_shared(-coalesce(pg_sequence_last_value('outbox_id_seq'), 0) - 1),
+                pg_advisory_xact_lock_shared(1868724337, key::integer),
+                set_config('outboxpg.held_aggregates', ',' || key || ',', true);
+    ELSIF held <> 'all' AND held <> 'off' AND strpos(held, ',' || key || ',') = 0 THEN
+        -- Another aggregate: named while the transaction names at most
+        -- commit_order_max_aggregates (the lock table is shared and finite); past that it holds
+        -- (1868724336, 4), which holds back every event above its horizon, and names no more.
+        SELECT s.commit_order_guard, s.commit_order_max_aggregates INTO guard, most FROM outbox_settings s;
+        IF NOT guard THEN
+            PERFORM set_config('outboxpg.held_aggregates', 'off', true);
+        ELSIF length(held) - length(replace(held, ',', '')) - 1 < most THEN     -- keys named so far
+            PERFORM pg_advisory_xact_lock_shared(1868724337, key::integer),
+                    set_config('outboxpg.held_aggregates', held || key || ',', true);
+        ELSE
+            PERFORM pg_advisory_xact_lock_shared(1868724336, 4),
+                    set_config('outboxpg.held_aggregates', 'all', true);
+        END IF;
+    END IF;
+    NEW.id := nextval('outbox_id_seq');
+    IF NEW.idempotency_key IS NOT NULL AND NOT outbox_idempotency_take(NEW.idempotency_key, NEW.id) THEN
+        RETURN NULL;    -- a duplicate: no row
+    END IF;
+    RETURN NEW;
+END;
+$$;
+
+-- Idempotent enqueue. An event written with an idempotency_key while an earlier event with the
+-- same key is not finished (pending, processing or dead) is not inserted: the INSERT succeeds
+-- and writes no row (INSERT ... RETURNING returns none, COPY counts it out), from any language,
+-- whatever partition the earlier event is in. Once the earlier event is finished the key is free
+-- again. Two transactions inserting one key at once: the second waits on the first's key row
+-- (the primary key's uniqueness check), then sees it committed (a duplicate) or rolled back (it
+-- takes the key). Under REPEATABLE READ or SERIALIZABLE the second fails with a serialization
+-- error instead of waiting it out: retry the transaction. A row without a key pays one IS NULL
+-- test; one with a key pays the key table's insert and, for a key seen before, a look at the
+-- earlier event by id (one index probe per partition).
+CREATE OR REPLACE FUNCTION outbox_idempotency_take(key text, event_id bigint) RETURNS boolean
+LANGUAGE plpgsql
+-- Runs as its owner: producers may neither read the table nor see other events.
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    holder bigint;
+BEGIN
+    IF octet_length(key) > 255 OR key !~ '[^[:space:]]' THEN
+        RAISE EXCEPTION 'outbox: idempotency_key must be 1 to 255 bytes and not blank, got %', left(key, 40)
+            USING ERRCODE = 'check_violation';
+    END IF;
+    LOOP
+        -- Waits for a transaction that inserted the key and has not ended.
+        INSERT INTO outbox_idempotency (idempotency_key, event_id) VALUES (key, event_id)
+        ON CONFLICT (idempotency_key) DO NOTHING;
+        IF FOUND THEN
+            RETURN true;
+        END IF;
+        -- Taken. Each statement below sees what committed before it began.
+        SELECT k.event_id INTO holder FROM outbox_idempotency k WHERE k.idempotency_key = key FOR UPDATE;
+        CONTINUE WHEN NOT FOUND;            -- forgotten meanwhile: try again
+        IF EXISTS (SELECT 1 FROM outbox o WHERE o.id = holder AND o.unfinished) THEN
+            RETURN false;                   -- a duplicate
+        END IF;
+        UPDATE outbox_idempotency k
+           SET event_id = outbox_idempotency_take.event_id, looked_at = now()
+         WHERE k.idempotency_key = key;
+        RETURN true;
+    END LOOP;
+END;
+$$;
+
+-- Which event holds a key: outboxpg.enqueue returns the earlier event's id and says that the
+-- insert was a duplicate.
+CREATE OR REPLACE FUNCTION outbox_idempotency_event(key text) RETURNS bigint
+LANGUAGE sql
+STABLE
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+    SELECT k.event_id FROM outbox_idempotency k WHERE k.idempotency_key = key
+$$;
+
+-- Take events that no worker holds out of the flow: pending (scheduled or not) and dead ones
+-- become discarded with reason 'cancelled', and the next event of their aggregate becomes
+-- claimable (outbox_discard does the work, 60_dead_letters_replay.sql). An event a worker has
+-- claimed (processing) is not cancelled, it may be on the wire already: the count says how many
+-- were. A claim and a cancel of one event are ordered by its row lock: the loser sees the
+-- other's result and leaves the event alone.
+CREATE OR REPLACE FUNCTION outbox_cancel(ids bigint[]) RETURNS integer
+LANGUAGE plpgsql
+-- Runs as its owner, like outbox_discard: producers may not update the table.
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    IF ids IS NULL THEN
+        RAISE EXCEPTION 'outbox_cancel: ids must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    RETURN outbox_discard(ids, 'cancelled');
+END;
+$$;
+
+-- The claim: the intake first, then passes over the due heads (a pass that reclaimed expired
+-- runs or discarded expired events looks again for the rest of the batch), then one UPDATE that
+-- leases the runs found, by the ctids locked on the way.
+CREATE OR REPLACE FUNCTION outbox_claim(batch_size integer, lease interval DEFAULT NULL, worker text DEFAULT NULL)
+RETURNS TABLE (
+    id             bigint,
+    subject        text,
+    aggregate_type text,
+    aggregate_id   text,
+    event_type     text,
+    payload        jsonb,
+    headers        jsonb,
+    msg_id         text,
+    attempts       integer,
+    created_at     timestamptz,
+    lease_token    uuid,
+    locked_until   timestamptz
+)
+LANGUAGE plpgsql
+-- Runs as its owner: a worker has no rights on the tables.
+SECURITY DEFINER
+SET search_path FROM CURRENT
+-- Generic plans: a custom plan would re-plan every statement below on each call, over every
+-- partition (milliseconds), for plans that do not depend on the arguments.
+SET plan_cache_mode = force_generic_plan
+-- Pinned plan shape. These run with generic plans (planned once per session), and a plan made
+-- while the table was small must not turn into scans of the whole backlog after a burst (seen:
+-- seconds per claim until the next ANALYZE). Index probes and nested loops are the right plan
+-- at every size here (a hash join would read all of outbox_heads), so the planner is not given
+-- the choice.
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET enable_hashjoin = off
+SET enable_mergejoin = off
+SET enable_material = off
+SET jit = off
+AS $$
+#variable_conflict use_column
+DECLARE
+    cfg     outbox_settings;
+    token   uuid := gen_random_uuid();
+    -- The lease runs from the moment of the claim, not from the start of the caller's
+    -- transaction (read after the intake, so that the heads it made are due at t).
+    t       timestamptz;
+    floor_at timestamptz;   -- no head is due below it
+    owner   text;
+    n       integer;
+    g       record;
+    upto    bigint;
+    remaining  integer;
+    empty_types text[] := '{}';
+    empty_ids   text[] := '{}';
+    pass_empty_types text[];
+    pass_empty_ids   text[];
+    seen_heads bigint;
+    -- What to do with the events read (parallel arrays).
+    c_ids   bigint[] := '{}';
+    c_tids  tid[] := '{}';
+    pass_ids  bigint[];
+    pass_tids tid[];
+    pass_lo   timestamptz;
+    pass_hi   timestamptz;
+    r_ids   bigint[];
+    r_tids  tid[];
+    r_first boolean[];
+    r_retry timestamptz[];
+    x_ids   bigint[];       -- heads past their expires_at, discarded
+    m_tids  tid[];          -- the heads to move, and where to
+    m_heads bigint[];
+    m_ready timestamptz[];
+    m_leased timestamptz[];
+    x_tids  tid[];
+    lo      timestamptz;
+    hi      timestamptz;
+BEGIN
+    IF batch_size IS NULL OR batch_size < 1 THEN
+        RAISE EXCEPTION 'outbox_claim: batch_size must be 1 or more, got %', coalesce(batch_size::text, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    SELECT * INTO STRICT cfg FROM outbox_settings;
+    n := least(batch_size, cfg.max_claim_batch);
+    lease := coalesce(lease, cfg.default_lease);
+    IF lease <= interval '0' THEN
+        RAISE EXCEPTION 'outbox_claim: lease must be positive, got %', lease
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    owner := coalesce(worker, nullif(current_setting('application_name'), ''), 'backend ' || pg_backend_pid());
+
+    -- This transaction writes heads' ready_at from here on (outbox_heads_floor).
+    PERFORM outbox_heads_writing();
+    -- Commit order: read before the snapshots of the statements below.
+    SELECT * INTO g FROM outbox_commit_guard();
+    upto := outbox_take_in(g.settled, g.last_id, least(greatest(2 * n, 500), 10000));
+    t := clock_timestamp();
+    floor_at := outbox_heads_floor();
+    IF NOT cfg.commit_order_guard THEN
+        -- Switched off: whatever is visible, in id order per aggregate.
+        g.settled := g.last_id;
+        g.open_below := g.last_id;
+        g.held_keys := '{}';
+    END IF;
+    IF upto IS NULL THEN
+        -- Another claim holds the intake row: the mark, not a walk of the row's versions.
+        upto := coalesce(pg_sequence_last_value('outbox_intake_mark'), 0);
+    END IF;
+    -- Parked heads whose second is up, among the first due heads (those that hold the
+    -- floor): dropped below with the heads found empty (outbox_refresh_heads looks at their
+    -- events first). A few index entries, read without locks.
+    SELECT coalesce(array_agg(p.aggregate_type), '{}'), coalesce(array_agg(p.aggregate_id), '{}')
+      INTO empty_types, empty_ids
+      FROM (SELECT h.aggregate_type, h.aggregate_id, h.parked, h.leased_until
+              FROM outbox_heads h
+             WHERE h.ready_at <= t AND h.ready_at >= floor_at
+             ORDER BY h.ready_at, h.opened_id
+             LIMIT 16) p
+     WHERE p.parked AND p.leased_until < t;
+
+    -- Passes: a pass that reclaimed expired runs looks again for the rest of the batch, so a
+    -- worker's crash does not cost the next claim its batch (a short claim tells a worker that
+    -- nothing more is claimable right now).
+    FOR pass IN 1..8 LOOP
+        remaining := n - cardinality(c_ids);
+        -- One statement a pass. `cand`: the heads whose time has come, oldest first, leaving out
+        -- those the guard holds back (head_id is a lower bound of the first event's id; each
+        -- event is checked below), each with its line: its first max_run unfinished events, read
+        -- twice, as they are (`line`) and locked, SKIP LOCKED (`e`). An event someone else is
+        -- changing right now is missing from the second read, and the run ends before it
+        -- (`matched`). The nested loop is lazy: it stops after `remaining` events, so heads and
+        -- events past them are neither read nor locked.
+        WITH cand AS MATERIALIZED (
+            SELECT h.aggregate_type, h.aggregate_id, h.head_id AS old_head_id, h.ready_at AS old_ready,
+                   h.leased_until AS old_leased,
+                   h.tid AS head_tid, h.lock_key, line.ids AS line_ids,
+                   e.id, e.ctid, e.created_at, e.state, e.attempts, e.next_attempt_at, e.locked_until, e.lease_token,
+                   e.expires_at
+              FROM (SELECT h.aggregate_type, h.aggregate_id, h.lock_key, h.head_id, h.ready_at, h.leased_until,
+                           h.ctid AS tid
+                      FROM outbox_heads h
+                     WHERE h.ready_at <= t
+                       AND h.ready_at >= floor_at
+                       AND (h.leased_until IS NULL OR h.leased_until < t)   -- no run in flight
+                       AND NOT h.parked
+                       AND (h.head_id <= g.settled
+                            OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys)))
+                     ORDER BY h.ready_at, h.opened_id             -- head_id is in no index
+                     LIMIT remaining
+                       FOR NO KEY UPDATE SKIP LOCKED) h
+             CROSS JOIN LATERAL (
+                   SELECT array(SELECT o.id FROM outbox o
+                                 WHERE o.aggregate_type = h.aggregate_type AND o.aggregate_id = h.aggregate_id
+                                   AND o.unfinished AND o.id >= least(h.head_id, upto + 1)
+                                 ORDER BY o.id LIMIT least(cfg.max_run, remaining)) AS ids
+                    OFFSET 0) line   -- once per head, not once per row of the join below
+              LEFT JOIN LATERAL (
+                   SELECT o.id, o.ctid, o.created_at, o.state, o.attempts, o.next_attempt_at, o.locked_until,
+                          o.lease_token, o.expires_at
+                     FROM outbox o
+                    WHERE o.aggregate_type = h.aggregate_type AND o.aggregate_id = h.aggregate_id
+                      AND o.unfinished AND o.id >= least(h.head_id, upto + 1)
+                    ORDER BY o.id
+                    LIMIT least(cfg.max_run, remaining)
+                      FOR UPDATE SKIP LOCKED) e ON true
+             LIMIT remaining),
+        numbered AS (
+            SELECT c.*, row_number() OVER w AS rn, c.id = c.line_ids[row_number() OVER w] AS matched
+              FROM cand c
+            WINDOW w AS (PARTITION BY c.old_head_id ORDER BY c.id)),
+        marked AS MATERIALIZED (
+            SELECT m.*,
+                   first_value(m.state) OVER w AS first_state,
+                   first_value(m.lease_token) OVER w AS first_token,
+                   first_value(m.locked_until) OVER w AS first_until,
+                   first_value(m.matched) OVER w AS first_matched,
+                   -- The run: the prefix of events that are pending, due and not held back.
+                   bool_and(m.matched AND m.state = 'pending' AND m.next_attempt_at <= t
+                            AND (m.expires_at IS NULL OR m.expires_at > t)        -- never sent late
+                            AND (m.id <= g.settled
+                                 OR (m.id <= g.open_below AND m.lock_key <> ALL (g.held_keys)))) OVER w AS in_run,
+                   -- A run whose lease ran out: its first event's retry (random jitter, drawn once).
+                   CASE WHEN m.rn = 1 AND m.matched AND m.state = 'processing' AND m.locked_until < t
+                        THEN t + outbox_retry_delay(m.attempts, cfg.backoff_base, cfg.backoff_cap) END AS retry_at,
+                   -- A pending head past its expires_at is discarded, never handed out (an
+                   -- event further down its line is, once it is the head).
+                   m.rn = 1 AND m.matched AND m.state = 'pending' AND m.expires_at <= t AS lapsed
+              FROM numbered m
+            WINDOW w AS (PARTITION BY m.old_head_id ORDER BY m.id)),
+        -- The events still leased under an expired run's token go back.
+        expired AS MATERIALIZED (
+            SELECT m.id, m.ctid, m.created_at, m.rn = 1 AS is_first,
+                   CASE WHEN m.rn = 1 AND m.attempts < cfg.max_attempts THEN m.retry_at END AS retry_at
+              FROM marked m
+             WHERE m.first_state = 'processing' AND m.first_until < t AND m.first_matched
+               AND m.matched AND m.state = 'processing' AND m.lease_token = m.first_token),
+        -- What each head becomes: read off its first row.
+        head_next AS (
+            SELECT m.aggregate_type, m.aggregate_id, m.old_head_id, m.old_ready, m.old_leased, m.head_tid,
+                   cardinality(m.line_ids) AS line_length,
+                   -- Moved up only to a run's first event: that one passed the guard, so no
+                   -- earlier event of its aggregate can still appear. Any other event read here
+                   -- may have a late-committing predecessor this snapshot cannot see, which the
+                   -- intake is about to move the head back to.
+                   CASE WHEN m.in_run THEN m.id ELSE m.old_head_id END AS new_head_id,
+                   -- A run leaves ready_at as it is (below: leased_until).
+                   CASE WHEN m.in_run THEN m.old_ready
+                        WHEN m.lapsed THEN t                           -- its next event, at once
+                        WHEN m.retry_at IS NOT NULL
+                             THEN CASE WHEN m.attempts >= cfg.max_attempts THEN NULL ELSE m.retry_at END
+                        -- No unfinished event seen (a head the intake made from an old view):
+                        -- dropped below by outbox_refresh_heads, which looks again first.
+                        WHEN cardinality(m.line_ids) = 0 THEN m.old_ready
+                        WHEN m.id IS NULL OR NOT m.matched THEN m.old_ready  -- being reported right now
+                        WHEN m.state = 'dead' THEN NULL
+                        WHEN m.state = 'pending' AND m.next_attempt_at > t THEN m.next_attempt_at
+                        WHEN m.state = 'processing' AND m.locked_until >= t THEN m.locked_until
+                        ELSE m.old_ready                               -- held back by the guard
+                   END AS new_ready,
+                   CASE WHEN m.in_run THEN t + lease END AS new_leased
+              FROM marked m
+             WHERE m.rn = 1),
+        -- The heads that move are moved by the statement after this one, by ctid.
+        moved AS (
+            SELECT hn.head_tid, hn.new_head_id, hn.new_ready, hn.new_leased
+              FROM head_next hn
+             WHERE (hn.old_head_id, hn.old_ready, hn.old_leased)
+                   IS DISTINCT FROM (hn.new_head_id, hn.new_ready, hn.new_leased))
+        SELECT (SELECT array_agg(m.id ORDER BY m.id) FROM marked m WHERE m.in_run),
+               (SELECT array_agg(m.ctid ORDER BY m.id) FROM marked m WHERE m.in_run),
+               (SELECT array_agg(x.id ORDER BY x.id) FROM expired x),
+               (SELECT array_agg(x.ctid ORDER BY x.id) FROM expired x),
+               (SELECT array_agg(x.is_first ORDER BY x.id) FROM expired x),
+               (SELECT array_agg(x.retry_at ORDER BY x.id) FROM expired x),
+               (SELECT count(*) FROM head_next),
+               (SELECT array_agg(hn.aggregate_type) FROM head_next hn WHERE hn.line_length = 0),
+               (SELECT array_agg(hn.aggregate_id) FROM head_next hn WHERE hn.line_length = 0),
+               (SELECT min(m.created_at) FROM marked m
+                 WHERE m.in_run OR m.lapsed OR m.id IN (SELECT x.id FROM expired x)),
+               (SELECT max(m.created_at) FROM marked m
+                 WHERE m.in_run OR m.lapsed OR m.id IN (SELECT x.id FROM expired x)),
+               (SELECT array_agg(m.id ORDER BY m.id) FROM marked m WHERE m.lapsed),
+               (SELECT array_agg(m.ctid ORDER BY m.id) FROM marked m WHERE m.lapsed),
+               (SELECT array_agg(mv.head_tid) FROM moved mv),
+               (SELECT array_agg(mv.new_head_id) FROM moved mv),
+               (SELECT array_agg(mv.new_ready) FROM moved mv),
+               (SELECT array_agg(mv.new_leased) FROM moved mv)
+          INTO pass_ids, pass_tids, r_ids, r_tids, r_first, r_retry, seen_heads, pass_empty_types,
+               pass_empty_ids, pass_lo, pass_hi, x_ids, x_tids, m_tids, m_heads, m_ready,
+               m_leased;
+        IF m_tids IS NOT NULL THEN
+            -- By ctid (a TID scan), in a statement of its own. Joined by key within the
+            -- statement above, the planner could read all of outbox_heads_pkey for it once
+            -- ANALYZE had counted few live heads: under a held snapshot, every dead entry of
+            -- every head, on every claim. The heads were locked above and stay as they are; in
+            -- a snapshot of its own this statement sees them as locked, also one that a report
+            -- had changed between the snapshot above and its lock.
+            -- A head taken for a run keeps head_id and ready_at: a HOT update.
+            UPDATE outbox_heads oh
+               SET head_id = mv.new_head_id,
+                   ready_at = mv.new_ready,
+                   leased_until = mv.new_leased
+              FROM unnest(m_tids, m_heads, m_ready, m_leased) AS mv(tid, new_head_id, new_ready, new_leased)
+             WHERE oh.ctid = ANY (m_tids)
+               AND oh.ctid = mv.tid;
+        END IF;
+        empty_types := empty_types || pass_empty_types;
+        empty_ids := empty_ids || pass_empty_ids;
+        EXIT WHEN seen_heads = 0;
+        c_ids  := c_ids || pass_ids;          -- || and least/greatest ignore NULLs
+        c_tids := c_tids || pass_tids;
+        lo := least(lo, pass_lo);
+        hi := greatest(hi, pass_hi);
+
+        IF r_ids IS NOT NULL THEN
+            -- Reclaim expired runs: the first event failed an attempt (retried after a backoff,
+            -- or dead: retry_at NULL), the rest go back unattempted. Their old token matches
+            -- nothing from now on (fencing). The heads were moved above, to the retry time.
+            UPDATE outbox o
+               SET state           = CASE WHEN NOT r.is_first THEN 'pending'
+                                          WHEN r.retry_at IS NULL THEN 'dead' ELSE 'pending' END::outbox_state,
+                   attempts        = CASE WHEN r.is_first THEN o.attempts ELSE greatest(o.attempts - 1, 0) END,
+                   next_attempt_at = CASE WHEN r.is_first THEN coalesce(r.retry_at, t) ELSE t END,
+                   dead_at         = CASE WHEN r.is_first AND r.retry_at IS NULL THEN t END,
+                   last_error      = CASE WHEN r.is_first
+                                          THEN format('lease expired at %s (held by %s)', o.locked_until, o.locked_by)
+                                          ELSE o.last_error END,
+                   locked_until    = NULL,
+                   lease_token     = NULL
+              FROM unnest(r_ids, r_first, r_retry) AS r(id, is_first, retry_at)
+             WHERE o.ctid = ANY (r_tids)                -- locked above
+               AND (o.id = ANY (r_ids)) IS TRUE         -- a ctid from another partition may name a row here
+               AND o.created_at BETWEEN pass_lo AND pass_hi
+               AND o.id = r.id;
+        END IF;
+        IF x_ids IS NOT NULL THEN
+            -- Past their expires_at, out of the flow (their heads were made ready above,
+            -- so the next pass looks at the event behind each).
+            UPDATE outbox o
+               SET state = 'discarded', discarded_at = t, discard_reason = 'expired'
+             WHERE o.ctid = ANY (x_tids)                -- locked above
+               AND (o.id = ANY (x_ids)) IS TRUE
+               AND o.created_at BETWEEN pass_lo AND pass_hi;
+        END IF;
+        EXIT WHEN (r_ids IS NULL AND x_ids IS NULL) OR cardinality(c_ids) >= n;
+    END LOOP;
+
+    IF cardinality(empty_types) > 0 THEN
+        -- Heads with no unfinished event in sight: dropped, or set right, under the protocol
+        -- that keeps a new event from losing its head (the claim holds them already).
+        PERFORM outbox_refresh_heads(empty_types, empty_ids);
+    END IF;
+    IF cardinality(c_ids) = 0 THEN
+        RETURN;
+    END IF;
+
+    RETURN QUERY
+    WITH claimed AS (
+        UPDATE outbox o
+           SET state        = 'processing',
+               attempts     = o.attempts + 1,
+               locked_by    = owner,
+               claimed_at   = t,
+               locked_until = t + lease,
+               lease_token  = token
+         WHERE o.ctid = ANY (c_tids)                     -- locked above: still due
+           -- A ctid from another partition may name a row here. IS TRUE: a filter, not an
+           -- index condition (an index probe per id is what the ctids save).
+           AND (o.id = ANY (c_ids)) IS TRUE
+           AND o.created_at BETWEEN lo AND hi
+     RETURNING o.id,
+               coalesce(o.subject, cfg.subject_prefix || '.' || o.aggregate_type || '.' || o.event_type),
+               -- The columns' domains, as their base types.
+               o.aggregate_type::text, o.aggregate_id::text, o.event_type::text, o.payload,
+               o.headers::jsonb, o.msg_id::text,
+               o.attempts, o.created_at, o.lease_token, o.locked_until
+    )
+    SELECT * FROM claimed ORDER BY 1;
+END;
+$$;
+
+CREATE OR REPLACE FUNCTION outbox_replay(ids bigint[] DEFAULT NULL, aggregate_type text DEFAULT NULL,
+                              aggregate_id text DEFAULT NULL, event_type text DEFAULT NULL,
+                              since timestamptz DEFAULT NULL, until timestamptz DEFAULT NULL,
+                              new_msg_id boolean DEFAULT false) RETURNS integer
+LANGUAGE plpgsql
+-- Runs as its owner: an operator may not insert events nor read payloads itself.
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    replayed integer;
+BEGIN
+    IF new_msg_id IS NULL THEN
+        RAISE EXCEPTION 'outbox_replay: new_msg_id must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    -- Through the insert path of every event (its trigger assigns the ids in this statement's order).
+    INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers, subject, msg_id)
+    SELECT o.aggregate_type, o.aggregate_id, o.event_type, o.payload,
+           o.headers || jsonb_build_object('Outbox-Replay-Of', o.id::text),
+           o.subject,
+           CASE WHEN outbox_replay.new_msg_id THEN gen_random_uuid()::text ELSE o.msg_id END
+      FROM outbox_replay_candidates(outbox_replay.ids, outbox_replay.aggregate_type, outbox_replay.aggregate_id,
+                                    outbox_replay.event_type, outbox_replay.since, outbox_replay.until) c
+      JOIN outbox o ON o.id = c.id AND o.created_at = c.created_at
+     ORDER BY c.id;
+    GET DIAGNOSTICS replayed = ROW_COUNT;
+    RETURN replayed;
+END;
+$$;
+
+-- Keys of finished events are forgotten here, not on the producers' path: a producer that
+-- deleted or touched other keys' rows would make producers wait on each other, and deadlock
+-- where two of them write several keys at once. The worker calls it with outbox_maintain();
+-- any scheduler can call it: it is cheap when there is nothing to do.
+CREATE OR REPLACE FUNCTION outbox_idempotency_forget(max_keys integer DEFAULT 10000) RETURNS integer
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    forgotten integer;
+BEGIN
+    -- The keys looked at longest ago: those whose event is finished (or gone with its partition)
+    -- are forgotten, the others go to the back of the line, so that every call makes progress.
+    -- SKIP LOCKED: a key a producer is taking right now is left for the next call; this never
+    -- waits for a producer (producers may wait for it, briefly).
+    WITH looked AS MATERIALIZED (
+        SELECT k.idempotency_key,
+               EXISTS (SELECT 1 FROM outbox o WHERE o.id = k.event_id AND o.unfinished) AS held
+          FROM outbox_idempotency k
+         ORDER BY k.looked_at
+         LIMIT max_keys
+           FOR UPDATE SKIP LOCKED),
+    gone AS (
+        DELETE FROM outbox_idempotency k USING looked l
+         WHERE k.idempotency_key = l.idempotency_key AND NOT l.held
+     RETURNING 1),
+    kept AS (
+        UPDATE outbox_idempotency k SET looked_at = now()
+          FROM looked l
+         WHERE k.idempotency_key = l.idempotency_key AND l.held)
+    SELECT count(*) INTO forgotten FROM gone;
+    RETURN forgotten;
+END;
+$$;
+
+CREATE OR REPLACE FUNCTION outbox_xmin_holders()
+RETURNS TABLE (kind text, pid integer, name text, since timestamptz, age interval, xmin_age integer,
+               state text, query text, application_name text, past_threshold boolean)
+LANGUAGE sql
+STABLE
+-- Reads other roles' sessions in pg_stat_activity: runs as its owner (see above).
+SECURITY DEFINER
+SET search_path FROM CURRENT
+-- pg_stat_activity and the others are functions estimated at 1,000 rows each: keep the planner
+-- from compiling a query that reads a few dozen rows of memory.
+SET jit = off
+AS $$
+    WITH holder AS (
+        SELECT 'session'::text AS kind, a.pid, NULL::text AS name, a.xact_start AS since,
+               greatest(age(a.backend_xmin), age(a.backend_xid)) AS xmin_age,
+               a.state, left(a.query, 200) AS query, a.application_name
+          FROM pg_stat_activity a
+         WHERE a.datname = current_database()
+           AND (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)
+           AND a.pid <> pg_backend_pid()
+           AND a.backend_type IS DISTINCT FROM 'autovacuum worker'
+        UNION ALL
+        SELECT 'walsender', a.pid, a.client_addr::text, NULL, age(a.backend_xmin),
+               a.state, NULL, a.application_name
+          FROM pg_stat_activity a
+         WHERE a.backend_type = 'walsender' AND a.backend_xmin IS NOT NULL
+        UNION ALL
+        SELECT 'prepared transaction', NULL, p.gid, p.prepared, age(p.transaction),
+               'prepared', NULL, NULL
+          FROM pg_prepared_xacts p
+         WHERE p.database = current_database()
+        UNION ALL
+        SELECT 'replication slot', r.active_pid, r.slot_name, NULL, age(r.xmin),
+               CASE WHEN r.active THEN 'active' ELSE 'inactive' END, NULL, NULL
+          FROM pg_replication_slots r
+         WHERE r.xmin IS NOT NULL)
+    SELECT h.kind, h.pid, h.name, h.since, now() - h.since, h.xmin_age, h.state, h.query, h.application_name,
+           CASE WHEN h.kind = 'replication slot' THEN h.state = 'inactive'
+                WHEN h.kind = 'walsender' THEN false
+                ELSE coalesce(now() - h.since > s.xmin_warn_after, false)
+           END
+      FROM holder h CROSS JOIN outbox_settings s
+     ORDER BY h.xmin_age DESC NULLS LAST, h.since NULLS LAST, h.pid
+$$;
+
+-- The row of outbox_health_row(), and the oldest xmin holder past the threshold with how many
+-- there are: those columns read no outbox table, so they need none of the row's pinned plans.
+CREATE OR REPLACE VIEW outbox_health AS
+SELECT h.backlog, h.pending, h.processing, h.waiting_retry, h.dead, h.expired_leases, h.oldest_pending_age,
+       h.last_claim_at, h.worker_claimed_last_minute, h.open_producers, h.oldest_producer_pid,
+       h.oldest_producer_age, h.held_by_open_transactions,
+       coalesce(x.holders, 0)::integer AS xmin_holders,
+       x.kind              AS xmin_holder_kind,
+       x.pid               AS xmin_holder_pid,
+       x.name              AS xmin_holder_name,
+       x.age               AS xmin_holder_age,
+       x.state             AS xmin_holder_state,
+       x.query             AS xmin_holder_query,
+       x.application_name  AS xmin_holder_application
+  FROM outbox_health_row() h
+  LEFT JOIN LATERAL (SELECT x.kind, x.pid, x.name, x.age, x.state, x.query, x.application_name,
+                            count(*) OVER () AS holders
+                       FROM outbox_xmin_holders() x
+                      WHERE x.past_threshold
+                      ORDER BY x.xmin_age DESC NULLS LAST
+                      LIMIT 1) x ON true;
+
+COMMENT ON FUNCTION outbox_claim(integer, interval, text) IS
+    'Lease up to batch_size due events under a new lease_token: runs of up to max_run consecutive events per aggregate, oldest heads first, rows in id order; reclaims expired runs (one failed attempt for the run''s first event).';
+
+COMMENT ON COLUMN outbox_health.backlog IS 'Events pending (incl. waiting for a retry or held back) or leased.';
+
+COMMENT ON COLUMN outbox_health.oldest_pending_age IS 'now() - created_at of the oldest pending or leased event; NULL when there is none.';
+
+COMMENT ON COLUMN outbox_health.dead IS 'Dead letters: each holds back the later events of its aggregate until requeued or discarded.';
+
+COMMENT ON COLUMN outbox_health.expired_leases IS 'Leases past locked_until (worker died or hung); the next outbox_claim() retries them.';
+
+COMMENT ON COLUMN outbox_health.last_claim_at IS 'When a worker last called outbox_claim (outbox_intake, to the second), whatever it found; NULL: never.';
+
+COMMENT ON COLUMN outbox_health.worker_claimed_last_minute IS 'last_claim_at within the last minute. With a backlog, false means no worker is claiming.';
+
+COMMENT ON COLUMN outbox_health.open_producers IS 'Open transactions that have inserted into outbox (outbox_open_producers()).';
+
+COMMENT ON COLUMN outbox_health.oldest_producer_pid IS 'Backend pid of the producing transaction open longest; NULL when none is open.';
+
+COMMENT ON COLUMN outbox_health.oldest_producer_age IS 'How long that transaction has been open; NULL when none is, or when the owner may not see its session.';
+
+COMMENT ON COLUMN outbox_health.held_by_open_transactions IS 'Pending events the commit-order guard holds back until open producing transactions end.';
+
+COMMENT ON TABLE outbox_idempotency IS
+    'outboxpg: which event holds each idempotency key. Written by the insert trigger only.';
+
+COMMENT ON FUNCTION outbox_idempotency_take(text, bigint) IS
+    'Called by the insert trigger for an event with an idempotency_key: true if the event takes the key, false if an unfinished event holds it (the row is then not inserted).';
+
+COMMENT ON FUNCTION outbox_idempotency_event(text) IS
+    'The id of the event that holds an idempotency key (NULL: none). Once that event is finished the key is free again.';
+
+COMMENT ON FUNCTION outbox_cancel(bigint[]) IS
+    'Take not-yet-delivered events (pending, scheduled or not, and dead) out of the flow: discarded with reason ''cancelled''; the next event of their aggregate becomes claimable. A claimed event is left alone. Returns how many were cancelled.';
+
+COMMENT ON FUNCTION outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean) IS
+    'Re-send published events still in the table as new events, in their original order (filters as outbox_replay_candidates, at least one); same msg_id unless new_msg_id (JetStream drops a copy inside its duplicate window); header Outbox-Replay-Of names the original. Returns how many.';
+
+COMMENT ON FUNCTION outbox_xmin_holders() IS
+    'What holds back the xmin horizon (VACUUM of the outbox) in this database, the oldest first: sessions, prepared transactions, replication slots, walsenders; past_threshold: held longer than outbox_settings.xmin_warn_after (a slot: inactive).';
+
+COMMENT ON VIEW outbox_health IS
+    'One row, cheap (reads unfinished events, the intake row, the lock table and the server''s activity, never the bulk of published ones): backlog, oldest pending age, dead letters, expired leases, last claim and whether a worker claimed within the last minute, open producing transactions and what they hold back, and what holds back the xmin horizon past outbox_settings.xmin_warn_after.';
+
+COMMENT ON COLUMN outbox_health.xmin_holders IS 'Holders of the xmin horizon past outbox_settings.xmin_warn_after (outbox_xmin_holders()): while they hold it, VACUUM removes no dead row version of the outbox and claims slow down.';
+
+COMMENT ON COLUMN outbox_health.xmin_holder_kind IS 'The oldest of them: session, prepared transaction, replication slot; NULL when none.';
+
+COMMENT ON COLUMN outbox_health.xmin_holder_pid IS 'Its backend pid (a session; a slot''s walsender); pg_terminate_backend(pid) ends a session.';
+
+COMMENT ON COLUMN outbox_health.xmin_holder_name IS 'The prepared transaction''s gid or the replication slot''s name.';
+
+COMMENT ON COLUMN outbox_health.xmin_holder_age IS 'How long it has held: since its transaction began (a session), since PREPARE (a prepared transaction); NULL for a slot.';
+
+COMMENT ON COLUMN outbox_health.xmin_holder_state IS 'pg_stat_activity.state (e.g. idle in transaction); prepared; a slot: active or inactive.';
+
+COMMENT ON COLUMN outbox_health.xmin_holder_query IS 'The start (200 characters) of the session''s current or last query.';
+
+COMMENT ON COLUMN outbox_health.xmin_holder_application IS 'The session''s application_name.';
+
+-- 3. Nobody may call anything by default.
+REVOKE EXECUTE ON FUNCTION
+    outbox_wake_workers(), outbox_worker_idle(), outbox_worker_busy(),
+    outbox_retry_delay(integer, interval, interval),
+    outbox_claim(integer, interval, text), outbox_complete(bigint[], uuid),
+    outbox_fail(bigint, uuid, text, boolean), outbox_release(bigint[], uuid),
+    outbox_requeue(bigint[]), outbox_discard(bigint[], text),
+    outbox_maintain(boolean), outbox_next_wakeup(), outbox_health_row(), outbox_commit_horizon(),
+    outbox_commit_guard(), outbox_take_in(bigint, bigint, integer), outbox_refresh_heads(text[], text[]),
+    outbox_aggregate_key(text, text)
+FROM PUBLIC;
+
+-- 6. Workers: the functions the worker calls, the two settings it reads at start, and the
+--    one-row outbox_health for its metrics (counts and ages, no event data).
+GRANT EXECUTE ON FUNCTION
+    outbox_claim(integer, interval, text), outbox_complete(bigint[], uuid),
+    outbox_fail(bigint, uuid, text, boolean), outbox_release(bigint[], uuid),
+    outbox_next_wakeup(), outbox_worker_idle(), outbox_worker_busy(), outbox_maintain(boolean),
+    outbox_health_row()
+TO outbox_worker;
+
+GRANT SELECT ON outbox_health TO outbox_worker;
+
+-- 7. Operators: the views, the settings (read only), the repairs, and the events' metadata
+--    for the inspection queries of sql/ (which events wait, on what, who holds a lease, why one
+--    died) - but not payload and headers, the application's data.
+GRANT SELECT ON outbox_stats, outbox_dead_letters, outbox_partitions, outbox_health, outbox_settings
+    TO outbox_operator;
+
+-- 3. Nobody may call anything by default.
+REVOKE EXECUTE ON FUNCTION
+    outbox_aggregate_key(text, text), outbox_assign_id(), outbox_idempotency_take(text, bigint),
+    outbox_idempotency_event(text), outbox_cancel(bigint[]),
+    outbox_wake_workers(), outbox_worker_idle(), outbox_worker_busy(), outbox_next_wakeup(),
+    outbox_retry_delay(integer, interval, interval), outbox_commit_guard(), outbox_commit_horizon(),
+    outbox_heads_writing(), outbox_heads_floor(), outbox_take_in(bigint, bigint, integer),
+    outbox_claim(integer, interval, text),
+    outbox_refresh_heads(text[], text[]), outbox_complete(bigint[], uuid),
+    outbox_fail(bigint, uuid, text, boolean), outbox_release(bigint[], uuid),
+    outbox_extend(bigint[], uuid, interval),
+    outbox_requeue(bigint[]), outbox_discard(bigint[], text),
+    outbox_replay_candidates(bigint[], text, text, text, timestamptz, timestamptz),
+    outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean),
+    outbox_maintain(boolean), outbox_idempotency_forget(integer),
+    outbox_open_producers(), outbox_health_row(), outbox_xmin_holders(), outbox_unfinished_subjects(integer)
+FROM PUBLIC;
+
+-- The trigger takes idempotency keys as the producer; outboxpg.enqueue asks which event holds one.
+GRANT EXECUTE ON FUNCTION outbox_idempotency_take(text, bigint), outbox_idempotency_event(text)
+    TO outbox_producer;
+
+-- 6. Workers: the functions the worker calls, the two settings it reads at start, and the
+--    one-row outbox_health for its metrics (counts and ages, no event data).
+GRANT EXECUTE ON FUNCTION
+    outbox_claim(integer, interval, text), outbox_complete(bigint[], uuid),
+    outbox_fail(bigint, uuid, text, boolean), outbox_release(bigint[], uuid),
+    outbox_extend(bigint[], uuid, interval),
+    outbox_next_wakeup(), outbox_worker_idle(), outbox_worker_busy(), outbox_maintain(boolean),
+    outbox_idempotency_forget(integer), outbox_unfinished_subjects(integer),
+    outbox_health_row(), outbox_open_producers(), outbox_xmin_holders()
+TO outbox_worker;
+
+-- 7. Operators: the views, the settings (read only), the repairs, and the events' metadata
+--    for the inspection queries of sql/ (which events wait, on what, who holds a lease, why one
+--    died) - but not payload and headers, the application's data.
+GRANT SELECT ON outbox_stats, outbox_dead_letters, outbox_failing, outbox_partitions, outbox_health,
+                outbox_settings
+    TO outbox_operator;
+
+GRANT EXECUTE ON FUNCTION
+    outbox_requeue(bigint[]), outbox_discard(bigint[], text), outbox_cancel(bigint[]),
+    outbox_replay_candidates(bigint[], text, text, text, timestamptz, timestamptz),
+    outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean),
+    outbox_maintain(boolean), outbox_idempotency_forget(integer), outbox_idempotency_event(text),
+    outbox_unfinished_subjects(integer), outbox_health_row(), outbox_open_producers(), outbox_xmin_holders()
+TO outbox_operator;

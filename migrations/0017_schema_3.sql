@@ -1,0 +1,986 @@
+-- outboxpg release schema-3: takes a database of release schema-2 (its last step: 0016_schema_2) to schema/.
+--
+-- Produced by tools/schema_step.py (bin/schema-step) from schema/ and migrations/next/: do not
+-- edit it. schema/ holds each object's definition and why; docs/migrations.md says how a
+-- release is made. Once released (migrations/RELEASED) it is frozen.
+-- depends: 0016_schema_2
+DO $$ BEGIN PERFORM set_config('search_path', format('%I, pg_temp', current_schema()), false); END $$;
+
+-- Table changes of the next release, by hand: what CREATE OR REPLACE cannot do (tables, columns,
+-- indexes, sequences, types, data, and DROPs of objects that go or change their signature).
+-- Applied first; the functions, views, triggers, comments and grants of schema/ that changed
+-- follow (tools/schema_step.py, docs/migrations.md). Emptied when a release is made.
+
+-- The idempotency keys get a trigger of their own, in place of the function the insert trigger
+-- called and producers could call themselves; outbox_claim and outbox_replay gain an argument,
+-- and outbox_xmin_holders names a holder's role instead of its query. Made again below.
+DROP FUNCTION outbox_idempotency_take(text, bigint);
+DROP VIEW outbox_health;
+DROP FUNCTION outbox_xmin_holders();
+DROP FUNCTION outbox_claim(integer, interval, text);
+DROP FUNCTION outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean);
+
+ALTER TABLE outbox_settings
+    ADD COLUMN allowed_subject_prefixes text[] NOT NULL DEFAULT '{}'
+                       CONSTRAINT allowed_subject_prefixes_are_valid_nats_subjects CHECK (
+                           -- each one as subject_prefix (subjects hold no space: joined by one,
+                           -- the elements stay apart)
+                           array_position(allowed_subject_prefixes, NULL) IS NULL
+                           AND array_to_string(allowed_subject_prefixes, ' ') ~ ('^((?!_INBOX(\.| |$))[^.*>$[:space:][:cntrl:]][^.*>[:space:][:cntrl:]]*(\.[^.*>[:space:][:cntrl:]]+)*'
+                                                                                 '( (?!_INBOX(\.| |$))[^.*>$[:space:][:cntrl:]][^.*>[:space:][:cntrl:]]*(\.[^.*>[:space:][:cntrl:]]+)*)*)?$')),
+    ADD COLUMN max_event_bytes integer NOT NULL DEFAULT 1000000
+                       CONSTRAINT max_event_bytes_at_least_64_kib CHECK (max_event_bytes >= 65536),
+    ADD COLUMN max_deliver_delay interval NOT NULL DEFAULT '1 year'
+                       CONSTRAINT max_deliver_delay_positive CHECK (max_deliver_delay > interval '0'),
+    ADD COLUMN max_claim_bytes bigint NOT NULL DEFAULT 67108864
+                       CONSTRAINT max_claim_bytes_positive CHECK (max_claim_bytes > 0);
+
+-- The events and keys written before are the upgrading role's (their producers are not known):
+-- producers cannot cancel them, an operator can discard them. No table rewrite: a default
+-- that is not volatile is stored once for the rows there.
+ALTER TABLE outbox ADD COLUMN produced_by text NOT NULL DEFAULT current_user;
+ALTER TABLE outbox ALTER COLUMN produced_by SET DEFAULT session_user;
+ALTER TABLE outbox ADD COLUMN size_bytes integer;
+ALTER TABLE outbox_idempotency ADD COLUMN produced_by text NOT NULL DEFAULT current_user;
+ALTER TABLE outbox_idempotency ALTER COLUMN produced_by DROP DEFAULT;
+ALTER TABLE outbox_idempotency DROP CONSTRAINT outbox_idempotency_pkey,
+    ADD CONSTRAINT outbox_idempotency_pkey PRIMARY KEY (produced_by, idempotency_key);
+
+-- Operators no longer read lease tokens: whoever holds one can report on a worker's events.
+REVOKE SELECT (lease_token) ON outbox FROM outbox_operator;
+
+COMMENT ON COLUMN outbox_settings.allowed_subject_prefixes IS
+    'Prefixes (whole tokens) an explicit subject may have besides subject_prefix; any other subject is refused at INSERT.';
+
+COMMENT ON COLUMN outbox_settings.max_event_bytes IS
+    'The largest payload plus headers (jsonb bytes) an INSERT may write; at least 65536.';
+
+COMMENT ON COLUMN outbox_settings.max_deliver_delay IS
+    'How far ahead of now an INSERT may set deliver_at.';
+
+COMMENT ON COLUMN outbox_settings.max_claim_bytes IS
+    'The bytes of events (size_bytes) one outbox_claim hands out when the caller gives no max_bytes; one event always goes.';
+
+COMMENT ON COLUMN outbox.produced_by IS
+    'The login that wrote the event (session_user); set by the insert, never by the producer.';
+
+COMMENT ON COLUMN outbox.size_bytes IS
+    'payload and headers in bytes (jsonb), measured at insert.';
+
+COMMENT ON TABLE outbox_idempotency IS
+    'outboxpg: which event holds each producer''s idempotency key. Written by the insert trigger only.';
+
+-- The row trigger of every insert. In order:
+--   * the checks above, and the event's size (size_bytes);
+--   * deliver_at: written into next_attempt_at, the column every claim waits on for retries, so
+--     a scheduled event is a pending event whose first attempt is not due yet: its head is
+--     ready at that time, outbox_next_wakeup() says when, and nothing else changes;
+--   * trace context: outboxpg.traceparent (and outboxpg.tracestate), set for the transaction
+--     by a producer that cannot build headers itself (a trigger, a stored procedure), goes into
+--     the event's headers unless they hold a traceparent already (any case); a malformed one
+--     fails the insert, naming the setting, since a consumer would drop it;
+--   * the commit-order locks (above), then the id, so that the lock comes before the id.
+-- The transaction's first event announces it: a producing transaction is open, (1868724336, 3);
+-- it may commit ids above L, the last id handed out so far, -(L + 1) (NULL: none since the
+-- sequence was made or reset; 0 then holds back every id); and which aggregate it writes,
+-- (1868724337, key). Its later events' ids are above L too, so one L is enough: a claim reads
+-- the lowest L of each open transaction. Another aggregate is named while the transaction names
+-- at most commit_order_max_aggregates (the lock table is shared and finite); past that it holds
+-- (1868724336, 4), which holds back every event above its L, and names no more. The settings
+-- are read only when a transaction writes a second aggregate. Like the locks, the setting ends
+-- with the transaction, and a rolled-back savepoint takes back both. PL/pgSQL sets up every
+-- expression it evaluates once per transaction, and a one-event transaction pays for all of
+-- them (bench/producer_instructions.py counts the cost).
+CREATE OR REPLACE FUNCTION outbox_assign_id() RETURNS trigger
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    held    text;       -- outboxpg.held_aggregates: 'L:,k1,k2,' or 'L:all'
+    colon   integer;
+    horizon bigint;     -- L
+    keys    text;       -- ',k1,k2,' or 'all'
+    key     text;
+    trace   text;
+    cfg     record;
+BEGIN
+    -- A row that has its id already is being moved, not produced (outbox_maintain).
+    IF NEW.id IS NOT NULL THEN
+        RETURN NEW;
+    END IF;
+
+    NEW.size_bytes := pg_column_size(NEW.payload) + pg_column_size(NEW.headers);
+    IF NEW.size_bytes > 65536 OR NEW.subject IS NOT NULL OR NEW.deliver_at IS NOT NULL
+       OR NEW.expires_at IS NOT NULL THEN
+        SELECT s.max_event_bytes, s.subject_prefix, s.allowed_subject_prefixes, s.max_deliver_delay
+          INTO cfg FROM outbox_settings s;
+        IF NEW.size_bytes > cfg.max_event_bytes THEN
+            RAISE EXCEPTION 'outbox: the event is % bytes (payload and headers), over outbox_settings.max_event_bytes (%)',
+                            NEW.size_bytes, cfg.max_event_bytes
+                USING ERRCODE = 'check_violation',
+                      HINT = 'Keep large data elsewhere and send a reference, or raise max_event_bytes up to the broker''s limit.';
+        END IF;
+        IF NEW.subject IS NOT NULL
+           AND NOT starts_with(NEW.subject || '.', cfg.subject_prefix || '.')
+           AND NOT EXISTS (SELECT 1 FROM unnest(cfg.allowed_subject_prefixes) a(prefix)
+                            WHERE starts_with(NEW.subject || '.', a.prefix || '.')) THEN
+            RAISE EXCEPTION 'outbox: subject % is not under subject_prefix % nor outbox_settings.allowed_subject_prefixes',
+                            NEW.subject, cfg.subject_prefix
+                USING ERRCODE = 'check_violation',
+                      HINT = 'An operator allows more with UPDATE outbox_settings SET allowed_subject_prefixes = ...';
+        END IF;
+        IF NOT isfinite(NEW.deliver_at) OR NEW.deliver_at > now() + cfg.max_deliver_delay THEN
+            RAISE EXCEPTION 'outbox: deliver_at must be a finite time at most outbox_settings.max_deliver_delay (%) ahead, got %',
+                            cfg.max_deliver_delay, NEW.deliver_at
+                USING ERRCODE = 'check_violation';
+        END IF;
+        IF NOT isfinite(NEW.expires_at) THEN
+            RAISE EXCEPTION 'outbox: expires_at must be a finite time, got %', NEW.expires_at
+                USING ERRCODE = 'check_violation';
+        END IF;
+        IF NEW.deliver_at IS NOT NULL THEN
+            NEW.next_attempt_at := NEW.deliver_at;
+        END IF;
+    END IF;
+    IF current_setting('outboxpg.traceparent', true) <> '' THEN
+        trace := current_setting('outboxpg.traceparent', true);
+        IF NOT EXISTS (SELECT 1 FROM jsonb_object_keys(NEW.headers) k WHERE lower(k) = 'traceparent') THEN
+            IF trace !~ '^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$' THEN
+                RAISE EXCEPTION 'outbox: outboxpg.traceparent is not a W3C traceparent: %', left(trace, 80)
+                    USING ERRCODE = 'invalid_parameter_value',
+                          HINT = 'version-traceid-parentid-flags in lower-case hex, e.g. '
+                                 '00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01';
+            END IF;
+            NEW.headers := NEW.headers || jsonb_build_object('traceparent', trace);
+            trace := nullif(current_setting('outboxpg.tracestate', true), '');
+            IF trace IS NOT NULL THEN
+                NEW.headers := NEW.headers || jsonb_build_object('tracestate', trace);
+            END IF;
+        END IF;
+    END IF;
+
+    key := outbox_aggregate_key(NEW.aggregate_type, NEW.aggregate_id)::text;
+    held := current_setting('outboxpg.held_aggregates', true);
+    colon := strpos(held, ':');
+    IF colon BETWEEN 2 AND 19 AND left(held, colon - 1) ~ '^[0-9]+$' THEN
+        horizon := left(held, colon - 1)::bigint;
+        keys := substr(held, colon + 1);
+    END IF;
+    IF horizon IS NULL OR horizon > coalesce(pg_sequence_last_value('outbox_id_seq'), 0)
+       OR (keys <> 'all' AND keys !~ '^,([0-9-]+,)*$') THEN
+        -- The transaction's first event, or a value this trigger did not write: announce it.
+        horizon := coalesce(pg_sequence_last_value('outbox_id_seq'), 0);
+        PERFORM pg_advisory_xact_lock_shared(1868724336, 3),
+                pg_advisory_xact_lock_shared(-horizon - 1),
+                pg_advisory_xact_lock_shared(1868724337, key::integer),
+                set_config('outboxpg.held_aggregates', horizon || ':,' || key || ',', true);
+    ELSIF keys = 'all' THEN
+        PERFORM pg_advisory_xact_lock_shared(1868724336, 3),
+                pg_advisory_xact_lock_shared(-horizon - 1),
+                pg_advisory_xact_lock_shared(1868724336, 4);
+    ELSIF strpos(keys, ',' || key || ',') > 0 THEN
+        PERFORM pg_advisory_xact_lock_shared(1868724336, 3),
+                pg_advisory_xact_lock_shared(-horizon - 1),
+                pg_advisory_xact_lock_shared(1868724337, key::integer);
+    ELSIF length(keys) - length(replace(keys, ',', '')) - 1     -- keys named so far
+          < (SELECT s.commit_order_max_aggregates FROM outbox_settings s) THEN
+        PERFORM pg_advisory_xact_lock_shared(1868724336, 3),
+                pg_advisory_xact_lock_shared(-horizon - 1),
+                pg_advisory_xact_lock_shared(1868724337, key::integer),
+                set_config('outboxpg.held_aggregates', horizon || ':' || keys || key || ',', true);
+    ELSE
+        PERFORM pg_advisory_xact_lock_shared(1868724336, 3),
+                pg_advisory_xact_lock_shared(-horizon - 1),
+                pg_advisory_xact_lock_shared(1868724336, 4),
+                set_config('outboxpg.held_aggregates', horizon || ':all', true);
+    END IF;
+    NEW.id := nextval('outbox_id_seq');
+    RETURN NEW;
+END;
+$$;
+
+-- Idempotent enqueue. An event written with an idempotency_key while an earlier event of the
+-- same producer (produced_by) with the same key is not finished (pending, processing or dead) is
+-- not inserted: the INSERT succeeds and writes no row (INSERT ... RETURNING returns none, COPY
+-- counts it out), from any language, whatever partition the earlier event is in. Once the
+-- earlier event is finished the key is free again. Keys are each producer's own: another login's
+-- event with the same key is another event. Two transactions inserting one key at once: the
+-- second waits on the first's key row (the primary key's uniqueness check), then sees it
+-- committed (a duplicate) or rolled back (it takes the key). Under REPEATABLE READ or
+-- SERIALIZABLE the second fails with a serialization error instead of waiting it out: retry the
+-- transaction. A row with a key pays the key table's insert and, for a key seen before, a look at
+-- the earlier event by id (one index probe per partition); a row without one pays nothing (the
+-- trigger's WHEN clause is tested in C).
+--
+-- A trigger of its own, after outbox_assign_id (triggers of one kind fire in name order: the row
+-- has its id), running as the owner: producers may neither read the keys nor see other events,
+-- and nobody can take a key but by inserting its event (a trigger function cannot be called).
+CREATE OR REPLACE FUNCTION outbox_take_idempotency_key() RETURNS trigger
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    holder bigint;
+BEGIN
+    IF octet_length(NEW.idempotency_key) > 255 OR NEW.idempotency_key !~ '[^[:space:]]' THEN
+        RAISE EXCEPTION 'outbox: idempotency_key must be 1 to 255 bytes and not blank, got %', left(NEW.idempotency_key, 40)
+            USING ERRCODE = 'check_violation';
+    END IF;
+    LOOP
+        -- Waits for a transaction that inserted the key and has not ended.
+        INSERT INTO outbox_idempotency (produced_by, idempotency_key, event_id)
+        VALUES (NEW.produced_by, NEW.idempotency_key, NEW.id)
+        ON CONFLICT (produced_by, idempotency_key) DO NOTHING;
+        IF FOUND THEN
+            RETURN NEW;
+        END IF;
+        -- Taken. Each statement below sees what committed before it began.
+        SELECT k.event_id INTO holder
+          FROM outbox_idempotency k
+         WHERE k.produced_by = NEW.produced_by AND k.idempotency_key = NEW.idempotency_key
+           FOR UPDATE;
+        CONTINUE WHEN NOT FOUND;            -- forgotten meanwhile: try again
+        IF holder = NEW.id THEN
+            RETURN NEW;                     -- this very event, moved by outbox_maintain
+        END IF;
+        IF EXISTS (SELECT 1 FROM outbox o WHERE o.id = holder AND o.unfinished) THEN
+            RETURN NULL;                    -- a duplicate: no row
+        END IF;
+        UPDATE outbox_idempotency k
+           SET event_id = NEW.id, looked_at = now()
+         WHERE k.produced_by = NEW.produced_by AND k.idempotency_key = NEW.idempotency_key;
+        RETURN NEW;
+    END LOOP;
+END;
+$$;
+
+CREATE OR REPLACE TRIGGER outbox_take_idempotency_key
+    BEFORE INSERT ON outbox
+    FOR EACH ROW WHEN (NEW.idempotency_key IS NOT NULL)
+    EXECUTE FUNCTION outbox_take_idempotency_key();
+
+-- Which event holds one of the caller's keys: outboxpg.enqueue returns the earlier event's id and
+-- says that the insert was a duplicate.
+CREATE OR REPLACE FUNCTION outbox_idempotency_event(key text) RETURNS bigint
+LANGUAGE sql
+STABLE
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+    SELECT k.event_id FROM outbox_idempotency k WHERE k.produced_by = session_user AND k.idempotency_key = key
+$$;
+
+COMMENT ON FUNCTION outbox_idempotency_event(text) IS
+    'The id of the caller''s (session_user''s) event that holds an idempotency key (NULL: none). Once that event is finished the key is free again.';
+
+-- Take the caller's own events (produced_by = session_user) that no worker holds out of the
+-- flow: pending (scheduled or not) and dead ones become discarded with reason 'cancelled', and
+-- the next event of their aggregate becomes claimable (outbox_discard does the work,
+-- 60_dead_letters_replay.sql). Other producers' events are left alone (an operator discards
+-- anyone's). An event a worker has claimed (processing) is not cancelled, it may be on the wire
+-- already: the count says how many were. A claim and a cancel of one event are ordered by its
+-- row lock: the loser sees the other's result and leaves the event alone.
+CREATE OR REPLACE FUNCTION outbox_cancel(ids bigint[]) RETURNS integer
+LANGUAGE plpgsql
+-- Runs as its owner, like outbox_discard: producers may not update the table.
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    IF ids IS NULL THEN
+        RAISE EXCEPTION 'outbox_cancel: ids must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    RETURN outbox_discard(ARRAY(SELECT o.id FROM outbox o WHERE o.id = ANY (ids) AND o.produced_by = session_user),
+                          'cancelled');
+END;
+$$;
+
+COMMENT ON FUNCTION outbox_cancel(bigint[]) IS
+    'Take the caller''s own not-yet-delivered events (pending, scheduled or not, and dead) out of the flow: discarded with reason ''cancelled''; the next event of their aggregate becomes claimable. A claimed event, and other producers'' events, are left alone. Returns how many were cancelled.';
+
+-- The claim: the intake first, then passes over the due heads (a pass that reclaimed expired
+-- runs or discarded expired events looks again for the rest of the batch), then one UPDATE that
+-- leases the runs found, by the ctids locked on the way.
+--
+-- A claim hands out at most max_bytes of events (size_bytes: payload and headers; default
+-- outbox_settings.max_claim_bytes), so that what a worker holds for a batch is bounded whatever
+-- the producers wrote; at least one event goes, however large. The budget is spent in claim
+-- order (the oldest heads first, each run from its first event), so it cuts a run short but
+-- never skips an event: what it leaves stays due for the next claim.
+CREATE OR REPLACE FUNCTION outbox_claim(batch_size integer, lease interval DEFAULT NULL, worker text DEFAULT NULL,
+                                        max_bytes bigint DEFAULT NULL)
+RETURNS TABLE (
+    id             bigint,
+    subject        text,
+    aggregate_type text,
+    aggregate_id   text,
+    event_type     text,
+    payload        jsonb,
+    headers        jsonb,
+    msg_id         text,
+    attempts       integer,
+    created_at     timestamptz,
+    lease_token    uuid,
+    locked_until   timestamptz
+)
+LANGUAGE plpgsql
+-- Runs as its owner: a worker has no rights on the tables.
+SECURITY DEFINER
+SET search_path FROM CURRENT
+-- Generic plans: a custom plan would re-plan every statement below on each call, over every
+-- partition (milliseconds), for plans that do not depend on the arguments.
+SET plan_cache_mode = force_generic_plan
+-- Pinned plan shape. These run with generic plans (planned once per session), and a plan made
+-- while the table was small must not turn into scans of the whole backlog after a burst (seen:
+-- seconds per claim until the next ANALYZE). Index probes and nested loops are the right plan
+-- at every size here (a hash join would read all of outbox_heads), so the planner is not given
+-- the choice.
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET enable_hashjoin = off
+SET enable_mergejoin = off
+SET enable_material = off
+SET jit = off
+AS $$
+#variable_conflict use_column
+DECLARE
+    cfg     outbox_settings;
+    token   uuid := gen_random_uuid();
+    -- The lease runs from the moment of the claim, not from the start of the caller's
+    -- transaction (read after the intake, so that the heads it made are due at t).
+    t       timestamptz;
+    floor_at timestamptz;   -- no head is due below it
+    owner   text;
+    n       integer;
+    g       record;
+    upto    bigint;
+    remaining  integer;
+    empty_types text[] := '{}';
+    empty_ids   text[] := '{}';
+    pass_empty_types text[];
+    pass_empty_ids   text[];
+    seen_heads bigint;
+    -- What to do with the events read (parallel arrays).
+    c_ids   bigint[] := '{}';
+    c_tids  tid[] := '{}';
+    pass_ids  bigint[];
+    pass_tids tid[];
+    pass_lo   timestamptz;
+    pass_hi   timestamptz;
+    r_ids   bigint[];
+    r_tids  tid[];
+    r_first boolean[];
+    r_retry timestamptz[];
+    x_ids   bigint[];       -- heads past their expires_at, discarded
+    m_tids  tid[];          -- the heads to move, and where to
+    m_heads bigint[];
+    m_ready timestamptz[];
+    m_leased timestamptz[];
+    x_tids  tid[];
+    budget  bigint;         -- max_bytes, or the setting
+    pass_bytes bigint;
+    taken   bigint := 0;    -- bytes of the events of the passes before
+    lo      timestamptz;
+    hi      timestamptz;
+BEGIN
+    IF batch_size IS NULL OR batch_size < 1 THEN
+        RAISE EXCEPTION 'outbox_claim: batch_size must be 1 or more, got %', coalesce(batch_size::text, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    SELECT * INTO STRICT cfg FROM outbox_settings;
+    n := least(batch_size, cfg.max_claim_batch);
+    lease := coalesce(lease, cfg.default_lease);
+    IF lease <= interval '0' THEN
+        RAISE EXCEPTION 'outbox_claim: lease must be positive, got %', lease
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    budget := coalesce(max_bytes, cfg.max_claim_bytes);
+    IF budget < 1 THEN
+        RAISE EXCEPTION 'outbox_claim: max_bytes must be 1 or more, got %', budget
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    owner := coalesce(worker, nullif(current_setting('application_name'), ''), 'backend ' || pg_backend_pid());
+
+    -- This transaction writes heads' ready_at from here on (outbox_heads_floor).
+    PERFORM outbox_heads_writing();
+    -- Commit order: read before the snapshots of the statements below.
+    SELECT * INTO g FROM outbox_commit_guard();
+    upto := outbox_take_in(g.settled, g.last_id, least(greatest(2 * n, 500), 10000));
+    t := clock_timestamp();
+    floor_at := outbox_heads_floor();
+    IF NOT cfg.commit_order_guard THEN
+        -- Switched off: whatever is visible, in id order per aggregate.
+        g.settled := g.last_id;
+        g.open_below := g.last_id;
+        g.held_keys := '{}';
+    END IF;
+    IF upto IS NULL THEN
+        -- Another claim holds the intake row: the mark, not a walk of the row's versions.
+        upto := coalesce(pg_sequence_last_value('outbox_intake_mark'), 0);
+    END IF;
+    -- Parked heads whose second is up, among the first due heads (those that hold the
+    -- floor): dropped below with the heads found empty (outbox_refresh_heads looks at their
+    -- events first). A few index entries, read without locks.
+    SELECT coalesce(array_agg(p.aggregate_type), '{}'), coalesce(array_agg(p.aggregate_id), '{}')
+      INTO empty_types, empty_ids
+      FROM (SELECT h.aggregate_type, h.aggregate_id, h.parked, h.leased_until
+              FROM outbox_heads h
+             WHERE h.ready_at <= t AND h.ready_at >= floor_at
+             ORDER BY h.ready_at, h.opened_id
+             LIMIT 16) p
+     WHERE p.parked AND p.leased_until < t;
+
+    -- Passes: a pass that reclaimed expired runs looks again for the rest of the batch, so a
+    -- worker's crash does not cost the next claim its batch (a short claim tells a worker that
+    -- nothing more is claimable right now).
+    FOR pass IN 1..8 LOOP
+        remaining := n - cardinality(c_ids);
+        -- One statement a pass. `cand`: the heads whose time has come, oldest first, leaving out
+        -- those the guard holds back (head_id is a lower bound of the first event's id; each
+        -- event is checked below), each with its line: its first max_run unfinished events, read
+        -- twice, as they are (`line`) and locked, SKIP LOCKED (`e`). An event someone else is
+        -- changing right now is missing from the second read, and the run ends before it
+        -- (`matched`). The nested loop is lazy: it stops after `remaining` events, so heads and
+        -- events past them are neither read nor locked.
+        WITH cand AS MATERIALIZED (
+            SELECT h.aggregate_type, h.aggregate_id, h.head_id AS old_head_id, h.ready_at AS old_ready,
+                   h.leased_until AS old_leased, h.opened_id AS old_opened,
+                   h.tid AS head_tid, h.lock_key, line.ids AS line_ids,
+                   e.id, e.ctid, e.created_at, e.state, e.attempts, e.next_attempt_at, e.locked_until, e.lease_token,
+                   e.expires_at, e.size_bytes
+              FROM (SELECT h.aggregate_type, h.aggregate_id, h.lock_key, h.head_id, h.ready_at, h.leased_until,
+                           h.opened_id, h.ctid AS tid
+                      FROM outbox_heads h
+                     WHERE h.ready_at <= t
+                       AND h.ready_at >= floor_at
+                       AND (h.leased_until IS NULL OR h.leased_until < t)   -- no run in flight
+                       AND NOT h.parked
+                       AND (h.head_id <= g.settled
+                            OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys)))
+                     ORDER BY h.ready_at, h.opened_id             -- head_id is in no index
+                     LIMIT remaining
+                       FOR NO KEY UPDATE SKIP LOCKED) h
+             CROSS JOIN LATERAL (
+                   SELECT array(SELECT o.id FROM outbox o
+                                 WHERE o.aggregate_type = h.aggregate_type AND o.aggregate_id = h.aggregate_id
+                                   AND o.unfinished AND o.id >= least(h.head_id, upto + 1)
+                                 ORDER BY o.id LIMIT least(cfg.max_run, remaining)) AS ids
+                    OFFSET 0) line   -- once per head, not once per row of the join below
+              LEFT JOIN LATERAL (
+                   SELECT o.id, o.ctid, o.created_at, o.state, o.attempts, o.next_attempt_at, o.locked_until,
+                          o.lease_token, o.expires_at, o.size_bytes
+                     FROM outbox o
+                    WHERE o.aggregate_type = h.aggregate_type AND o.aggregate_id = h.aggregate_id
+                      AND o.unfinished AND o.id >= least(h.head_id, upto + 1)
+                    ORDER BY o.id
+                    LIMIT least(cfg.max_run, remaining)
+                      FOR UPDATE SKIP LOCKED) e ON true
+             LIMIT remaining),
+        numbered AS (
+            SELECT c.*, row_number() OVER w AS rn, c.id = c.line_ids[row_number() OVER w] AS matched
+              FROM cand c
+            WINDOW w AS (PARTITION BY c.old_head_id ORDER BY c.id)),
+        marked AS MATERIALIZED (
+            SELECT m.*,
+                   first_value(m.state) OVER w AS first_state,
+                   first_value(m.lease_token) OVER w AS first_token,
+                   first_value(m.locked_until) OVER w AS first_until,
+                   first_value(m.matched) OVER w AS first_matched,
+                   -- The line's run: the prefix of events that are pending, due and not held back.
+                   bool_and(m.matched AND m.state = 'pending' AND m.next_attempt_at <= t
+                            AND (m.expires_at IS NULL OR m.expires_at > t)        -- never sent late
+                            AND (m.id <= g.settled
+                                 OR (m.id <= g.open_below AND m.lock_key <> ALL (g.held_keys)))) OVER w AS in_line,
+                   -- A run whose lease ran out: its first event's retry (random jitter, drawn once).
+                   CASE WHEN m.rn = 1 AND m.matched AND m.state = 'processing' AND m.locked_until < t
+                        THEN t + outbox_retry_delay(m.attempts, cfg.backoff_base, cfg.backoff_cap) END AS retry_at,
+                   -- A pending head past its expires_at is discarded, never handed out (an
+                   -- event further down its line is, once it is the head).
+                   m.rn = 1 AND m.matched AND m.state = 'pending' AND m.expires_at <= t AS lapsed
+              FROM numbered m
+            WINDOW w AS (PARTITION BY m.old_head_id ORDER BY m.id)),
+        -- The run, within the byte budget: in claim order (the oldest head first, each line from
+        -- its first event), the events whose bytes fit with those before them; and the claim's
+        -- first event in any case. Cut anywhere, each head keeps a prefix of its line.
+        budgeted AS MATERIALIZED (
+            SELECT m.*,
+                   m.in_line
+                   AND (taken + sum(coalesce(m.size_bytes, 0)) FILTER (WHERE m.in_line) OVER b <= budget
+                        OR (cardinality(c_ids) = 0 AND count(*) FILTER (WHERE m.in_line) OVER b = 1)) AS in_run
+              FROM marked m
+            WINDOW b AS (ORDER BY m.old_ready, m.old_opened, m.id)),
+        -- The events still leased under an expired run's token go back.
+        expired AS MATERIALIZED (
+            SELECT m.id, m.ctid, m.created_at, m.rn = 1 AS is_first,
+                   CASE WHEN m.rn = 1 AND m.attempts < cfg.max_attempts THEN m.retry_at END AS retry_at
+              FROM marked m
+             WHERE m.first_state = 'processing' AND m.first_until < t AND m.first_matched
+               AND m.matched AND m.state = 'processing' AND m.lease_token = m.first_token),
+        -- What each head becomes: read off its first row.
+        head_next AS (
+            SELECT m.aggregate_type, m.aggregate_id, m.old_head_id, m.old_ready, m.old_leased, m.head_tid,
+                   cardinality(m.line_ids) AS line_length,
+                   -- Moved up only to a run's first event: that one passed the guard, so no
+                   -- earlier event of its aggregate can still appear. Any other event read here
+                   -- may have a late-committing predecessor this snapshot cannot see, which the
+                   -- intake is about to move the head back to.
+                   CASE WHEN m.in_run THEN m.id ELSE m.old_head_id END AS new_head_id,
+                   -- A run leaves ready_at as it is (below: leased_until).
+                   CASE WHEN m.in_run THEN m.old_ready
+                        WHEN m.lapsed THEN t                           -- its next event, at once
+                        WHEN m.retry_at IS NOT NULL
+                             THEN CASE WHEN m.attempts >= cfg.max_attempts THEN NULL ELSE m.retry_at END
+                        -- No unfinished event seen (a head the intake made from an old view):
+                        -- dropped below by outbox_refresh_heads, which looks again first.
+                        WHEN cardinality(m.line_ids) = 0 THEN m.old_ready
+                        WHEN m.id IS NULL OR NOT m.matched THEN m.old_ready  -- being reported right now
+                        WHEN m.state = 'dead' THEN NULL
+                        WHEN m.state = 'pending' AND m.next_attempt_at > t THEN m.next_attempt_at
+                        WHEN m.state = 'processing' AND m.locked_until >= t THEN m.locked_until
+                        ELSE m.old_ready                               -- held back by the guard
+                   END AS new_ready,
+                   CASE WHEN m.in_run THEN t + lease END AS new_leased
+              FROM budgeted m
+             WHERE m.rn = 1),
+        -- The heads that move are moved by the statement after this one, by ctid.
+        moved AS (
+            SELECT hn.head_tid, hn.new_head_id, hn.new_ready, hn.new_leased
+              FROM head_next hn
+             WHERE (hn.old_head_id, hn.old_ready, hn.old_leased)
+                   IS DISTINCT FROM (hn.new_head_id, hn.new_ready, hn.new_leased))
+        SELECT (SELECT array_agg(m.id ORDER BY m.id) FROM budgeted m WHERE m.in_run),
+               (SELECT array_agg(m.ctid ORDER BY m.id) FROM budgeted m WHERE m.in_run),
+               (SELECT sum(coalesce(m.size_bytes, 0)) FROM budgeted m WHERE m.in_run),
+               (SELECT array_agg(x.id ORDER BY x.id) FROM expired x),
+               (SELECT array_agg(x.ctid ORDER BY x.id) FROM expired x),
+               (SELECT array_agg(x.is_first ORDER BY x.id) FROM expired x),
+               (SELECT array_agg(x.retry_at ORDER BY x.id) FROM expired x),
+               (SELECT count(*) FROM head_next),
+               (SELECT array_agg(hn.aggregate_type) FROM head_next hn WHERE hn.line_length = 0),
+               (SELECT array_agg(hn.aggregate_id) FROM head_next hn WHERE hn.line_length = 0),
+               (SELECT min(m.created_at) FROM budgeted m
+                 WHERE m.in_run OR m.lapsed OR m.id IN (SELECT x.id FROM expired x)),
+               (SELECT max(m.created_at) FROM budgeted m
+                 WHERE m.in_run OR m.lapsed OR m.id IN (SELECT x.id FROM expired x)),
+               (SELECT array_agg(m.id ORDER BY m.id) FROM marked m WHERE m.lapsed),
+               (SELECT array_agg(m.ctid ORDER BY m.id) FROM marked m WHERE m.lapsed),
+               (SELECT array_agg(mv.head_tid) FROM moved mv),
+               (SELECT array_agg(mv.new_head_id) FROM moved mv),
+               (SELECT array_agg(mv.new_ready) FROM moved mv),
+               (SELECT array_agg(mv.new_leased) FROM moved mv)
+          INTO pass_ids, pass_tids, pass_bytes, r_ids, r_tids, r_first, r_retry, seen_heads, pass_empty_types,
+               pass_empty_ids, pass_lo, pass_hi, x_ids, x_tids, m_tids, m_heads, m_ready,
+               m_leased;
+        IF m_tids IS NOT NULL THEN
+            -- By ctid (a TID scan), in a statement of its own. Joined by key within the
+            -- statement above, the planner could read all of outbox_heads_pkey for it once
+            -- ANALYZE had counted few live heads: under a held snapshot, every dead entry of
+            -- every head, on every claim. The heads were locked above and stay as they are; in
+            -- a snapshot of its own this statement sees them as locked, also one that a report
+            -- had changed between the snapshot above and its lock.
+            -- A head taken for a run keeps head_id and ready_at: a HOT update.
+            UPDATE outbox_heads oh
+               SET head_id = mv.new_head_id,
+                   ready_at = mv.new_ready,
+                   leased_until = mv.new_leased
+              FROM unnest(m_tids, m_heads, m_ready, m_leased) AS mv(tid, new_head_id, new_ready, new_leased)
+             WHERE oh.ctid = ANY (m_tids)
+               AND oh.ctid = mv.tid;
+        END IF;
+        empty_types := empty_types || pass_empty_types;
+        empty_ids := empty_ids || pass_empty_ids;
+        EXIT WHEN seen_heads = 0;
+        c_ids  := c_ids || pass_ids;          -- || and least/greatest ignore NULLs
+        c_tids := c_tids || pass_tids;
+        taken  := taken + coalesce(pass_bytes, 0);
+        lo := least(lo, pass_lo);
+        hi := greatest(hi, pass_hi);
+
+        IF r_ids IS NOT NULL THEN
+            -- Reclaim expired runs: the first event failed an attempt (retried after a backoff,
+            -- or dead: retry_at NULL), the rest go back unattempted. Their old token matches
+            -- nothing from now on (fencing). The heads were moved above, to the retry time.
+            UPDATE outbox o
+               SET state           = CASE WHEN NOT r.is_first THEN 'pending'
+                                          WHEN r.retry_at IS NULL THEN 'dead' ELSE 'pending' END::outbox_state,
+                   attempts        = CASE WHEN r.is_first THEN o.attempts ELSE greatest(o.attempts - 1, 0) END,
+                   next_attempt_at = CASE WHEN r.is_first THEN coalesce(r.retry_at, t) ELSE t END,
+                   dead_at         = CASE WHEN r.is_first AND r.retry_at IS NULL THEN t END,
+                   last_error      = CASE WHEN r.is_first
+                                          THEN format('lease expired at %s (held by %s)', o.locked_until, o.locked_by)
+                                          ELSE o.last_error END,
+                   locked_until    = NULL,
+                   lease_token     = NULL
+              FROM unnest(r_ids, r_first, r_retry) AS r(id, is_first, retry_at)
+             WHERE o.ctid = ANY (r_tids)                -- locked above
+               AND (o.id = ANY (r_ids)) IS TRUE         -- a ctid from another partition may name a row here
+               AND o.created_at BETWEEN pass_lo AND pass_hi
+               AND o.id = r.id;
+        END IF;
+        IF x_ids IS NOT NULL THEN
+            -- Past their expires_at, out of the flow (their heads were made ready above,
+            -- so the next pass looks at the event behind each).
+            UPDATE outbox o
+               SET state = 'discarded', discarded_at = t, discard_reason = 'expired'
+             WHERE o.ctid = ANY (x_tids)                -- locked above
+               AND (o.id = ANY (x_ids)) IS TRUE
+               AND o.created_at BETWEEN pass_lo AND pass_hi;
+        END IF;
+        EXIT WHEN (r_ids IS NULL AND x_ids IS NULL) OR cardinality(c_ids) >= n OR taken >= budget;
+    END LOOP;
+
+    IF cardinality(empty_types) > 0 THEN
+        -- Heads with no unfinished event in sight: dropped, or set right, under the protocol
+        -- that keeps a new event from losing its head (the claim holds them already).
+        PERFORM outbox_refresh_heads(empty_types, empty_ids);
+    END IF;
+    IF cardinality(c_ids) = 0 THEN
+        RETURN;
+    END IF;
+
+    RETURN QUERY
+    WITH claimed AS (
+        UPDATE outbox o
+           SET state        = 'processing',
+               attempts     = o.attempts + 1,
+               locked_by    = owner,
+               claimed_at   = t,
+               locked_until = t + lease,
+               lease_token  = token
+         WHERE o.ctid = ANY (c_tids)                     -- locked above: still due
+           -- A ctid from another partition may name a row here. IS TRUE: a filter, not an
+           -- index condition (an index probe per id is what the ctids save).
+           AND (o.id = ANY (c_ids)) IS TRUE
+           AND o.created_at BETWEEN lo AND hi
+     RETURNING o.id,
+               coalesce(o.subject, cfg.subject_prefix || '.' || o.aggregate_type || '.' || o.event_type),
+               -- The columns' domains, as their base types.
+               o.aggregate_type::text, o.aggregate_id::text, o.event_type::text, o.payload,
+               o.headers::jsonb, o.msg_id::text,
+               o.attempts, o.created_at, o.lease_token, o.locked_until
+    )
+    SELECT * FROM claimed ORDER BY 1;
+END;
+$$;
+
+COMMENT ON FUNCTION outbox_claim(integer, interval, text, bigint) IS
+    'Lease up to batch_size due events (at most max_bytes of them, default outbox_settings.max_claim_bytes; one at least) under a new lease_token: runs of up to max_run consecutive events per aggregate, oldest heads first, rows in id order; reclaims expired runs (one failed attempt for the run''s first event).';
+
+-- At most max_events copies a call, all or nothing: a filter that matches more (a slip such as
+-- since => '-infinity') copies nothing and says how to go on.
+CREATE OR REPLACE FUNCTION outbox_replay(ids bigint[] DEFAULT NULL, aggregate_type text DEFAULT NULL,
+                              aggregate_id text DEFAULT NULL, event_type text DEFAULT NULL,
+                              since timestamptz DEFAULT NULL, until timestamptz DEFAULT NULL,
+                              new_msg_id boolean DEFAULT false, max_events integer DEFAULT 10000) RETURNS integer
+LANGUAGE plpgsql
+-- Runs as its owner: an operator may not insert events nor read payloads itself.
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    replayed integer;
+BEGIN
+    IF new_msg_id IS NULL THEN
+        RAISE EXCEPTION 'outbox_replay: new_msg_id must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    IF max_events IS NULL OR max_events < 1 THEN
+        RAISE EXCEPTION 'outbox_replay: max_events must be 1 or more, got %', coalesce(max_events::text, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    -- Through the insert path of every event (its trigger assigns the ids in this statement's
+    -- order). A copy belongs to the original's producer. One more than the cap is read: finding
+    -- it undoes the statement.
+    INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers, subject, msg_id, produced_by)
+    SELECT o.aggregate_type, o.aggregate_id, o.event_type, o.payload,
+           o.headers || jsonb_build_object('Outbox-Replay-Of', o.id::text),
+           o.subject,
+           CASE WHEN outbox_replay.new_msg_id THEN gen_random_uuid()::text ELSE o.msg_id END,
+           o.produced_by
+      FROM (SELECT c.id, c.created_at
+              FROM outbox_replay_candidates(outbox_replay.ids, outbox_replay.aggregate_type, outbox_replay.aggregate_id,
+                                            outbox_replay.event_type, outbox_replay.since, outbox_replay.until) c
+             ORDER BY c.id
+             LIMIT max_events + 1) c
+      JOIN outbox o ON o.id = c.id AND o.created_at = c.created_at
+     ORDER BY c.id;
+    GET DIAGNOSTICS replayed = ROW_COUNT;
+    IF replayed > max_events THEN
+        RAISE EXCEPTION 'outbox_replay: more than max_events (%) published events match: nothing was replayed', max_events
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Narrow the filters (since, until, aggregate_type, ...), or raise max_events.';
+    END IF;
+    RETURN replayed;
+END;
+$$;
+
+COMMENT ON FUNCTION outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean, integer) IS
+    'Re-send published events still in the table as new events, in their original order (filters as outbox_replay_candidates, at least one; at most max_events, else none); same msg_id unless new_msg_id (JetStream drops a copy inside its duplicate window); header Outbox-Replay-Of names the original. Returns how many.';
+
+-- Keys of finished events are forgotten here, not on the producers' path: a producer that
+-- deleted or touched other keys' rows would make producers wait on each other, and deadlock
+-- where two of them write several keys at once. The worker calls it with outbox_maintain()
+-- (outboxpg-worker --maintenance-interval); any scheduler can call it: it is cheap when
+-- there is nothing to do. So a key lives as long as its event is unfinished, and up to one
+-- such interval after; only an event's insert takes a key, so keys cannot pile up beyond the
+-- events that made them.
+CREATE OR REPLACE FUNCTION outbox_idempotency_forget(max_keys integer DEFAULT 10000) RETURNS integer
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    forgotten integer;
+BEGIN
+    -- The keys looked at longest ago: those whose event is finished (or gone with its partition)
+    -- are forgotten, the others go to the back of the line, so that every call makes progress.
+    -- SKIP LOCKED: a key a producer is taking right now is left for the next call; this never
+    -- waits for a producer (producers may wait for it, briefly).
+    WITH looked AS MATERIALIZED (
+        SELECT k.produced_by, k.idempotency_key,
+               EXISTS (SELECT 1 FROM outbox o WHERE o.id = k.event_id AND o.unfinished) AS held
+          FROM outbox_idempotency k
+         ORDER BY k.looked_at
+         LIMIT max_keys
+           FOR UPDATE SKIP LOCKED),
+    gone AS (
+        DELETE FROM outbox_idempotency k USING looked l
+         WHERE k.produced_by = l.produced_by AND k.idempotency_key = l.idempotency_key AND NOT l.held
+     RETURNING 1),
+    kept AS (
+        UPDATE outbox_idempotency k SET looked_at = now()
+          FROM looked l
+         WHERE k.produced_by = l.produced_by AND k.idempotency_key = l.idempotency_key AND l.held)
+    SELECT count(*) INTO forgotten FROM gone;
+    RETURN forgotten;
+END;
+$$;
+
+CREATE OR REPLACE FUNCTION outbox_xmin_holders()
+RETURNS TABLE (kind text, pid integer, name text, since timestamptz, age interval, xmin_age integer,
+               state text, role text, application_name text, past_threshold boolean)
+LANGUAGE sql
+STABLE
+-- Reads other roles' sessions in pg_stat_activity: runs as its owner (see above).
+SECURITY DEFINER
+SET search_path FROM CURRENT
+-- pg_stat_activity and the others are functions estimated at 1,000 rows each: keep the planner
+-- from compiling a query that reads a few dozen rows of memory.
+SET jit = off
+AS $$
+    WITH holder AS (
+        SELECT 'session'::text AS kind, a.pid, NULL::text AS name, a.xact_start AS since,
+               greatest(age(a.backend_xmin), age(a.backend_xid)) AS xmin_age,
+               a.state, a.usename::text AS role, a.application_name
+          FROM pg_stat_activity a
+         WHERE a.datname = current_database()
+           AND (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)
+           AND a.pid <> pg_backend_pid()
+           AND a.backend_type IS DISTINCT FROM 'autovacuum worker'
+        UNION ALL
+        SELECT 'walsender', a.pid, a.client_addr::text, NULL, age(a.backend_xmin),
+               a.state, a.usename::text, a.application_name
+          FROM pg_stat_activity a
+         WHERE a.backend_type = 'walsender' AND a.backend_xmin IS NOT NULL
+        UNION ALL
+        SELECT 'prepared transaction', NULL, p.gid, p.prepared, age(p.transaction),
+               'prepared', NULL, NULL
+          FROM pg_prepared_xacts p
+         WHERE p.database = current_database()
+        UNION ALL
+        SELECT 'replication slot', r.active_pid, r.slot_name, NULL, age(r.xmin),
+               CASE WHEN r.active THEN 'active' ELSE 'inactive' END, NULL, NULL
+          FROM pg_replication_slots r
+         WHERE r.xmin IS NOT NULL)
+    SELECT h.kind, h.pid, h.name, h.since, now() - h.since, h.xmin_age, h.state, h.role, h.application_name,
+           CASE WHEN h.kind = 'replication slot' THEN h.state = 'inactive'
+                WHEN h.kind = 'walsender' THEN false
+                ELSE coalesce(now() - h.since > s.xmin_warn_after, false)
+           END
+      FROM holder h CROSS JOIN outbox_settings s
+     ORDER BY h.xmin_age DESC NULLS LAST, h.since NULLS LAST, h.pid
+$$;
+
+COMMENT ON FUNCTION outbox_xmin_holders() IS
+    'What holds back the xmin horizon (VACUUM of the outbox) in this database, the oldest first: sessions, prepared transactions, replication slots, walsenders; past_threshold: held longer than outbox_settings.xmin_warn_after (a slot: inactive).';
+
+-- The row of outbox_health_row(), and the oldest xmin holder past the threshold with how many
+-- there are: those columns read no outbox table, so they need none of the row's pinned plans.
+CREATE OR REPLACE VIEW outbox_health AS
+SELECT h.backlog, h.pending, h.processing, h.waiting_retry, h.dead, h.expired_leases, h.oldest_pending_age,
+       h.last_claim_at, h.worker_claimed_last_minute, h.open_producers, h.oldest_producer_pid,
+       h.oldest_producer_age, h.held_by_open_transactions,
+       coalesce(x.holders, 0)::integer AS xmin_holders,
+       x.kind              AS xmin_holder_kind,
+       x.pid               AS xmin_holder_pid,
+       x.name              AS xmin_holder_name,
+       x.age               AS xmin_holder_age,
+       x.state             AS xmin_holder_state,
+       x.role              AS xmin_holder_role,
+       x.application_name  AS xmin_holder_application
+  FROM outbox_health_row() h
+  LEFT JOIN LATERAL (SELECT x.kind, x.pid, x.name, x.age, x.state, x.role, x.application_name,
+                            count(*) OVER () AS holders
+                       FROM outbox_xmin_holders() x
+                      WHERE x.past_threshold
+                      ORDER BY x.xmin_age DESC NULLS LAST
+                      LIMIT 1) x ON true;
+
+COMMENT ON VIEW outbox_health IS
+    'One row, cheap (reads unfinished events, the intake row, the lock table and the server''s activity, never the bulk of published ones): backlog, oldest pending age, dead letters, expired leases, last claim and whether a worker claimed within the last minute, open producing transactions and what they hold back, and what holds back the xmin horizon past outbox_settings.xmin_warn_after.';
+
+COMMENT ON COLUMN outbox_health.backlog IS 'Events pending (incl. waiting for a retry or held back) or leased.';
+
+COMMENT ON COLUMN outbox_health.oldest_pending_age IS 'now() - created_at of the oldest pending or leased event; NULL when there is none.';
+
+COMMENT ON COLUMN outbox_health.dead IS 'Dead letters: each holds back the later events of its aggregate until requeued or discarded.';
+
+COMMENT ON COLUMN outbox_health.expired_leases IS 'Leases past locked_until (worker died or hung); the next outbox_claim() retries them.';
+
+COMMENT ON COLUMN outbox_health.last_claim_at IS 'When a worker last called outbox_claim (outbox_intake, to the second), whatever it found; NULL: never.';
+
+COMMENT ON COLUMN outbox_health.worker_claimed_last_minute IS 'last_claim_at within the last minute. With a backlog, false means no worker is claiming.';
+
+COMMENT ON COLUMN outbox_health.open_producers IS 'Open transactions that have inserted into outbox (outbox_open_producers()).';
+
+COMMENT ON COLUMN outbox_health.oldest_producer_pid IS 'Backend pid of the producing transaction open longest; NULL when none is open.';
+
+COMMENT ON COLUMN outbox_health.oldest_producer_age IS 'How long that transaction has been open; NULL when none is, or when the owner may not see its session.';
+
+COMMENT ON COLUMN outbox_health.held_by_open_transactions IS 'Pending events the commit-order guard holds back until open producing transactions end.';
+
+COMMENT ON COLUMN outbox_health.xmin_holders IS 'Holders of the xmin horizon past outbox_settings.xmin_warn_after (outbox_xmin_holders()): while they hold it, VACUUM removes no dead row version of the outbox and claims slow down.';
+
+COMMENT ON COLUMN outbox_health.xmin_holder_kind IS 'The oldest of them: session, prepared transaction, replication slot; NULL when none.';
+
+COMMENT ON COLUMN outbox_health.xmin_holder_pid IS 'Its backend pid (a session; a slot''s walsender); pg_terminate_backend(pid) ends a session.';
+
+COMMENT ON COLUMN outbox_health.xmin_holder_name IS 'The prepared transaction''s gid or the replication slot''s name.';
+
+COMMENT ON COLUMN outbox_health.xmin_holder_age IS 'How long it has held: since its transaction began (a session), since PREPARE (a prepared transaction); NULL for a slot.';
+
+COMMENT ON COLUMN outbox_health.xmin_holder_state IS 'pg_stat_activity.state (e.g. idle in transaction); prepared; a slot: active or inactive.';
+
+COMMENT ON COLUMN outbox_health.xmin_holder_role IS 'The role the session (or walsender) logged in as.';
+
+COMMENT ON COLUMN outbox_health.xmin_holder_application IS 'The session''s application_name.';
+
+-- Who, besides superusers and the roles of the schema's and the outbox's owners, may create
+-- objects in the install schema:
+-- such a role can plant a function or operator that the SECURITY DEFINER functions, whose
+-- search_path is this schema, would pick over a built-in (an exact format(text, timestamptz,
+-- text) wins over format(text, VARIADIC "any")), and so run its code as the owner. The install
+-- refuses then (90_privileges.sql), and so does the worker at start: an install opened up later
+-- is caught when the worker next starts. NULL: nobody.
+CREATE OR REPLACE FUNCTION outbox_untrusted_creators() RETURNS text
+LANGUAGE sql
+STABLE
+SET search_path FROM CURRENT
+AS $$
+    -- The schema's own grants of CREATE, so that the answer names whom to REVOKE it from (a
+    -- grant to PUBLIC is one name, not every role).
+    SELECT string_agg(CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE quote_ident(pg_get_userbyid(a.grantee)) END,
+                      ', ' ORDER BY a.grantee <> 0, pg_get_userbyid(a.grantee))
+      FROM pg_namespace n, aclexplode(coalesce(n.nspacl, acldefault('n', n.nspowner))) a
+     WHERE n.oid = current_schema()::regnamespace
+       AND a.privilege_type = 'CREATE'
+       AND (a.grantee = 0
+            OR NOT (pg_has_role(a.grantee, n.nspowner, 'USAGE')
+                    OR pg_has_role(a.grantee, (SELECT c.relowner FROM pg_class c WHERE c.oid = 'outbox'::regclass),
+                                   'USAGE')
+                    OR (SELECT r.rolsuper FROM pg_roles r WHERE r.oid = a.grantee)))
+$$;
+
+COMMENT ON FUNCTION outbox_untrusted_creators() IS
+    'Roles other than the schema owner''s and superusers that may CREATE in the install schema, where they could plant objects the SECURITY DEFINER functions would use (NULL: none). The install and the worker refuse while there are any.';
+
+-- 2. Every function that runs as its owner pins its search_path to this schema with pg_temp
+--    last: refuse to go on otherwise.
+DO $$
+DECLARE
+    bad text;
+BEGIN
+    SELECT string_agg(p.oid::regprocedure::text, ', ') INTO bad
+      FROM pg_proc p
+     WHERE p.pronamespace = current_schema()::regnamespace
+       AND p.proname LIKE 'outbox\_%'
+       AND p.prosecdef
+       AND NOT coalesce(p.proconfig @> ARRAY[format('search_path=%I, pg_temp', current_schema())], false);
+    IF bad IS NOT NULL THEN
+        RAISE EXCEPTION 'outboxpg: SECURITY DEFINER functions without search_path = %, pg_temp: %',
+                        quote_ident(current_schema()), bad;
+    END IF;
+    -- Whoever may create objects in this schema can plant a function or operator that the
+    -- SECURITY DEFINER functions would pick up, and run it as the owner (outbox_untrusted_creators).
+    bad := outbox_untrusted_creators();
+    IF bad IS NOT NULL THEN
+        RAISE EXCEPTION 'outboxpg: % may CREATE in schema %, where the SECURITY DEFINER outbox functions look up names: refusing to install',
+                        bad, quote_ident(current_schema())
+            -- A code of its own (class OB: outboxpg), so that outboxpg migrate can tell it apart.
+            USING ERRCODE = 'OBX01',
+                  HINT = format('REVOKE CREATE ON SCHEMA %I FROM %s; then install again (docs/privileges.md).',
+                                current_schema(), bad);
+    END IF;
+END $$;
+
+-- 3. Nobody may call anything by default.
+REVOKE EXECUTE ON FUNCTION
+    outbox_aggregate_key(text, text), outbox_assign_id(), outbox_take_idempotency_key(),
+    outbox_idempotency_event(text), outbox_cancel(bigint[]),
+    outbox_wake_workers(), outbox_worker_idle(), outbox_worker_busy(), outbox_next_wakeup(),
+    outbox_retry_delay(integer, interval, interval), outbox_commit_guard(), outbox_commit_horizon(),
+    outbox_heads_writing(), outbox_heads_floor(), outbox_take_in(bigint, bigint, integer),
+    outbox_claim(integer, interval, text, bigint),
+    outbox_refresh_heads(text[], text[]), outbox_complete(bigint[], uuid),
+    outbox_fail(bigint, uuid, text, boolean), outbox_release(bigint[], uuid),
+    outbox_extend(bigint[], uuid, interval),
+    outbox_requeue(bigint[]), outbox_discard(bigint[], text),
+    outbox_replay_candidates(bigint[], text, text, text, timestamptz, timestamptz),
+    outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean, integer),
+    outbox_maintain(boolean), outbox_forget_deleted(), outbox_idempotency_forget(integer),
+    outbox_open_producers(), outbox_health_row(), outbox_xmin_holders(), outbox_unfinished_subjects(integer),
+    outbox_untrusted_creators()
+FROM PUBLIC;
+
+-- outboxpg.enqueue asks which of its events holds a key.
+GRANT EXECUTE ON FUNCTION outbox_idempotency_event(text) TO outbox_producer;
+
+-- 6. Workers: the functions the worker calls, the two settings it reads at start, and the
+--    one-row outbox_health for its metrics (counts and ages, no event data).
+GRANT EXECUTE ON FUNCTION
+    outbox_claim(integer, interval, text, bigint), outbox_complete(bigint[], uuid),
+    outbox_fail(bigint, uuid, text, boolean), outbox_release(bigint[], uuid),
+    outbox_extend(bigint[], uuid, interval),
+    outbox_next_wakeup(), outbox_worker_idle(), outbox_worker_busy(), outbox_maintain(boolean),
+    outbox_idempotency_forget(integer), outbox_unfinished_subjects(integer),
+    outbox_health_row(), outbox_open_producers(), outbox_xmin_holders(), outbox_untrusted_creators()
+TO outbox_worker;
+
+GRANT SELECT (subject_prefix, backoff_cap, allowed_subject_prefixes) ON outbox_settings TO outbox_worker;
+
+GRANT SELECT ON outbox_health TO outbox_worker;
+
+-- 7. Operators: the views, the settings (read only), the repairs, and the events' metadata
+--    for the inspection queries of sql/ (which events wait, on what, who holds a lease, why one
+--    died) - but not payload and headers, the application's data.
+GRANT SELECT ON outbox_stats, outbox_dead_letters, outbox_failing, outbox_partitions, outbox_health,
+                outbox_settings
+    TO outbox_operator;
+
+GRANT EXECUTE ON FUNCTION
+    outbox_requeue(bigint[]), outbox_discard(bigint[], text), outbox_cancel(bigint[]),
+    outbox_replay_candidates(bigint[], text, text, text, timestamptz, timestamptz),
+    outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean, integer),
+    outbox_maintain(boolean), outbox_idempotency_forget(integer), outbox_idempotency_event(text),
+    outbox_unfinished_subjects(integer), outbox_health_row(), outbox_open_producers(), outbox_xmin_holders(),
+    outbox_untrusted_creators()
+TO outbox_operator;
+
+-- Not lease_token: whoever holds it can report on a worker's events.
+GRANT SELECT (id, created_at, aggregate_type, aggregate_id, event_type, subject, msg_id, state, attempts,
+              next_attempt_at, locked_by, claimed_at, locked_until, last_error,
+              published_at, dead_at, discarded_at, discard_reason,
+              in_flow, unfinished,   -- what the partial indexes select on
+              tableoid,              -- which partition an event is in
+              deliver_at, idempotency_key, expires_at, produced_by, size_bytes)
+    ON outbox TO outbox_operator;
