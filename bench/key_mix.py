@@ -43,6 +43,11 @@ Phases (one line of figures per measurement, old and new side by side):
            10,000 events (outboxpg.enqueue_many, 1,000 aggregates), best of 3.
   6 snapshot  the 20,000-over-200 drain while a REPEATABLE READ transaction that ran a SELECT
            stays open on the same database (taken after the prefill, before the worker starts).
+  7 backlog  a deep backlog of 10 aggregates (200,000 and 1,000,000 events; --quick 50,000) is
+           committed, one worker starts, and one second later pgbench commits 100 events/s over
+           50 OTHER aggregates while the backlog drains: the fresh events' commit -> JetStream
+           latency during the drain (p50 / p99 / max; target p99 <= 50 ms), after it, and how long
+           the backlog took to drain (the rate of each side, new/old).
 
 CPU per event (drains) and per transaction (pgbench) come from /proc (bench/proc_cpu.py's
 CpuMeter): worker process, PostgreSQL backends of the measured database, nats-server; "foreign"
@@ -93,7 +98,7 @@ import processes
 from proc_cpu import CpuMeter, QuietWaiter  # noqa: E402
 
 PGBENCH_INSERT = HERE / "pgbench_insert_one.sql"
-PHASES = {"1": "drain", "2": "claim", "3": "longtx", "4": "latency", "5": "insert", "6": "snapshot"}
+PHASES = {"1": "drain", "2": "claim", "3": "longtx", "4": "latency", "5": "insert", "6": "snapshot", "7": "backlog"}
 
 # The worker shim: runs the outboxpg package found beside it (old or new), never the installed one.
 SHIM = """#!{python}
@@ -729,6 +734,74 @@ class Bench:
         except Exception as e:  # noqa: BLE001
             return f"? ({e})"
 
+    # -- phase 7: a backlog and fresh traffic of other aggregates ---------------------------------
+
+    def backlog(self, s: Side, n: int, cap: float) -> dict[str, Any]:
+        """n events over 10 aggregates committed; a worker drains them while pgbench commits 100/s
+        over 50 other aggregates (event_type 'fresh', a subject of their own)."""
+        self.fresh(s)
+        asyncio.run(self.reset_stream(s))
+        self.fill(s, n, 10)
+        self.quiet_wait(s.dbname)
+        with CpuMeter(s.dbname, nats_port=self.nats_port, interval=0.5) as meter:
+            r = asyncio.run(self._backlog(s, n, cap))
+        r["foreign"] = meter.foreign
+        return r
+
+    async def _backlog(self, s: Side, n: int, cap: float) -> dict[str, Any]:
+        fresh: list[tuple[float, float]] = []            # (commit, latency)
+        nc = await nats.connect(self.nats_url)
+        js = nc.jetstream()
+
+        async def on_msg(m: Any) -> None:
+            now = time.time()
+            t = orjson.loads(m.data)["t"]
+            fresh.append((t, now - t))
+
+        sub = await js.subscribe(f"{s.prefix}.order.fresh", ordered_consumer=True, cb=on_msg,
+                                 deliver_policy=DeliverPolicy.NEW)
+        script = self.tmp / "backlog-fresh.sql"
+        script.write_text("\\set a random(1, 50)\n"
+                          "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
+                          "VALUES ('order', 'fresh-' || :a, 'fresh', jsonb_build_object('t', extract(epoch FROM clock_timestamp())));\n")
+        conn = conninfo_to_dict(s.dsn)
+        env = {**os.environ, "PGOPTIONS": "-c synchronous_commit=off"}
+        t0, t0_wall = time.monotonic(), time.time()
+        p = self.start_worker(s, "backlog")
+        pg = None
+        drained_at: float | None = None          # wall clock, as the fresh events' commit times
+        stop_at = None
+        try:
+            await asyncio.sleep(1.0)
+            pg = await asyncio.create_subprocess_exec(
+                self.pgbench, "-h", str(conn.get("host", "127.0.0.1")), "-p", str(conn.get("port", 5432)),
+                "-U", str(conn.get("user", "postgres")), "-n", "-M", "prepared", "-f", str(script), "-c", "1",
+                "-R", "100", "-T", str(int(cap) + 10), s.dbname, env=env,
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+            while True:
+                got = (await js.stream_info(s.stream)).state.messages - len(fresh)
+                now = time.monotonic()
+                if drained_at is None and got >= n:
+                    drained_at, stop_at = time.time(), now + 3.0
+                if stop_at is not None and now >= stop_at:
+                    break
+                if now - t0 >= cap:
+                    break
+                if p.poll() is not None:
+                    raise RuntimeError(f"worker exited with {p.returncode}; its log:\n{self.worker_tail(p)}")
+                await asyncio.sleep(0.05)
+            elapsed = drained_at - t0_wall if drained_at else None
+        finally:
+            if pg is not None and pg.returncode is None:
+                pg.terminate()
+                await pg.wait()
+            self.stop_worker(p)
+            await sub.unsubscribe()
+            await nc.close()
+        during = [lat for t, lat in fresh if drained_at is None or t < drained_at]
+        after = [lat for t, lat in fresh if drained_at is not None and t >= drained_at]
+        return {"n": n, "drain_s": elapsed, "drained": got, "during": during, "after": after}
+
     # -- phase 5: producer INSERT --------------------------------------------------------------
 
     def pgbench_insert(self, s: Side, clients: int, seconds: int) -> tuple[float, float, float]:
@@ -1005,8 +1078,38 @@ def phase_snapshot(b: Bench, q: bool) -> None:
             log(f"  {'':<42} {lab}: {d.order}")
 
 
+def phase_backlog(b: Bench, q: bool) -> None:
+    depths = (50_000,) if q else (200_000, 1_000_000)
+    cap = 60.0 if q else 240.0
+    log("\n7. a backlog of 10 aggregates drains while pgbench commits 100 events/s over 50 OTHER aggregates "
+        f"(from 1 s after the worker's start); one worker; cap {cap:.0f} s; latency = JetStream receipt - commit")
+    for n in depths:
+        res = {}
+        for s in both(b, 0):
+            try:
+                res[s.label] = b.backlog(s, n, cap)
+            except Exception as e:  # noqa: BLE001
+                log(f"  {n:,}: FAILED ({s.label}): {e}")
+        for lab in ("old", "new"):
+            r = res.get(lab)
+            if not r:
+                continue
+            d, a = r["during"], r["after"]
+            drain = (f"drained in {r['drain_s']:5.1f} s ({n / r['drain_s']:,.0f} ev/s)" if r["drain_s"]
+                     else f"NOT DRAINED within the cap ({r['drained']:,} of {n:,})")
+            during = (f"during: p50 {pct(d, 0.5) * 1000:8.1f} p99 {pct(d, 0.99) * 1000:8.1f} max {max(d) * 1000:8.1f} ms "
+                      f"({len(d)})" if d else "during: no fresh event")
+            after = f"after: p99 {pct(a, 0.99) * 1000:6.1f} ms ({len(a)})" if a else "after: none"
+            target = ""
+            if lab == "new" and d:
+                target = f"  [target p99 <= 50 ms: {'met' if pct(d, 0.99) * 1000 <= 50 else 'MISSED'}]"
+            log(f"  {n:>9,} {lab}: {drain}; fresh events {during}, {after}; foreign CPU {r['foreign']:.0f}%{target}")
+        if res.get("old", {}).get("drain_s") and res.get("new", {}).get("drain_s"):
+            log(f"  {'':>9} drain rate new/old {res['old']['drain_s'] / res['new']['drain_s']:.2f}x")
+
+
 RUNNERS = {"1": phase_drain, "2": phase_claim, "3": phase_longtx, "4": phase_latency, "5": phase_insert,
-           "6": phase_snapshot}
+           "6": phase_snapshot, "7": phase_backlog}
 
 
 def parse_only(text: str | None) -> list[str]:
@@ -1017,7 +1120,7 @@ def parse_only(text: str | None) -> list[str]:
     for part in text.replace(" ", "").split(","):
         key = names.get(part, part)
         if key not in RUNNERS:
-            raise SystemExit(f"--only: unknown phase {part!r} (1-6 or {', '.join(PHASES.values())})")
+            raise SystemExit(f"--only: unknown phase {part!r} (1-7 or {', '.join(PHASES.values())})")
         out.append(key)
     return sorted(set(out))
 

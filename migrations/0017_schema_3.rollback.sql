@@ -33,6 +33,7 @@ REVOKE SELECT (allowed_subject_prefixes) ON outbox_settings FROM outbox_worker;
 ALTER TABLE outbox_settings DROP COLUMN allowed_subject_prefixes, DROP COLUMN max_event_bytes,
     DROP COLUMN max_deliver_delay, DROP COLUMN max_claim_bytes;
 GRANT EXECUTE ON FUNCTION outbox_forget_deleted() TO PUBLIC;
+ALTER TABLE outbox_intake DROP COLUMN newest_id;
 
 -- The row trigger of every insert. In order:
 --   * deliver_at: written into next_attempt_at, the column every claim waits on for retries, so
@@ -196,6 +197,200 @@ BEGIN
         RAISE EXCEPTION 'outbox_cancel: ids must not be NULL' USING ERRCODE = 'null_value_not_allowed';
     END IF;
     RETURN outbox_discard(ids, 'cancelled');
+END;
+$$;
+
+-- Take newly committed events into outbox_heads: up to `chunk` in-flow events above the intake
+-- cursor, oldest first. Returns the cursor afterwards, or NULL when another claim is taking in
+-- right now (one at a time: the others skip it rather than wait).
+--
+-- The intake row is locked once per claim and written by the ctid it locked (a TID scan reads
+-- that version only): the cursor and last_claim_at in one update. Readers that do not move the
+-- cursor (a report; a claim whose intake found the row locked) read outbox_intake_mark instead:
+-- the intake sets it to the cursor it locked, which is committed, before moving the cursor in
+-- its own transaction, so the mark is never above the cursor, whatever commits or rolls back.
+-- A mark below the cursor is safe where it is used: it only lowers where a reader starts
+-- looking along an aggregate's line, least(head_id, mark + 1), and no unfinished event of an
+-- aggregate lies below its head_id at or under the cursor (the intake moved the head back to
+-- it). Such a reader may read a few index entries more; it finds the same first event.
+CREATE OR REPLACE FUNCTION outbox_take_in(settled bigint, last_id bigint, chunk integer) RETURNS bigint
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+SET plan_cache_mode = force_generic_plan  -- see outbox_claim, also for the settings below
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET enable_hashjoin = off
+SET enable_mergejoin = off
+SET enable_material = off
+-- Group the new events by aggregate in a hash table, not by sorting all of them.
+SET enable_sort = off
+SET jit = off
+AS $$
+DECLARE
+    upto    bigint;
+    row_tid tid;                                -- the version of the intake row locked
+    noted   timestamptz;                        -- its last_claim_at
+    types   text[];
+    ids     text[];
+    firsts  bigint[];
+    busy      bigint[] := '{}';                 -- places in types / ids / firsts of busy aggregates
+    live_tids tid[];                            -- their heads, found and locked
+    live_ns   bigint[];                         -- their places
+    held_from bigint;                           -- the first event of one whose head another holds
+    seen    bigint;
+    top     bigint;
+    at      timestamptz := clock_timestamp();   -- one time for all the heads made here
+BEGIN
+    SELECT i.intake_id, i.ctid, i.last_claim_at INTO upto, row_tid, noted
+      FROM outbox_intake i FOR UPDATE SKIP LOCKED;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    -- The cursor as locked is committed: the mark may go up to it.
+    IF upto > coalesce(pg_sequence_last_value('outbox_intake_mark'), 0) THEN
+        PERFORM setval('outbox_intake_mark', upto);
+    END IF;
+    -- Monitors ask "is a worker claiming?" (outbox_health): to the second, so that a busy
+    -- worker does not write the row for that alone. Written with the cursor below, by ctid.
+    noted := CASE WHEN noted IS NULL OR noted < at - interval '1 second' THEN at END;
+    IF upto >= last_id THEN
+        IF noted IS NOT NULL THEN
+            UPDATE outbox_intake i SET last_claim_at = noted WHERE i.ctid = row_tid;
+        END IF;
+        RETURN upto;
+    END IF;
+
+    -- One row per aggregate among the new events, with its first event.
+    SELECT array_agg(a.aggregate_type ORDER BY a.aggregate_type, a.aggregate_id),
+           array_agg(a.aggregate_id ORDER BY a.aggregate_type, a.aggregate_id),
+           array_agg(a.first_id ORDER BY a.aggregate_type, a.aggregate_id),
+           sum(a.n), max(a.top)
+      INTO types, ids, firsts, seen, top
+      FROM (SELECT e.aggregate_type, e.aggregate_id, min(e.id) AS first_id, count(*) AS n, max(e.id) AS top
+              FROM (SELECT o.id, o.aggregate_type, o.aggregate_id
+                      FROM outbox o
+                     WHERE o.in_flow
+                       AND o.id > upto AND o.id <= last_id
+                     ORDER BY o.id
+                     LIMIT chunk) e
+             GROUP BY e.aggregate_type, e.aggregate_id) a;
+
+    IF types IS NOT NULL THEN
+        -- New heads are inserted; a head that exists is locked (in key order, as reports lock
+        -- them), so that a report about to drop it because it saw no more events of its
+        -- aggregate waits for this transaction and then sees these events
+        -- (outbox_refresh_heads). An event that committed late below its aggregate's head (it
+        -- was held back by the commit-order guard meanwhile) moves the head back to it.
+        -- A new head is due now, whatever this statement's snapshot said of its event: while
+        -- the cursor is held back, events read here may have been claimed, or even published
+        -- and their head dropped, since (a run reads its aggregate's line beyond the cursor).
+        -- The claim that takes the head finds the truth (a lease running: it waits for its end;
+        -- no event left: the head is dropped).
+        -- A busy aggregate's head is kept, parked, between two of its events
+        -- (outbox_refresh_heads). Its key then has a live version at the newest of its entries,
+        -- where INSERT ... ON CONFLICT reads every entry of the key from the oldest before it
+        -- reaches it: the heads of busy aggregates are looked up from the newest entry of their
+        -- key down (as outbox_refresh_heads finds them). Busy: an event among the ones just
+        -- below the cursor (twice as many as this intake read, 50 to 500), looked for only when
+        -- this intake read fewer than a chunk: one catching up on a backlog reads chunks of
+        -- thousands, and its insert brings parked heads back as well. Not every key: for a key
+        -- with no live head (dropped, to be made again) that look reads all of its entries, and
+        -- the insert's check then reads them again.
+        IF seen < chunk THEN
+            busy := ARRAY(SELECT s.n
+                            FROM unnest(types, ids) WITH ORDINALITY AS s(t, i, n)
+                           WHERE outbox_aggregate_key(s.t, s.i) = ANY (         -- a collision: one look more
+                                 ARRAY(SELECT outbox_aggregate_key(o.aggregate_type, o.aggregate_id)
+                                         FROM outbox o
+                                        WHERE o.id > upto - least(greatest(2 * seen, 50), 500)
+                                          AND o.id <= upto)));
+        END IF;
+
+        -- Lock order. Reports lock heads in one pass in key order, and wait. The intake may wait
+        -- only in a pass of the same kind, holding no head yet: the other aggregates first, all
+        -- in key order in the insert below (new heads made, the others locked by its conflict
+        -- update, waiting for a report that holds them). The busy ones after that never wait
+        -- (SKIP LOCKED, ON CONFLICT DO NOTHING): holding the first pass's heads, a wait there
+        -- could close a circle with a report that holds a busy head and waits for one of those.
+        -- opened_id, the first event's id, orders the heads made here among themselves.
+        INSERT INTO outbox_heads AS h (aggregate_type, aggregate_id, lock_key, head_id, ready_at, opened_id)
+        -- The clock, not now(): a head's ready_at is never below the time its writer
+        -- announced (outbox_heads_writing); the claim reads its own time after this.
+        SELECT s.t, s.i, outbox_aggregate_key(s.t, s.i), s.f, at, s.f
+          FROM unnest(types, ids, firsts) WITH ORDINALITY AS s(t, i, f, n)
+         WHERE s.n <> ALL (busy)
+        ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE
+           SET head_id = least(h.head_id, excluded.head_id),
+               -- a parked head (an aggregate whose events paused) comes back here too
+               leased_until = CASE WHEN h.parked THEN NULL ELSE h.leased_until END,
+               parked = false
+         WHERE h.parked OR h.head_id > excluded.head_id;
+
+        IF cardinality(busy) > 0 THEN
+            -- The busy aggregates' heads, each from the newest entry of its key down to the
+            -- first version this sees, locked unless another transaction holds it.
+            SELECT array_agg(h.tid), array_agg(s.n)
+              INTO live_tids, live_ns
+              FROM (SELECT s.t COLLATE "C" AS t, s.i COLLATE "C" AS i, s.n
+                      FROM unnest(types, ids) WITH ORDINALITY AS s(t, i, n)
+                     WHERE s.n = ANY (busy)
+                     ORDER BY 1, 2) s
+             CROSS JOIN LATERAL (
+                   SELECT h.ctid AS tid FROM outbox_heads h
+                    WHERE h.aggregate_type = s.t
+                      AND h.aggregate_id >= s.i AND h.aggregate_id <= s.i
+                    ORDER BY h.aggregate_type DESC, h.aggregate_id DESC
+                    LIMIT 1
+                      FOR UPDATE SKIP LOCKED) h;
+            IF live_tids IS NOT NULL THEN
+                -- A parked head comes back: due again at the ready_at it kept, no longer leased.
+                -- Only columns in no index change (head_id, leased_until, parked): a HOT update,
+                -- no new index entry. By ctid, in a statement of its own: it sees the versions
+                -- locked above.
+                UPDATE outbox_heads h
+                   SET head_id = least(h.head_id, firsts[l.n]),
+                       leased_until = CASE WHEN h.parked THEN NULL ELSE h.leased_until END,
+                       parked = false
+                  FROM unnest(live_tids, live_ns) AS l(tid, n)
+                 WHERE h.ctid = ANY (live_tids)
+                   AND h.ctid = l.tid
+                   AND (h.parked OR h.head_id > firsts[l.n]);
+            END IF;
+            IF coalesce(cardinality(live_ns), 0) < cardinality(busy) THEN
+                -- The busy aggregates whose head was not found: made when there is none (no other
+                -- transaction makes heads: the intake row is locked). One that exists is held by
+                -- another transaction (SKIP LOCKED passed it): DO NOTHING neither waits for it nor
+                -- locks it, and the cursor stays below the aggregate's first event here, for the
+                -- next intake to take it in again. Its holder may be a report about to park or drop
+                -- it from a view that missed the event.
+                WITH made AS (
+                    INSERT INTO outbox_heads AS h (aggregate_type, aggregate_id, lock_key, head_id, ready_at, opened_id)
+                    SELECT s.t, s.i, outbox_aggregate_key(s.t, s.i), s.f, at, s.f
+                      FROM unnest(types, ids, firsts) WITH ORDINALITY AS s(t, i, f, n)
+                     WHERE s.n = ANY (busy) AND s.n <> ALL (coalesce(live_ns, '{}'))
+                    ON CONFLICT (aggregate_type, aggregate_id) DO NOTHING
+                    RETURNING h.aggregate_type, h.aggregate_id)
+                SELECT min(s.f) INTO held_from
+                  FROM unnest(types, ids, firsts) WITH ORDINALITY AS s(t, i, f, n)
+                 WHERE s.n = ANY (busy) AND s.n <> ALL (coalesce(live_ns, '{}'))
+                   AND NOT EXISTS (SELECT FROM made m WHERE m.aggregate_type = s.t AND m.aggregate_id = s.i);
+            END IF;
+        END IF;
+    END IF;
+
+    -- Past everything read (all of it when fewer than chunk came back), never past the horizon.
+    top := least(CASE WHEN coalesce(seen, 0) < chunk THEN last_id ELSE top END, settled);
+    -- Below a busy aggregate whose head another transaction held (see above).
+    top := least(top, held_from - 1);
+    IF top > upto OR noted IS NOT NULL THEN
+        -- By ctid (a TID scan): the version locked above, not a walk of all of them.
+        UPDATE outbox_intake i
+           SET intake_id = greatest(top, upto),
+               last_claim_at = coalesce(noted, i.last_claim_at)
+         WHERE i.ctid = row_tid;
+        upto := greatest(top, upto);
+    END IF;
+    RETURN upto;
 END;
 $$;
 

@@ -49,6 +49,10 @@ ALTER TABLE outbox_idempotency DROP CONSTRAINT outbox_idempotency_pkey,
 -- Operators no longer read lease tokens: whoever holds one can report on a worker's events.
 REVOKE SELECT (lease_token) ON outbox FROM outbox_operator;
 
+-- The intake gives the aggregates of the newest events heads ahead of a backlog; this marks how
+-- far it has read them (outbox_take_in).
+ALTER TABLE outbox_intake ADD COLUMN newest_id bigint NOT NULL DEFAULT 0;
+
 COMMENT ON COLUMN outbox_settings.allowed_subject_prefixes IS
     'Prefixes (whole tokens) an explicit subject may have besides subject_prefix; any other subject is refused at INSERT.';
 
@@ -299,6 +303,266 @@ $$;
 COMMENT ON FUNCTION outbox_cancel(bigint[]) IS
     'Take the caller''s own not-yet-delivered events (pending, scheduled or not, and dead) out of the flow: discarded with reason ''cancelled''; the next event of their aggregate becomes claimable. A claimed event, and other producers'' events, are left alone. Returns how many were cancelled.';
 
+-- Take newly committed events into outbox_heads: up to `chunk` in-flow events above the intake
+-- cursor, oldest first. Returns the cursor afterwards, or NULL when another claim is taking in
+-- right now (one at a time: the others skip it rather than wait).
+--
+-- The intake row is locked once per claim and written by the ctid it locked (a TID scan reads
+-- that version only): the cursor and last_claim_at in one update. Readers that do not move the
+-- cursor (a report; a claim whose intake found the row locked) read outbox_intake_mark instead:
+-- the intake sets it to the cursor it locked, which is committed, before moving the cursor in
+-- its own transaction, so the mark is never above the cursor, whatever commits or rolls back.
+-- A mark below the cursor is safe where it is used: it only lowers where a reader starts
+-- looking along an aggregate's line, least(head_id, mark + 1), and no unfinished event of an
+-- aggregate lies below its head_id at or under the cursor (the intake moved the head back to
+-- it). Such a reader may read a few index entries more; it finds the same first event.
+CREATE OR REPLACE FUNCTION outbox_take_in(settled bigint, last_id bigint, chunk integer) RETURNS bigint
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+SET plan_cache_mode = force_generic_plan  -- see outbox_claim, also for the settings below
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET enable_hashjoin = off
+SET enable_mergejoin = off
+SET enable_material = off
+-- Group the new events by aggregate in a hash table, not by sorting all of them.
+SET enable_sort = off
+SET jit = off
+AS $$
+DECLARE
+    upto    bigint;
+    row_tid tid;                                -- the version of the intake row locked
+    noted   timestamptz;                        -- its last_claim_at
+    types   text[];
+    ids     text[];
+    firsts  bigint[];
+    busy      bigint[] := '{}';                 -- places in types / ids / firsts of busy aggregates
+    live_tids tid[];                            -- their heads, found and locked
+    live_ns   bigint[];                         -- their places
+    held_from bigint;                           -- the first event of one whose head another holds
+    seen    bigint;
+    top     bigint;
+    at      timestamptz := clock_timestamp();   -- one time for all the heads made here
+    -- The aggregates of the newest events, when a backlog lies between them and the cursor.
+    new_types  text[];
+    new_ids    text[];
+    new_firsts bigint[];
+    back_tids  tid[];                           -- their parked heads, to bring back
+    newest     bigint;                          -- outbox_intake.newest_id
+    new_top    bigint;
+BEGIN
+    SELECT i.intake_id, i.ctid, i.last_claim_at, i.newest_id INTO upto, row_tid, noted, newest
+      FROM outbox_intake i FOR UPDATE SKIP LOCKED;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    -- The cursor as locked is committed: the mark may go up to it.
+    IF upto > coalesce(pg_sequence_last_value('outbox_intake_mark'), 0) THEN
+        PERFORM setval('outbox_intake_mark', upto);
+    END IF;
+    -- Monitors ask "is a worker claiming?" (outbox_health): to the second, so that a busy
+    -- worker does not write the row for that alone. Written with the cursor below, by ctid.
+    noted := CASE WHEN noted IS NULL OR noted < at - interval '1 second' THEN at END;
+    IF upto >= last_id THEN
+        IF noted IS NOT NULL THEN
+            UPDATE outbox_intake i SET last_claim_at = noted WHERE i.ctid = row_tid;
+        END IF;
+        RETURN upto;
+    END IF;
+
+    -- One row per aggregate among the new events, with its first event.
+    SELECT array_agg(a.aggregate_type ORDER BY a.aggregate_type, a.aggregate_id),
+           array_agg(a.aggregate_id ORDER BY a.aggregate_type, a.aggregate_id),
+           array_agg(a.first_id ORDER BY a.aggregate_type, a.aggregate_id),
+           sum(a.n), max(a.top)
+      INTO types, ids, firsts, seen, top
+      FROM (SELECT e.aggregate_type, e.aggregate_id, min(e.id) AS first_id, count(*) AS n, max(e.id) AS top
+              FROM (SELECT o.id, o.aggregate_type, o.aggregate_id
+                      FROM outbox o
+                     WHERE o.in_flow
+                       AND o.id > upto AND o.id <= last_id
+                     ORDER BY o.id
+                     LIMIT chunk) e
+             GROUP BY e.aggregate_type, e.aggregate_id) a;
+
+    IF types IS NOT NULL THEN
+        -- New heads are inserted; a head that exists is locked (in key order, as reports lock
+        -- them), so that a report about to drop it because it saw no more events of its
+        -- aggregate waits for this transaction and then sees these events
+        -- (outbox_refresh_heads). An event that committed late below its aggregate's head (it
+        -- was held back by the commit-order guard meanwhile) moves the head back to it.
+        -- A new head is due now, whatever this statement's snapshot said of its event: while
+        -- the cursor is held back, events read here may have been claimed, or even published
+        -- and their head dropped, since (a run reads its aggregate's line beyond the cursor).
+        -- The claim that takes the head finds the truth (a lease running: it waits for its end;
+        -- no event left: the head is dropped).
+        -- A busy aggregate's head is kept, parked, between two of its events
+        -- (outbox_refresh_heads). Its key then has a live version at the newest of its entries,
+        -- where INSERT ... ON CONFLICT reads every entry of the key from the oldest before it
+        -- reaches it: the heads of busy aggregates are looked up from the newest entry of their
+        -- key down (as outbox_refresh_heads finds them). Busy: an event among the ones just
+        -- below the cursor (twice as many as this intake read, 50 to 500), looked for only when
+        -- this intake read fewer than a chunk: one catching up on a backlog reads chunks of
+        -- thousands, and its insert brings parked heads back as well. Not every key: for a key
+        -- with no live head (dropped, to be made again) that look reads all of its entries, and
+        -- the insert's check then reads them again.
+        IF seen < chunk THEN
+            busy := ARRAY(SELECT s.n
+                            FROM unnest(types, ids) WITH ORDINALITY AS s(t, i, n)
+                           WHERE outbox_aggregate_key(s.t, s.i) = ANY (         -- a collision: one look more
+                                 ARRAY(SELECT outbox_aggregate_key(o.aggregate_type, o.aggregate_id)
+                                         FROM outbox o
+                                        WHERE o.id > upto - least(greatest(2 * seen, 50), 500)
+                                          AND o.id <= upto)));
+        END IF;
+
+        -- Lock order. Reports lock heads in one pass in key order, and wait. The intake may wait
+        -- only in a pass of the same kind, holding no head yet: the other aggregates first, all
+        -- in key order in the insert below (new heads made, the others locked by its conflict
+        -- update, waiting for a report that holds them). The busy ones after that never wait
+        -- (SKIP LOCKED, ON CONFLICT DO NOTHING): holding the first pass's heads, a wait there
+        -- could close a circle with a report that holds a busy head and waits for one of those.
+        -- opened_id, the first event's id, orders the heads made here among themselves.
+        INSERT INTO outbox_heads AS h (aggregate_type, aggregate_id, lock_key, head_id, ready_at, opened_id)
+        -- The clock, not now(): a head's ready_at is never below the time its writer
+        -- announced (outbox_heads_writing); the claim reads its own time after this.
+        SELECT s.t, s.i, outbox_aggregate_key(s.t, s.i), s.f, at, s.f
+          FROM unnest(types, ids, firsts) WITH ORDINALITY AS s(t, i, f, n)
+         WHERE s.n <> ALL (busy)
+        ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE
+           SET head_id = least(h.head_id, excluded.head_id),
+               -- a parked head (an aggregate whose events paused) comes back here too
+               leased_until = CASE WHEN h.parked THEN NULL ELSE h.leased_until END,
+               parked = false
+         WHERE h.parked OR h.head_id > excluded.head_id;
+
+        IF cardinality(busy) > 0 THEN
+            -- The busy aggregates' heads, each from the newest entry of its key down to the
+            -- first version this sees, locked unless another transaction holds it.
+            SELECT array_agg(h.tid), array_agg(s.n)
+              INTO live_tids, live_ns
+              FROM (SELECT s.t COLLATE "C" AS t, s.i COLLATE "C" AS i, s.n
+                      FROM unnest(types, ids) WITH ORDINALITY AS s(t, i, n)
+                     WHERE s.n = ANY (busy)
+                     ORDER BY 1, 2) s
+             CROSS JOIN LATERAL (
+                   SELECT h.ctid AS tid FROM outbox_heads h
+                    WHERE h.aggregate_type = s.t
+                      AND h.aggregate_id >= s.i AND h.aggregate_id <= s.i
+                    ORDER BY h.aggregate_type DESC, h.aggregate_id DESC
+                    LIMIT 1
+                      FOR UPDATE SKIP LOCKED) h;
+            IF live_tids IS NOT NULL THEN
+                -- A parked head comes back: due again at the ready_at it kept, no longer leased.
+                -- Only columns in no index change (head_id, leased_until, parked): a HOT update,
+                -- no new index entry. By ctid, in a statement of its own: it sees the versions
+                -- locked above.
+                UPDATE outbox_heads h
+                   SET head_id = least(h.head_id, firsts[l.n]),
+                       leased_until = CASE WHEN h.parked THEN NULL ELSE h.leased_until END,
+                       parked = false
+                  FROM unnest(live_tids, live_ns) AS l(tid, n)
+                 WHERE h.ctid = ANY (live_tids)
+                   AND h.ctid = l.tid
+                   AND (h.parked OR h.head_id > firsts[l.n]);
+            END IF;
+            IF coalesce(cardinality(live_ns), 0) < cardinality(busy) THEN
+                -- The busy aggregates whose head was not found: made when there is none (no other
+                -- transaction makes heads: the intake row is locked). One that exists is held by
+                -- another transaction (SKIP LOCKED passed it): DO NOTHING neither waits for it nor
+                -- locks it, and the cursor stays below the aggregate's first event here, for the
+                -- next intake to take it in again. Its holder may be a report about to park or drop
+                -- it from a view that missed the event.
+                WITH made AS (
+                    INSERT INTO outbox_heads AS h (aggregate_type, aggregate_id, lock_key, head_id, ready_at, opened_id)
+                    SELECT s.t, s.i, outbox_aggregate_key(s.t, s.i), s.f, at, s.f
+                      FROM unnest(types, ids, firsts) WITH ORDINALITY AS s(t, i, f, n)
+                     WHERE s.n = ANY (busy) AND s.n <> ALL (coalesce(live_ns, '{}'))
+                    ON CONFLICT (aggregate_type, aggregate_id) DO NOTHING
+                    RETURNING h.aggregate_type, h.aggregate_id)
+                SELECT min(s.f) INTO held_from
+                  FROM unnest(types, ids, firsts) WITH ORDINALITY AS s(t, i, f, n)
+                 WHERE s.n = ANY (busy) AND s.n <> ALL (coalesce(live_ns, '{}'))
+                   AND NOT EXISTS (SELECT FROM made m WHERE m.aggregate_type = s.t AND m.aggregate_id = s.i);
+            END IF;
+        END IF;
+    END IF;
+
+    IF seen >= chunk THEN
+        -- A backlog: the chunk above did not reach the newest events. Their aggregates get heads
+        -- now rather than when the cursor reaches them, so that the traffic of other aggregates
+        -- is not held back by a backlog it has nothing to do with (at a million backlog events,
+        -- the cursor takes a minute to get there). This is safe for order: an aggregate with no
+        -- head has no unfinished event up to the cursor (that is what the cursor means), and a
+        -- claim reads every line from the cursor on, least(head_id, cursor + 1); so the events
+        -- of a head made here (at its first newest event) that lie between the cursor and the
+        -- newest ones are handed out before the newest, in id order (the commit-order guard
+        -- still checks each of them), and the cursor moves the head back to the first of them
+        -- when it gets there.
+        -- The newest events are read backward from the last one, down to newest_id (what an
+        -- earlier claim read so), at most a chunk: in a steady flow, what committed since the
+        -- last claim, each event once. What lies below a chunk of them, and an event that
+        -- commits below newest_id after it moved (its transaction was open), is left to the
+        -- cursor. Heads that exist are neither locked nor waited for (ON CONFLICT DO NOTHING):
+        -- their lines hold the new events already. A parked one comes back, found newest-first
+        -- without a lock, then locked by ctid, SKIP LOCKED.
+        SELECT array_agg(f.t ORDER BY f.t, f.i), array_agg(f.i ORDER BY f.t, f.i),
+               array_agg(f.first_id ORDER BY f.t, f.i)
+          INTO new_types, new_ids, new_firsts
+          FROM (SELECT e.aggregate_type AS t, e.aggregate_id AS i, min(e.id) AS first_id
+                  FROM (SELECT o.id, o.aggregate_type, o.aggregate_id
+                          FROM outbox o
+                         WHERE o.in_flow
+                           AND o.id > greatest(top, newest) AND o.id <= last_id
+                         ORDER BY o.id DESC
+                         LIMIT chunk) e
+                 GROUP BY e.aggregate_type, e.aggregate_id) f;
+        new_top := last_id;
+        IF new_types IS NOT NULL THEN
+            WITH made AS (
+                INSERT INTO outbox_heads AS h (aggregate_type, aggregate_id, lock_key, head_id, ready_at, opened_id)
+                SELECT s.t, s.i, outbox_aggregate_key(s.t, s.i), s.f, at, s.f
+                  FROM unnest(new_types, new_ids, new_firsts) AS s(t, i, f)
+                ON CONFLICT (aggregate_type, aggregate_id) DO NOTHING
+                RETURNING h.aggregate_type, h.aggregate_id)
+            SELECT array_agg(h.tid) INTO back_tids
+              FROM (SELECT s.t COLLATE "C" AS t, s.i COLLATE "C" AS i
+                      FROM unnest(new_types, new_ids) AS s(t, i)
+                     WHERE NOT EXISTS (SELECT FROM made m WHERE m.aggregate_type = s.t AND m.aggregate_id = s.i)) s
+             CROSS JOIN LATERAL (
+                   SELECT h.ctid AS tid, h.parked FROM outbox_heads h
+                    WHERE h.aggregate_type = s.t
+                      AND h.aggregate_id >= s.i AND h.aggregate_id <= s.i
+                    ORDER BY h.aggregate_type DESC, h.aggregate_id DESC
+                    LIMIT 1) h
+             WHERE h.parked;
+            IF back_tids IS NOT NULL THEN
+                UPDATE outbox_heads h
+                   SET leased_until = NULL, parked = false
+                 WHERE h.ctid = ANY (ARRAY(SELECT l.ctid FROM outbox_heads l
+                                            WHERE l.ctid = ANY (back_tids) AND l.parked
+                                              FOR UPDATE SKIP LOCKED));
+            END IF;
+        END IF;
+    END IF;
+
+    -- Past everything read (all of it when fewer than chunk came back), never past the horizon.
+    top := least(CASE WHEN coalesce(seen, 0) < chunk THEN last_id ELSE top END, settled);
+    -- Below a busy aggregate whose head another transaction held (see above).
+    top := least(top, held_from - 1);
+    IF top > upto OR noted IS NOT NULL OR new_top > newest THEN
+        -- By ctid (a TID scan): the version locked above, not a walk of all of them.
+        UPDATE outbox_intake i
+           SET intake_id = greatest(top, upto),
+               newest_id = greatest(new_top, newest),
+               last_claim_at = coalesce(noted, i.last_claim_at)
+         WHERE i.ctid = row_tid;
+        upto := greatest(top, upto);
+    END IF;
+    RETURN upto;
+END;
+$$;
+
 -- The claim: the intake first, then passes over the due heads (a pass that reclaimed expired
 -- runs or discarded expired events looks again for the rest of the batch), then one UPDATE that
 -- leases the runs found, by the ctids locked on the way.
@@ -378,6 +642,10 @@ DECLARE
     m_ready timestamptz[];
     m_leased timestamptz[];
     x_tids  tid[];
+    due     bigint;         -- claimable heads at the front of the queue (up to 16)
+    front   bigint[];       -- their lock_keys, in claim order
+    share   integer;        -- the events a run of this pass takes at most, or one more:
+    plus    bigint[];       -- the lock_keys of the heads that take one more
     budget  bigint;         -- max_bytes, or the setting
     pass_bytes bigint;
     taken   bigint := 0;    -- bytes of the events of the passes before
@@ -419,23 +687,40 @@ BEGIN
         -- Another claim holds the intake row: the mark, not a walk of the row's versions.
         upto := coalesce(pg_sequence_last_value('outbox_intake_mark'), 0);
     END IF;
-    -- Parked heads whose second is up, among the first due heads (those that hold the
-    -- floor): dropped below with the heads found empty (outbox_refresh_heads looks at their
-    -- events first). A few index entries, read without locks.
-    SELECT coalesce(array_agg(p.aggregate_type), '{}'), coalesce(array_agg(p.aggregate_id), '{}')
-      INTO empty_types, empty_ids
-      FROM (SELECT h.aggregate_type, h.aggregate_id, h.parked, h.leased_until
+    -- The first due heads (those that hold the floor), read without locks: parked ones whose
+    -- second is up are dropped below with the heads found empty (outbox_refresh_heads looks at
+    -- their events first); and how many can be claimed, for the fair share below.
+    SELECT coalesce(array_agg(p.aggregate_type) FILTER (WHERE p.parked AND p.leased_until < t), '{}'),
+           coalesce(array_agg(p.aggregate_id) FILTER (WHERE p.parked AND p.leased_until < t), '{}'),
+           coalesce(array_agg(p.lock_key ORDER BY p.ready_at, p.opened_id)
+                    FILTER (WHERE NOT p.parked AND (p.leased_until IS NULL OR p.leased_until < t)
+                              AND (p.head_id <= g.settled
+                                   OR (p.head_id <= g.open_below AND p.lock_key <> ALL (g.held_keys)))), '{}')
+      INTO empty_types, empty_ids, front
+      FROM (SELECT h.aggregate_type, h.aggregate_id, h.parked, h.leased_until, h.head_id, h.lock_key,
+                   h.ready_at, h.opened_id
               FROM outbox_heads h
              WHERE h.ready_at <= t AND h.ready_at >= floor_at
              ORDER BY h.ready_at, h.opened_id
-             LIMIT 16) p
-     WHERE p.parked AND p.leased_until < t;
+             LIMIT 16) p;
 
     -- Passes: a pass that reclaimed expired runs looks again for the rest of the batch, so a
     -- worker's crash does not cost the next claim its batch (a short claim tells a worker that
     -- nothing more is claimable right now).
     FOR pass IN 1..8 LOOP
         remaining := n - cardinality(c_ids);
+        -- Fair shares: a run takes at most its share of what the claim still hands out, split
+        -- among the claimable heads at the front of the queue (up to 16), so that one busy
+        -- aggregate never fills a claim while others wait: a quiet aggregate's event goes in
+        -- the next claim after it is due, whatever the busy ones have queued. The remainder
+        -- goes one event each to the first of them, so that the claim is full when their lines
+        -- are long enough. Alone, a head takes it all; behind many heads of a few events each
+        -- (a uniform mix) the share is larger than their lines and changes nothing. The heads
+        -- this pass locks may differ from the ones read above (taken by a claim meanwhile):
+        -- the shares are then a little off, never the order.
+        due := greatest(cardinality(front), 1);
+        share := least(cfg.max_run, remaining, greatest(1, remaining / due));
+        plus := CASE WHEN share < cfg.max_run THEN front[1 : remaining - share * due] ELSE '{}' END;
         -- One statement a pass. `cand`: the heads whose time has come, oldest first, leaving out
         -- those the guard holds back (head_id is a lower bound of the first event's id; each
         -- event is checked below), each with its line: its first max_run unfinished events, read
@@ -450,7 +735,7 @@ BEGIN
                    e.id, e.ctid, e.created_at, e.state, e.attempts, e.next_attempt_at, e.locked_until, e.lease_token,
                    e.expires_at, e.size_bytes
               FROM (SELECT h.aggregate_type, h.aggregate_id, h.lock_key, h.head_id, h.ready_at, h.leased_until,
-                           h.opened_id, h.ctid AS tid
+                           h.opened_id, h.ctid AS tid, share + (h.lock_key = ANY (plus))::integer AS share
                       FROM outbox_heads h
                      WHERE h.ready_at <= t
                        AND h.ready_at >= floor_at
@@ -465,7 +750,7 @@ BEGIN
                    SELECT array(SELECT o.id FROM outbox o
                                  WHERE o.aggregate_type = h.aggregate_type AND o.aggregate_id = h.aggregate_id
                                    AND o.unfinished AND o.id >= least(h.head_id, upto + 1)
-                                 ORDER BY o.id LIMIT least(cfg.max_run, remaining)) AS ids
+                                 ORDER BY o.id LIMIT h.share) AS ids
                     OFFSET 0) line   -- once per head, not once per row of the join below
               LEFT JOIN LATERAL (
                    SELECT o.id, o.ctid, o.created_at, o.state, o.attempts, o.next_attempt_at, o.locked_until,
@@ -474,13 +759,15 @@ BEGIN
                     WHERE o.aggregate_type = h.aggregate_type AND o.aggregate_id = h.aggregate_id
                       AND o.unfinished AND o.id >= least(h.head_id, upto + 1)
                     ORDER BY o.id
-                    LIMIT least(cfg.max_run, remaining)
+                    LIMIT h.share
                       FOR UPDATE SKIP LOCKED) e ON true
              LIMIT remaining),
+        -- A line's rows: by the head's ctid, the one thing two heads never share (a parked head's
+        -- head_id is past the cursor, where another aggregate's first event may be).
         numbered AS (
             SELECT c.*, row_number() OVER w AS rn, c.id = c.line_ids[row_number() OVER w] AS matched
               FROM cand c
-            WINDOW w AS (PARTITION BY c.old_head_id ORDER BY c.id)),
+            WINDOW w AS (PARTITION BY c.head_tid ORDER BY c.id)),
         marked AS MATERIALIZED (
             SELECT m.*,
                    first_value(m.state) OVER w AS first_state,
@@ -499,7 +786,7 @@ BEGIN
                    -- event further down its line is, once it is the head).
                    m.rn = 1 AND m.matched AND m.state = 'pending' AND m.expires_at <= t AS lapsed
               FROM numbered m
-            WINDOW w AS (PARTITION BY m.old_head_id ORDER BY m.id)),
+            WINDOW w AS (PARTITION BY m.head_tid ORDER BY m.id)),
         -- The run, within the byte budget: in claim order (the oldest head first, each line from
         -- its first event), the events whose bytes fit with those before them; and the claim's
         -- first event in any case. Cut anywhere, each head keeps a prefix of its line.

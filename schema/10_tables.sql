@@ -351,7 +351,10 @@ CREATE TABLE outbox_intake (
     -- Every committed event with an id up to this has its aggregate in outbox_heads (or is finished).
     intake_id     bigint       NOT NULL DEFAULT 0,
     -- When a worker last called outbox_claim (to the second), whatever the claim found.
-    last_claim_at timestamptz
+    last_claim_at timestamptz,
+    -- While a backlog lies above intake_id: the events up to this have had their aggregates
+    -- given heads ahead of the cursor (outbox_take_in), so that they are not read twice.
+    newest_id     bigint       NOT NULL DEFAULT 0
 );
 
 COMMENT ON TABLE outbox_intake IS

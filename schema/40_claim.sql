@@ -11,7 +11,8 @@
 -- The queue is a queue of aggregates, not of events. outbox_heads holds one row per aggregate
 -- (aggregate_type, aggregate_id) that has unfinished events: the head of its line. A claim takes
 -- heads whose time has come (ready_at), oldest first, and hands out a run from each: up to
--- outbox_settings.max_run consecutive events of that aggregate, in id order. So the work of a
+-- outbox_settings.max_run consecutive events of that aggregate, in id order, and no more than
+-- its share of the batch when other heads wait beside it (fair shares). So the work of a
 -- claim is bounded by what it hands out, whatever the depth of the backlog and however the
 -- events spread over aggregates: a million events of ten aggregates cost a claim ten heads and
 -- the runs it returns, and an empty claim is a look at one index.
@@ -42,7 +43,9 @@
 -- with an id up to it has its aggregate's head. The cursor only moves up to the commit horizon,
 -- below which no open transaction can still commit an event; events above it that are visible
 -- are taken in on every claim until the cursor passes them (few: only what committed since,
--- plus what an open transaction holds back). At most `chunk` events are read per claim.
+-- plus what an open transaction holds back). At most `chunk` events are read per claim. Behind
+-- a backlog, the aggregates of the newest events get heads at once as well, so that a backlog
+-- holds back only its own aggregates (outbox_take_in).
 --
 -- Why the heads table survives a held snapshot. A snapshot held open (a REPEATABLE READ
 -- transaction left open, a session idle in a transaction, a standby with hot_standby_feedback)
@@ -279,8 +282,15 @@ DECLARE
     seen    bigint;
     top     bigint;
     at      timestamptz := clock_timestamp();   -- one time for all the heads made here
+    -- The aggregates of the newest events, when a backlog lies between them and the cursor.
+    new_types  text[];
+    new_ids    text[];
+    new_firsts bigint[];
+    back_tids  tid[];                           -- their parked heads, to bring back
+    newest     bigint;                          -- outbox_intake.newest_id
+    new_top    bigint;
 BEGIN
-    SELECT i.intake_id, i.ctid, i.last_claim_at INTO upto, row_tid, noted
+    SELECT i.intake_id, i.ctid, i.last_claim_at, i.newest_id INTO upto, row_tid, noted, newest
       FROM outbox_intake i FOR UPDATE SKIP LOCKED;
     IF NOT FOUND THEN
         RETURN NULL;
@@ -417,14 +427,73 @@ BEGIN
         END IF;
     END IF;
 
+    IF seen >= chunk THEN
+        -- A backlog: the chunk above did not reach the newest events. Their aggregates get heads
+        -- now rather than when the cursor reaches them, so that the traffic of other aggregates
+        -- is not held back by a backlog it has nothing to do with (at a million backlog events,
+        -- the cursor takes a minute to get there). This is safe for order: an aggregate with no
+        -- head has no unfinished event up to the cursor (that is what the cursor means), and a
+        -- claim reads every line from the cursor on, least(head_id, cursor + 1); so the events
+        -- of a head made here (at its first newest event) that lie between the cursor and the
+        -- newest ones are handed out before the newest, in id order (the commit-order guard
+        -- still checks each of them), and the cursor moves the head back to the first of them
+        -- when it gets there.
+        -- The newest events are read backward from the last one, down to newest_id (what an
+        -- earlier claim read so), at most a chunk: in a steady flow, what committed since the
+        -- last claim, each event once. What lies below a chunk of them, and an event that
+        -- commits below newest_id after it moved (its transaction was open), is left to the
+        -- cursor. Heads that exist are neither locked nor waited for (ON CONFLICT DO NOTHING):
+        -- their lines hold the new events already. A parked one comes back, found newest-first
+        -- without a lock, then locked by ctid, SKIP LOCKED.
+        SELECT array_agg(f.t ORDER BY f.t, f.i), array_agg(f.i ORDER BY f.t, f.i),
+               array_agg(f.first_id ORDER BY f.t, f.i)
+          INTO new_types, new_ids, new_firsts
+          FROM (SELECT e.aggregate_type AS t, e.aggregate_id AS i, min(e.id) AS first_id
+                  FROM (SELECT o.id, o.aggregate_type, o.aggregate_id
+                          FROM outbox o
+                         WHERE o.in_flow
+                           AND o.id > greatest(top, newest) AND o.id <= last_id
+                         ORDER BY o.id DESC
+                         LIMIT chunk) e
+                 GROUP BY e.aggregate_type, e.aggregate_id) f;
+        new_top := last_id;
+        IF new_types IS NOT NULL THEN
+            WITH made AS (
+                INSERT INTO outbox_heads AS h (aggregate_type, aggregate_id, lock_key, head_id, ready_at, opened_id)
+                SELECT s.t, s.i, outbox_aggregate_key(s.t, s.i), s.f, at, s.f
+                  FROM unnest(new_types, new_ids, new_firsts) AS s(t, i, f)
+                ON CONFLICT (aggregate_type, aggregate_id) DO NOTHING
+                RETURNING h.aggregate_type, h.aggregate_id)
+            SELECT array_agg(h.tid) INTO back_tids
+              FROM (SELECT s.t COLLATE "C" AS t, s.i COLLATE "C" AS i
+                      FROM unnest(new_types, new_ids) AS s(t, i)
+                     WHERE NOT EXISTS (SELECT FROM made m WHERE m.aggregate_type = s.t AND m.aggregate_id = s.i)) s
+             CROSS JOIN LATERAL (
+                   SELECT h.ctid AS tid, h.parked FROM outbox_heads h
+                    WHERE h.aggregate_type = s.t
+                      AND h.aggregate_id >= s.i AND h.aggregate_id <= s.i
+                    ORDER BY h.aggregate_type DESC, h.aggregate_id DESC
+                    LIMIT 1) h
+             WHERE h.parked;
+            IF back_tids IS NOT NULL THEN
+                UPDATE outbox_heads h
+                   SET leased_until = NULL, parked = false
+                 WHERE h.ctid = ANY (ARRAY(SELECT l.ctid FROM outbox_heads l
+                                            WHERE l.ctid = ANY (back_tids) AND l.parked
+                                              FOR UPDATE SKIP LOCKED));
+            END IF;
+        END IF;
+    END IF;
+
     -- Past everything read (all of it when fewer than chunk came back), never past the horizon.
     top := least(CASE WHEN coalesce(seen, 0) < chunk THEN last_id ELSE top END, settled);
     -- Below a busy aggregate whose head another transaction held (see above).
     top := least(top, held_from - 1);
-    IF top > upto OR noted IS NOT NULL THEN
+    IF top > upto OR noted IS NOT NULL OR new_top > newest THEN
         -- By ctid (a TID scan): the version locked above, not a walk of all of them.
         UPDATE outbox_intake i
            SET intake_id = greatest(top, upto),
+               newest_id = greatest(new_top, newest),
                last_claim_at = coalesce(noted, i.last_claim_at)
          WHERE i.ctid = row_tid;
         upto := greatest(top, upto);
@@ -515,6 +584,10 @@ DECLARE
     m_ready timestamptz[];
     m_leased timestamptz[];
     x_tids  tid[];
+    due     bigint;         -- claimable heads at the front of the queue (up to 16)
+    front   bigint[];       -- their lock_keys, in claim order
+    share   integer;        -- the events a run of this pass takes at most, or one more:
+    plus    bigint[];       -- the lock_keys of the heads that take one more
     budget  bigint;         -- max_bytes, or the setting
     pass_bytes bigint;
     taken   bigint := 0;    -- bytes of the events of the passes before
@@ -556,23 +629,40 @@ BEGIN
         -- Another claim holds the intake row: the mark, not a walk of the row's versions.
         upto := coalesce(pg_sequence_last_value('outbox_intake_mark'), 0);
     END IF;
-    -- Parked heads whose second is up, among the first due heads (those that hold the
-    -- floor): dropped below with the heads found empty (outbox_refresh_heads looks at their
-    -- events first). A few index entries, read without locks.
-    SELECT coalesce(array_agg(p.aggregate_type), '{}'), coalesce(array_agg(p.aggregate_id), '{}')
-      INTO empty_types, empty_ids
-      FROM (SELECT h.aggregate_type, h.aggregate_id, h.parked, h.leased_until
+    -- The first due heads (those that hold the floor), read without locks: parked ones whose
+    -- second is up are dropped below with the heads found empty (outbox_refresh_heads looks at
+    -- their events first); and how many can be claimed, for the fair share below.
+    SELECT coalesce(array_agg(p.aggregate_type) FILTER (WHERE p.parked AND p.leased_until < t), '{}'),
+           coalesce(array_agg(p.aggregate_id) FILTER (WHERE p.parked AND p.leased_until < t), '{}'),
+           coalesce(array_agg(p.lock_key ORDER BY p.ready_at, p.opened_id)
+                    FILTER (WHERE NOT p.parked AND (p.leased_until IS NULL OR p.leased_until < t)
+                              AND (p.head_id <= g.settled
+                                   OR (p.head_id <= g.open_below AND p.lock_key <> ALL (g.held_keys)))), '{}')
+      INTO empty_types, empty_ids, front
+      FROM (SELECT h.aggregate_type, h.aggregate_id, h.parked, h.leased_until, h.head_id, h.lock_key,
+                   h.ready_at, h.opened_id
               FROM outbox_heads h
              WHERE h.ready_at <= t AND h.ready_at >= floor_at
              ORDER BY h.ready_at, h.opened_id
-             LIMIT 16) p
-     WHERE p.parked AND p.leased_until < t;
+             LIMIT 16) p;
 
     -- Passes: a pass that reclaimed expired runs looks again for the rest of the batch, so a
     -- worker's crash does not cost the next claim its batch (a short claim tells a worker that
     -- nothing more is claimable right now).
     FOR pass IN 1..8 LOOP
         remaining := n - cardinality(c_ids);
+        -- Fair shares: a run takes at most its share of what the claim still hands out, split
+        -- among the claimable heads at the front of the queue (up to 16), so that one busy
+        -- aggregate never fills a claim while others wait: a quiet aggregate's event goes in
+        -- the next claim after it is due, whatever the busy ones have queued. The remainder
+        -- goes one event each to the first of them, so that the claim is full when their lines
+        -- are long enough. Alone, a head takes it all; behind many heads of a few events each
+        -- (a uniform mix) the share is larger than their lines and changes nothing. The heads
+        -- this pass locks may differ from the ones read above (taken by a claim meanwhile):
+        -- the shares are then a little off, never the order.
+        due := greatest(cardinality(front), 1);
+        share := least(cfg.max_run, remaining, greatest(1, remaining / due));
+        plus := CASE WHEN share < cfg.max_run THEN front[1 : remaining - share * due] ELSE '{}' END;
         -- One statement a pass. `cand`: the heads whose time has come, oldest first, leaving out
         -- those the guard holds back (head_id is a lower bound of the first event's id; each
         -- event is checked below), each with its line: its first max_run unfinished events, read
@@ -587,7 +677,7 @@ BEGIN
                    e.id, e.ctid, e.created_at, e.state, e.attempts, e.next_attempt_at, e.locked_until, e.lease_token,
                    e.expires_at, e.size_bytes
               FROM (SELECT h.aggregate_type, h.aggregate_id, h.lock_key, h.head_id, h.ready_at, h.leased_until,
-                           h.opened_id, h.ctid AS tid
+                           h.opened_id, h.ctid AS tid, share + (h.lock_key = ANY (plus))::integer AS share
                       FROM outbox_heads h
                      WHERE h.ready_at <= t
                        AND h.ready_at >= floor_at
@@ -602,7 +692,7 @@ BEGIN
                    SELECT array(SELECT o.id FROM outbox o
                                  WHERE o.aggregate_type = h.aggregate_type AND o.aggregate_id = h.aggregate_id
                                    AND o.unfinished AND o.id >= least(h.head_id, upto + 1)
-                                 ORDER BY o.id LIMIT least(cfg.max_run, remaining)) AS ids
+                                 ORDER BY o.id LIMIT h.share) AS ids
                     OFFSET 0) line   -- once per head, not once per row of the join below
               LEFT JOIN LATERAL (
                    SELECT o.id, o.ctid, o.created_at, o.state, o.attempts, o.next_attempt_at, o.locked_until,
@@ -611,13 +701,15 @@ BEGIN
                     WHERE o.aggregate_type = h.aggregate_type AND o.aggregate_id = h.aggregate_id
                       AND o.unfinished AND o.id >= least(h.head_id, upto + 1)
                     ORDER BY o.id
-                    LIMIT least(cfg.max_run, remaining)
+                    LIMIT h.share
                       FOR UPDATE SKIP LOCKED) e ON true
              LIMIT remaining),
+        -- A line's rows: by the head's ctid, the one thing two heads never share (a parked head's
+        -- head_id is past the cursor, where another aggregate's first event may be).
         numbered AS (
             SELECT c.*, row_number() OVER w AS rn, c.id = c.line_ids[row_number() OVER w] AS matched
               FROM cand c
-            WINDOW w AS (PARTITION BY c.old_head_id ORDER BY c.id)),
+            WINDOW w AS (PARTITION BY c.head_tid ORDER BY c.id)),
         marked AS MATERIALIZED (
             SELECT m.*,
                    first_value(m.state) OVER w AS first_state,
@@ -636,7 +728,7 @@ BEGIN
                    -- event further down its line is, once it is the head).
                    m.rn = 1 AND m.matched AND m.state = 'pending' AND m.expires_at <= t AS lapsed
               FROM numbered m
-            WINDOW w AS (PARTITION BY m.old_head_id ORDER BY m.id)),
+            WINDOW w AS (PARTITION BY m.head_tid ORDER BY m.id)),
         -- The run, within the byte budget: in claim order (the oldest head first, each line from
         -- its first event), the events whose bytes fit with those before them; and the claim's
         -- first event in any case. Cut anywhere, each head keeps a prefix of its line.

@@ -25,3 +25,4 @@ REVOKE SELECT (allowed_subject_prefixes) ON outbox_settings FROM outbox_worker;
 ALTER TABLE outbox_settings DROP COLUMN allowed_subject_prefixes, DROP COLUMN max_event_bytes,
     DROP COLUMN max_deliver_delay, DROP COLUMN max_claim_bytes;
 GRANT EXECUTE ON FUNCTION outbox_forget_deleted() TO PUBLIC;
+ALTER TABLE outbox_intake DROP COLUMN newest_id;

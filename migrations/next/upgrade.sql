@@ -40,3 +40,7 @@ ALTER TABLE outbox_idempotency DROP CONSTRAINT outbox_idempotency_pkey,
 
 -- Operators no longer read lease tokens: whoever holds one can report on a worker's events.
 REVOKE SELECT (lease_token) ON outbox FROM outbox_operator;
+
+-- The intake gives the aggregates of the newest events heads ahead of a backlog; this marks how
+-- far it has read them (outbox_take_in).
+ALTER TABLE outbox_intake ADD COLUMN newest_id bigint NOT NULL DEFAULT 0;

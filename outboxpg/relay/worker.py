@@ -7,7 +7,8 @@ an event (order, retries, dead letters, fencing) is made by the SQL functions it
 Loop: drain (claim after claim until one comes back short; each batch is published and
 completed/failed by a task of its own, up to ``concurrency`` batches in flight). After a short
 claim with batches in flight, wait for the first of them to be reported (its report makes the
-next runs of its aggregates claimable) and drain again; with none in flight, go idle (take the
+next runs of its aggregates claimable), or 10 to 50 ms for new events, and drain again; with
+none in flight, go idle (take the
 wakeup lock, claim once more, sleep) until a notification, the next retry or lease expiry
 (outbox_next_wakeup), or the fallback poll.
 
@@ -60,6 +61,15 @@ __all__ = ["Worker", "WorkerConfig", "application_name", "split_runs"]
 
 log = logging.getLogger("outboxpg.worker")
 
+# With batches in flight and a slot free after a short claim, the worker claims again this soon
+# even if none of them is reported: no NOTIFY comes while it is busy, and a quiet aggregate's new
+# event is handed out by the next claim whatever backlog the others have (outbox_take_in). The
+# wait doubles after each such claim that found nothing, up to the most; one that found
+# something brings it back to the least. A claim that finds nothing costs the database an index
+# look and the intake's chunk: at most 100 of them a second, 20 once nothing new comes.
+LOOK_AGAIN_LEAST = 0.010
+LOOK_AGAIN_MOST = 0.050
+
 
 class Worker:
     def __init__(self, config: WorkerConfig, publisher: Any, metrics: WorkerMetrics | None = None) -> None:
@@ -85,6 +95,8 @@ class Worker:
         self._reported = 0
         self._reported_at_claim = 0
         self._releasing: asyncio.Future[None] | None = None
+        self._look_again = LOOK_AGAIN_LEAST
+        self._looked_again = False    # the last drain started because _look_again ran out
         # What a DBA sees in pg_stat_activity.application_name for each connection (unless the
         # DSN or $PGAPPNAME names one: libpq's fallback_application_name gives way to those).
         self.application_name = application_name(config.name)
@@ -149,6 +161,9 @@ class Worker:
                 claimed = await self._drain()
                 if self._stopping:
                     break
+                if self._looked_again:
+                    self._looked_again = False
+                    self._look_again = LOOK_AGAIN_LEAST if claimed else min(2 * self._look_again, LOOK_AGAIN_MOST)
                 if claimed and self.idle_lock.held:
                     self._release_lock_soon()   # busy: producers need not notify
                 if self._reported != self._reported_at_claim:
@@ -156,11 +171,11 @@ class Worker:
                 if self._inflight:
                     # The last claim came back short: everything claimable now is claimed. Never
                     # sleep with batches in flight: each report makes the next run of its
-                    # aggregates claimable, and no NOTIFY announces that. Claim again as soon
-                    # as the first of them is reported (not the last: one slow batch must not
-                    # hold back the aggregates the others free), not before (nothing new would
-                    # be claimable: claiming in a loop would only walk the backlog for nothing).
-                    await self._first_reported()
+                    # aggregates claimable, and no NOTIFY announces that (nor new events while
+                    # busy). Claim again as soon as the first of them is reported (not the last:
+                    # one slow batch must not hold back the aggregates the others free), or
+                    # when _look_again runs out (LOOK_AGAIN_LEAST).
+                    self._looked_again = await self._first_reported()
                     continue
                 if claimed:
                     continue    # its batch is reported already: claim what that made claimable
@@ -187,13 +202,16 @@ class Worker:
                 await asyncio.gather(*self._inflight, return_exceptions=True)
             await self._lock_released()
 
-    async def _first_reported(self) -> None:
-        """Until one in-flight batch is reported, or a wake-up (a notification, stop())."""
+    async def _first_reported(self) -> bool:
+        """Until one in-flight batch is reported, a wake-up (a notification, stop()), or
+        ``_look_again`` ran out (True)."""
         woken = asyncio.ensure_future(self._wake.wait())
         try:
-            await asyncio.wait({*self._inflight, woken}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({*self._inflight, woken}, timeout=self._look_again,
+                                         return_when=asyncio.FIRST_COMPLETED)
         finally:
             woken.cancel()
+        return not done
 
     def _release_lock_soon(self) -> None:
         if self._releasing is None or self._releasing.done():

@@ -65,6 +65,23 @@ async def test_a_long_run_is_stored_whole_in_order_as_batches_of_at_most_1000(na
         await stream.nc.close()
 
 
+async def test_a_quiet_aggregate_is_not_stored_behind_a_busy_run_of_its_batch(nats_server: Any) -> None:
+    """Runs go shortest first: the one event of a quiet aggregate, last in the batch by id, is
+    stored before the busy run's first chunk of 1,000 (not 1,000 messages later)."""
+    stream = await make_stream(nats_server.url, atomic=True)
+    pub = NatsPublisher(nats_server.url, ack_timeout=10)
+    await pub.start()
+    try:
+        events = run_of(stream.prefix, 1, 1500, "busy") + run_of(stream.prefix, 9000, 1, "quiet")
+        assert await pub.publish_batch(events) == [None] * len(events)
+        msgs = await stored(stream)
+        assert [m["Outbox-Aggregate-Id"] for m in msgs].index("quiet") == 0
+        assert [int(m["Outbox-Id"]) for m in msgs if m["Outbox-Aggregate-Id"] == "busy"] == list(range(1, 1501))
+    finally:
+        await pub.close()
+        await stream.nc.close()
+
+
 @pytest.mark.parametrize("refusal", ["too-large", "duplicate-in-batch", "already-stored"])
 async def test_a_refused_batch_stores_nothing_and_its_retry_goes_one_by_one(nats_server: Any, refusal: str) -> None:
     """A message of the batch over the stream's max_msg_size (under NATS max_payload), two

@@ -291,3 +291,34 @@ async def test_next_event_of_an_aggregate_follows_without_waiting_for_the_poll(d
     await running.stop()
     assert [i for i, _ in seen] == ids
     assert seen[-1][1] - t0 < 3.0, "each next event was claimed right after the previous report"
+
+
+async def test_a_quiet_aggregate_is_not_held_back_by_a_batch_in_flight(dsn, conn):
+    """A busy worker gets no NOTIFY, and after a short claim it waits for a batch in flight; it
+    still claims again within tens of milliseconds, so an event of another aggregate committed
+    while a slow batch is out is published long before that batch is reported."""
+    slow_started = asyncio.Event()
+    slow_may_end = asyncio.Event()
+    seen: list[str] = []
+
+    async def publish(event: OutboxEvent) -> None:
+        if event.aggregate_id == "busy":
+            slow_started.set()
+            await slow_may_end.wait()
+        seen.append(event.aggregate_id)
+
+    running = start(dsn, FunctionPublisher(publish), poll_interval=120, publish_timeout=30, lease=90)
+    await wait_until(running.idle, 10, "worker idle")
+    enqueue(conn, "order", "busy", "step", {})
+    await asyncio.wait_for(slow_started.wait(), 10)
+    enqueue(conn, "order", "quiet", "created", {})
+    async def quiet_seen() -> bool:
+        return "quiet" in seen
+
+    try:
+        await wait_until(quiet_seen, 5, "the quiet aggregate's event published")
+        assert seen == ["quiet"]                       # the busy batch is still in flight
+    finally:
+        slow_may_end.set()
+    await wait_until(lambda: equals(count_in(dsn, "published"), 2), 10, "both published")
+    await running.stop()

@@ -34,18 +34,22 @@ def test_a_claim_hands_out_runs_in_id_order_up_to_max_run(conn: Conn) -> None:
     assert ids_of(claim(conn, 10)) == [a4]
 
 
-def test_the_batch_size_cuts_the_last_run(conn: Conn) -> None:
+def test_the_batch_size_cuts_the_runs_to_prefixes(conn: Conn) -> None:
+    """The batch is shared among the heads in front (fair shares, the first ones taking the
+    remainder); each run is the prefix of its aggregate's line. One head alone is cut once."""
     set_settings(conn, max_run=3)
     ids = insert_series(conn, ["a"] * 3 + ["b"] * 3 + ["c"] * 3)
     rows = claim(conn, 5)
-    assert len(rows) == 5
     by: dict[str, list[int]] = defaultdict(list)
     for r in rows:
         by[r["aggregate_id"]].append(r["id"])
-    assert sorted(len(v) for v in by.values()) == [2, 3]  # a whole run and the prefix of another
+    assert {a: len(v) for a, v in by.items()} == {"a": 2, "b": 2, "c": 1}
     for run in by.values():
         start = ids.index(run[0])
         assert run == ids[start:start + len(run)]
+    conn.execute("TRUNCATE outbox, outbox_heads")
+    ids = insert_series(conn, ["d"] * 3)
+    assert [r["id"] for r in claim(conn, 2)] == ids[:2]
 
 
 def test_a_partly_published_run_is_reported_prefix_failure_rest(conn: Conn) -> None:
