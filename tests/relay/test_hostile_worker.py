@@ -218,3 +218,35 @@ async def test_a_message_over_the_streams_size_limit_dies_at_once(dsn: str, conn
     state, attempts, error = rows(conn, [big])[big]
     assert (state, attempts) == ("dead", 1), (state, attempts, error)
     assert "maximum" in error
+
+
+async def test_the_outbox_headers_go_first_and_row_headers_named_like_them_never_go(dsn: str, conn: Conn,
+                                                                                    nats_server: Any) -> None:
+    """Issue 25 (11): lower-case row headers 'outbox-id' / 'outbox-aggregate-type' went out beside
+    the real Outbox-Id / Outbox-Aggregate-Type, and the row's headers came before Nats-Msg-Id (a
+    value naming Nats-Msg-Id placed first defeated de-duplication on nats-server 2.9). Now the
+    outbox's headers are the first lines of the block, each once, and a re-publish of the event
+    is still dropped by JetStream."""
+    stream = await make_stream(nats_server.url)
+    conn.execute("UPDATE outbox_settings SET subject_prefix = %s", (stream.prefix,))
+    i = enqueue(conn, "order", "o-1", "paid", {"n": 1}, msg_id="m-1",
+                headers={"X-Note": "Nats-Msg-Id: forged", "outbox-id": "999", "OUTBOX-AGGREGATE-TYPE": "forged",
+                         "outbox-attempt": "7", "traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"})
+    await _run_until_done(dsn, conn, nats_server.url, i)
+    # The same message again (a replay keeps the msg_id, as a re-publish would): JetStream must drop it.
+    (copy,) = conn.execute("SELECT outbox_replay(ids => ARRAY[%s]::bigint[])", (i,)).fetchone()
+    assert copy == 1
+    (copy_id,) = conn.execute("SELECT max(id) FROM outbox").fetchone()
+    await _run_until_done(dsn, conn, nats_server.url, copy_id)
+    assert rows(conn, [copy_id])[copy_id][0] == "published"
+    info = await stream.js.stream_info(stream.name)
+    resp = await stream.nc.request(f"$JS.API.STREAM.MSG.GET.{stream.name}", orjson_dumps({"seq": 1}), timeout=5)
+    lines = base64.b64decode(orjson_loads(resp.data)["message"]["hdrs"]).decode("utf-8").split("\r\n")
+    await stream.nc.close()
+    assert info.state.messages == 1, "the re-publish was stored again"
+    names = [line.split(": ", 1)[0] for line in lines[1:] if line]
+    assert names[:6] == ["Nats-Msg-Id", "Outbox-Id", "Outbox-Event-Type", "Outbox-Aggregate-Type",
+                         "Outbox-Aggregate-Id", "Outbox-Attempt"], lines
+    assert sorted(n.lower() for n in names) == sorted({n.lower() for n in names}), f"a name twice: {names}"
+    assert set(names[6:]) == {"X-Note", "traceparent"}, names   # (the copy's Outbox-Replay-Of was dropped)
+    assert f"Outbox-Id: {i}" in lines and "Outbox-Aggregate-Type: order" in lines and "Nats-Msg-Id: m-1" in lines
