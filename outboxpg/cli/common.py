@@ -258,9 +258,17 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"cannot serialise {type(value).__name__}")
 
 
+# What JSON leaves raw in its strings but a terminal may act on: DEL, the C1 controls (U+009B is
+# a CSI on some terminals), the line and paragraph separators. (JSON escapes the C0 ones.)
+_JSON_RAW_CONTROLS = re.compile("[\x7f-\x9f\u2028\u2029]")
+
+
 def print_json(obj: Any, indent: bool = False) -> None:
     option = orjson.OPT_INDENT_2 if indent else 0
-    sys.stdout.write(orjson.dumps(obj, default=_json_default, option=option).decode() + "\n")
+    text = orjson.dumps(obj, default=_json_default, option=option).decode()
+    # They occur only inside strings, where \uXXXX is the same character to a JSON reader.
+    text = _JSON_RAW_CONTROLS.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+    sys.stdout.write(text + "\n")
     sys.stdout.flush()
 
 

@@ -56,7 +56,7 @@ from outboxpg.relay.nats.streams import (
 )
 from outboxpg.relay.pooler import POOLER_HINT, behind_transaction_pooler
 from outboxpg.relay.worker import Worker, WorkerConfig, application_name
-from outboxpg.text import describe, first_line, join_lines
+from outboxpg.text import describe, first_line, join_lines, printable
 
 log = logging.getLogger("outboxpg.worker")
 
@@ -320,12 +320,15 @@ async def _main(args: argparse.Namespace) -> int:
 
 class _OneLine(logging.Filter):
     """One log line per record: libpq's errors for a multi-host DSN run over several lines (one
-    per host tried), which psycopg_pool logs as they are while it reconnects."""
+    per host tried), which psycopg_pool logs as they are while it reconnects: joined. Any other
+    control character (a bare CR, an escape sequence) is escaped: a value a producer wrote must
+    not forge a line or drive the terminal that shows the log."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
-        if "\n" in text:
-            record.msg, record.args = join_lines(text), None
+        clean = printable(join_lines(text) if "\n" in text else text)
+        if clean != text:
+            record.msg, record.args = clean, None
         return True
 
 
@@ -363,7 +366,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             handler.addFilter(_Redact(secrets))
 
     def fail(message: str, code: int) -> int:
-        print(redact(f"outboxpg-worker: {message}", secrets), file=sys.stderr)
+        print(printable(redact(f"outboxpg-worker: {message}", secrets)), file=sys.stderr)
         return code
 
     try:

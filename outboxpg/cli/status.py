@@ -17,7 +17,7 @@ from outboxpg.cli.common import add_dsn, number_type, open_outbox, print_json, w
 from outboxpg.cli.render import jsonable, pairs, table
 from outboxpg.relay.horizon import XminHolder
 from outboxpg.relay.nats.streams import MAX_SUBJECTS, Subject, missing_text
-from outboxpg.text import age, clip_first_line, describe
+from outboxpg.text import age, clip_first_line, describe, printable
 
 STATES = ("pending", "processing", "published", "dead", "discarded")
 
@@ -272,7 +272,9 @@ def _render(snap: dict[str, Any]) -> list[str]:
         lines += [f"  ! {note}" for note in snap["attention"]]
     else:
         lines.append("OK: nothing needs attention")
-    return lines
+    # The attention notes quote what producers wrote (reasons, subjects) and what other sessions
+    # call themselves (application_name): each stays on its line, unable to drive the terminal.
+    return [printable(line) for line in lines]
 
 
 def _as_json(snap: dict[str, Any]) -> dict[str, Any]:
