@@ -292,10 +292,13 @@ SELECT f, to_regprocedure(f) IS NOT NULL,
 CHECK_SETTINGS = """
 SELECT to_regclass('outbox_settings') IS NOT NULL
        AND has_column_privilege(to_regclass('outbox_settings'), 'subject_prefix', 'SELECT')
-       AND has_column_privilege(to_regclass('outbox_settings'), 'backoff_cap', 'SELECT'),
+       AND has_column_privilege(to_regclass('outbox_settings'), 'backoff_cap', 'SELECT')
+       AND has_column_privilege(to_regclass('outbox_settings'), 'allowed_subject_prefixes', 'SELECT'),
        current_user::text, current_database()::text
 """
-WORKER_SETTINGS = "SELECT subject_prefix, backoff_cap FROM outbox_settings"
+# The stream check: where the events go, how long a duplicate window they need, which prefixes
+# --ensure-stream may add.
+WORKER_SETTINGS = "SELECT subject_prefix, backoff_cap, allowed_subject_prefixes FROM outbox_settings"
 # --standby-flushed: pg_stat_replication.flush_lsn is NULL to roles without pg_read_all_stats.
 MAY_READ_ALL_STATS = "SELECT pg_has_role('pg_read_all_stats', 'USAGE')"
 # Which backend ran it (outboxpg.relay.pooler: is there a transaction pooler in between?).

@@ -51,7 +51,8 @@ from outboxpg.relay.nats.streams import (
     Subject,
     explicit_to_add,
     missing_text,
-    uncaptured,
+    streams_for,
+    under_allowed,
     under_prefix,
 )
 from outboxpg.relay.pooler import POOLER_HINT, behind_transaction_pooler
@@ -69,8 +70,9 @@ class CommandOptions:
                            "nats://127.0.0.1:4222")
     ensure_stream: str | None = option(
         "create or update JetStream stream NAME to capture <subject_prefix>.> and the explicit subjects of "
-        "unfinished events that no stream captures, with a duplicate window covering lease + backoff cap, and "
-        "allow_atomic (atomic batch publish) on nats-server 2.12+", None, metavar="NAME")
+        "unfinished events under outbox_settings.allowed_subject_prefixes that no stream captures (never any "
+        "other), with a duplicate window covering lease + backoff cap, and allow_atomic (atomic batch publish) "
+        "on nats-server 2.12+", None, metavar="NAME")
     publisher: str | None = option("publish with your own callable (fn(event), sync or async) or object with "
                                    "publish_batch(); default: NATS JetStream", None, metavar="MODULE:CALLABLE")
     cloudevents: bool = option("publish in CloudEvents 1.0 binary content mode: ce-specversion, ce-id (msg_id), "
@@ -97,10 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _stream_setup(args: argparse.Namespace, publisher: Any, cfg: WorkerConfig, prefix: str,
-                        backoff_cap: timedelta, subjects: list[Subject]) -> None:
+                        backoff_cap: timedelta, allowed: list[str], subjects: list[Subject]) -> None:
     """Check (and with --ensure-stream, create) the stream the worker will publish into: one
-    capturing <prefix>.> and the explicit subjects of the unfinished events. A failure is
-    logged, not fatal: publishes then fail and are retried, as without a stream."""
+    capturing <prefix>.> and the explicit subjects of the unfinished events under the allowed
+    prefixes. The streams found are the ones whose acks the publisher counts at once. A failure
+    is logged, not fatal: publishes then fail and are retried, as without a stream."""
     from outboxpg.relay.nats.connection import supports_atomic_batch
     from outboxpg.relay.nats.streams import check_stream, ensure_stream
 
@@ -108,8 +111,9 @@ async def _stream_setup(args: argparse.Namespace, publisher: Any, cfg: WorkerCon
     explicit = [s for s in subjects if s.explicit and not under_prefix(s.subject, prefix)]
     if args.ensure_stream:
         try:
-            # The subjects the events use: the prefix's, and explicit ones no stream has yet.
-            wanted = [f"{prefix}.>"] + await explicit_to_add(publisher.js, prefix, explicit)
+            # The subjects the events use: the prefix's, and explicit ones under the allowed
+            # prefixes that no stream has yet (a subject a producer wrote is no reason to widen it).
+            wanted = [f"{prefix}.>"] + await explicit_to_add(publisher.js, prefix, explicit, allowed)
             # allow_atomic where the server has atomic batch publish: long runs then go as batches.
             log.info("event=ensure_stream result=%r", await ensure_stream(publisher.js, args.ensure_stream,
                                                                            wanted, window,
@@ -118,22 +122,30 @@ async def _stream_setup(args: argparse.Namespace, publisher: Any, cfg: WorkerCon
             log.error("event=ensure_stream_failed stream=%s error=%r", args.ensure_stream, describe(exc))
     try:
         problems = await check_stream(publisher.js, f"{prefix}.check", timedelta(seconds=cfg.lease) + backoff_cap)
-        missing = await uncaptured(publisher.js, explicit)
+        streams = await streams_for(publisher.js, [f"{prefix}.check", *(s.subject for s in explicit)])
+        publisher.expect_streams(name for name in streams.values() if name is not None)
+        missing = [s for s in explicit if streams[s.subject] is None and under_allowed(s.subject, allowed)]
+        outside = [s for s in explicit if streams[s.subject] is None and not under_allowed(s.subject, allowed)]
         if missing:
             problems.append(f"{missing_text(missing, 'explicit subject')}: each publish of them fails "
                             "(no responders) until a stream captures them, and they die after max_attempts "
                             "(add them to a stream, e.g. with --ensure-stream NAME)")
+        if outside:
+            problems.append(f"{missing_text(outside, 'explicit subject')}, outside subject_prefix and "
+                            "outbox_settings.allowed_subject_prefixes (written before they were refused at insert, "
+                            "or since disallowed): --ensure-stream does not add them; they fail and die after "
+                            "max_attempts unless an operator allows their prefix")
     except Exception as exc:  # noqa: BLE001 - e.g. JetStream not enabled on the server
         problems = [f"cannot check the JetStream stream for {prefix + '.>'!r}: {describe(exc)}"]
     for problem in problems:
         log.warning("event=stream_check problem=%r", problem)
 
 
-async def _check_database(cfg: WorkerConfig) -> tuple[tuple[str, timedelta, list[Subject]], str]:
+async def _check_database(cfg: WorkerConfig) -> tuple[tuple[str, timedelta, list[str], list[Subject]], str]:
     """Fail fast, in one line, on what no retry can fix: a wrong DSN or an unreachable server
     (exit 2), a database without the schema or with an older one (3), a login that may not run
-    the worker's functions (1). Returns ((subject_prefix, backoff_cap, the subjects of the
-    unfinished events) for the stream check, the database's name)."""
+    the worker's functions (1). Returns ((subject_prefix, backoff_cap, allowed_subject_prefixes,
+    the subjects of the unfinished events) for the stream check, the database's name)."""
     parse_dsn(cfg.dsn)
     try:
         conn = await psycopg.AsyncConnection.connect(cfg.dsn, autocommit=True, connect_timeout=10,
@@ -172,7 +184,7 @@ async def _check_database(cfg: WorkerConfig) -> tuple[tuple[str, timedelta, list
         if not cfg.poll_only and await behind_transaction_pooler(cfg.dsn):
             raise CliError(POOLER_HINT, EXIT_CONNECT)
         rows = await (await conn.execute(statements.UNFINISHED_SUBJECTS, (MAX_SUBJECTS,))).fetchall()
-        return (settings[0], settings[1], [Subject(*row) for row in rows]), database
+        return (settings[0], settings[1], list(settings[2]), [Subject(*row) for row in rows]), database
 
 
 def _load_publisher(spec: str, cfg: WorkerConfig) -> Any:

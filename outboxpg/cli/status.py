@@ -190,7 +190,8 @@ def _no_stream_note(f: dict[str, Any]) -> str:
     subjects = ", ".join(map(repr, f["subjects"])) + (", ..." if len(f["subjects"]) >= 5 else "")
     return (f"{_plural(n, 'event')} {'fails' if n == 1 else 'fail'}: no JetStream stream captures "
             f"{'its' if n == 1 else 'their'} subject ({subjects}; {f['max_attempts']} attempts so far): add it to "
-            "a stream (outboxpg-worker --ensure-stream NAME adds the explicit subjects of unfinished events)")
+            "a stream (outboxpg-worker --ensure-stream NAME adds the explicit subjects of unfinished events under "
+            "allowed_subject_prefixes)")
 
 
 def _attention(h: dict[str, Any], producers: list[dict[str, Any]], failing: list[dict[str, Any]],
@@ -208,7 +209,8 @@ def _attention(h: dict[str, Any], producers: list[dict[str, Any]], failing: list
         elif subjects["missing"]:
             missing = [Subject(**m) for m in subjects["missing"]]
             notes.append(f"{missing_text(missing)}: their publishes fail (no responders) until a stream captures "
-                         "them (outboxpg-worker --ensure-stream NAME adds the explicit ones)")
+                         "them (outboxpg-worker --ensure-stream NAME adds the explicit ones under "
+                         "allowed_subject_prefixes)")
     if h["expired_leases"]:
         notes.append(f"{h['expired_leases']} lease{'s' if h['expired_leases'] != 1 else ''} expired (the worker "
                      "died or hung): the next claim retries them")

@@ -1,9 +1,11 @@
 """Events with a subject of their own (issue 10): a stream made for <subject_prefix>.> does not
-capture 'billing.invoice.issued'. `outboxpg-worker --ensure-stream` adds the explicit subjects
-of the unfinished events to its stream; without it, the start-up check says in one WARNING line
-which explicit subjects no stream captures; `outboxpg status` names the subject of events
-failing with "no responders", and with `--nats-url` checks every subject before anything fails.
-The subjects come from outbox_unfinished_subjects() (schema/80_observability.sql)."""
+capture 'billing.invoice.issued' (which producers may write once an operator allows 'billing' in
+outbox_settings.allowed_subject_prefixes). `outboxpg-worker --ensure-stream` adds the explicit
+subjects of the unfinished events under the allowed prefixes to its stream, never others (issue
+25); without it, the start-up check says in one WARNING line which explicit subjects no stream
+captures; `outboxpg status` names the subject of events failing with "no responders", and with
+`--nats-url` checks every subject before anything fails. The subjects come from
+outbox_unfinished_subjects() (schema/80_observability.sql)."""
 
 from __future__ import annotations
 
@@ -171,7 +173,7 @@ def test_status_names_the_subject_of_events_failing_for_want_of_a_stream(conn: C
     out = run("status", "--dsn", dsn).out
     assert ("! 1 event fails: no JetStream stream captures its subject ('billing.invoice.issued'; 1 attempts so "
             "far): add it to a stream (outboxpg-worker --ensure-stream NAME adds the explicit subjects of "
-            "unfinished events)") in out, out
+            "unfinished events under allowed_subject_prefixes)") in out, out
     assert "subjects in JetStream" not in out   # not asked: no --nats-url
 
 
