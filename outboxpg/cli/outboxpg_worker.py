@@ -82,6 +82,8 @@ class CommandOptions:
                                             "default: outboxpg/<database name>", None, metavar="URI")
     metrics_port: int = option("serve Prometheus metrics on this port (1-65535); 0: off", 0)
     metrics_addr: str = option("address the metrics server binds to", "127.0.0.1")
+    metrics_event_types: int = option("distinct event_type label values the metrics keep, the first seen; every "
+                                      "other event type counts as 'other'", 100, metavar="N")
     log_level: str = option("log level", "INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
 
@@ -225,7 +227,8 @@ def _serve_metrics(args: argparse.Namespace, cfg: WorkerConfig) -> Any:
     is one line, exit 2, before the worker waits for NATS or claims anything."""
     from outboxpg.relay.metrics import WorkerMetrics
 
-    metrics = WorkerMetrics(cfg.dsn, application_name=f"{application_name(cfg.name)} (metrics)")
+    metrics = WorkerMetrics(cfg.dsn, application_name=f"{application_name(cfg.name)} (metrics)",
+                            max_event_types=args.metrics_event_types)
     try:
         metrics.serve(args.metrics_port, args.metrics_addr)
     except OSError as exc:   # EADDRINUSE, EADDRNOTAVAIL, EACCES, an unresolvable name (gaierror)
@@ -300,6 +303,8 @@ async def _main(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, on_signal)
     if not 0 <= args.metrics_port <= 65535:
         raise CliError(f"--metrics-port must be 0 (off) or a port from 1 to 65535, got {args.metrics_port}", EXIT_USAGE)
+    if args.metrics_event_types < 0:
+        raise CliError(f"--metrics-event-types must be 0 or more, got {args.metrics_event_types}", EXIT_USAGE)
     _check_cloudevents(args)
     # Your own publisher first: a misspelt one is reported before anything else is set up.
     custom = _load_publisher(args.publisher, cfg) if args.publisher else None

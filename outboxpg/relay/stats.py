@@ -117,12 +117,12 @@ class Recorder:
             # first `completed` delivered events by type (exact whenever no lease was lost).
             # One labels() lookup (a lock and a dict) per event type, not per event.
             for event_type, n in Counter(e.event_type for e in delivered[:completed]).items():
-                m.delivered.labels(event_type).inc(n)
+                m.delivered.labels(m.event_type(event_type)).inc(n)
             if completed < len(delivered):
                 m.lost_leases.inc(len(delivered) - completed)
         for (event, outcome), state in zip(failed, states):
             if m is not None and state in ("dead", "pending"):
-                (m.dead if state == "dead" else m.failed).labels(event.event_type).inc()
+                (m.dead if state == "dead" else m.failed).labels(m.event_type(event.event_type)).inc()
             if state == "dead":
                 st.dead += 1
                 # The producer's values with their control characters escaped: one line stays one.
