@@ -41,6 +41,9 @@ MAINTAIN = "SELECT * FROM outbox_maintain(%s)"
 
 # --since: a timestamp, else an interval ago (PostgreSQL reads both).
 SINCE = ("SELECT %s::timestamptz", "SELECT now() - %s::interval")
+# The same as text, for a time Python's datetime cannot hold (-infinity, before year 1): passed on
+# as text, PostgreSQL reads it again.
+SINCE_TEXT = ("SELECT %s::timestamptz::text", "SELECT (now() - %s::interval)::text")
 DEAD_LIST_COLUMNS = ("id, dead_at, attempts, aggregate_type, aggregate_id, event_type, subject, last_error, "
                      "created_at, msg_id")
 # The filters of outboxpg dead (list, and requeue/discard --all-matching), joined by AND.
@@ -333,8 +336,10 @@ STATS = "SELECT * FROM outbox_stats"
 # -- outboxpg replay and outboxpg.replay() (0018) -----------------------------------------------
 
 REPLAY = sql.SQL("SELECT outbox_replay({})")   # {}: the filters given, as named arguments
+# How many match, and the first of them (at most %(first)s: the cap, past which the replay is refused).
+REPLAY_COUNT = sql.SQL("SELECT count(*) FROM outbox_replay_candidates({})")
 REPLAY_CANDIDATES = sql.SQL(
     "SELECT c.id, c.created_at, o.aggregate_type, o.aggregate_id, o.event_type "
-    "FROM outbox_replay_candidates({}) c "
+    "FROM (SELECT * FROM outbox_replay_candidates({}) ORDER BY id LIMIT %(first)s) c "
     "JOIN outbox o ON o.id = c.id AND o.created_at = c.created_at ORDER BY c.id")
 NAMED_ARGUMENT = sql.SQL("{} => {}::{}")      # name => %(name)s::type

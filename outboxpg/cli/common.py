@@ -75,14 +75,23 @@ def add_yes(parser: argparse.ArgumentParser) -> None:
 
 
 def point_in_time(conn: psycopg.Connection[Any], text: str, flag: str) -> Any:
-    """``flag``'s value as a timestamptz: a timestamp, else an interval ago (PostgreSQL reads both)."""
-    for query in statements.SINCE:
+    """``flag``'s value as a timestamptz: a timestamp, else an interval ago (PostgreSQL reads both).
+    One a datetime cannot hold ('-infinity', before year 1) comes back as PostgreSQL's text."""
+    for query, as_text in zip(statements.SINCE, statements.SINCE_TEXT):
         try:
             with conn.transaction():
                 row = conn.execute(query, (text,)).fetchone()
             assert row is not None
             return row[0]
-        except (psycopg.errors.DataError, psycopg.errors.SyntaxError):
+        except psycopg.DataError as exc:
+            if exc.sqlstate is not None:   # PostgreSQL could not read it as this kind
+                continue
+            # PostgreSQL read it, psycopg cannot hold it as a datetime.
+            with conn.transaction():
+                row = conn.execute(as_text, (text,)).fetchone()
+            assert row is not None
+            return row[0]
+        except psycopg.errors.SyntaxError:
             continue
     raise CliError(f"{flag}: neither a timestamp nor an interval: {text!r}")
 
