@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import reprlib
 import unicodedata
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from decimal import Decimal
 from functools import reduce
@@ -219,36 +220,29 @@ def _subject_verdict(subject: str, v: Verdict) -> None:
         _token_verdict(token, v, "subject", also="*>")
 
 
-def _json_bad(value: Any) -> str | None:
-    """What PostgreSQL's jsonb refuses in a parsed JSON value: NUL and lone surrogates in strings."""
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in a parsed JSON value, keys too."""
     stack = [value]
     while stack:
         x = stack.pop()
         if isinstance(x, str):
-            if r := _bad_text(x):
-                return r
+            yield x
         elif isinstance(x, dict):
             stack.extend(x.keys())
             stack.extend(x.values())
         elif isinstance(x, list):
             stack.extend(x)
-    return None
+
+
+def _json_bad(value: Any) -> str | None:
+    """What PostgreSQL's jsonb refuses in a parsed JSON value: NUL and lone surrogates in strings."""
+    return next(filter(None, map(_bad_text, _strings(value))), None)
 
 
 def _string_bytes(value: Any) -> int:
     """The UTF-8 bytes of every string (keys too) in a parsed JSON value: a lower bound of its
     jsonb size, which stores each string's bytes as they are."""
-    total, stack = 0, [value]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, str):
-            total += len(x.encode("utf-8", "surrogatepass"))
-        elif isinstance(x, dict):
-            stack.extend(x.keys())
-            stack.extend(x.values())
-        elif isinstance(x, list):
-            stack.extend(x)
-    return total
+    return sum(len(x.encode("utf-8", "surrogatepass")) for x in _strings(value))
 
 
 def _size_verdict(payload: Any, headers: Any, v: Verdict) -> None:

@@ -13,24 +13,16 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import nats
 import psycopg
 import pytest
 from commands import Proc
 from helpers import set_settings
+from jetstream import delete_stream
 
 from outboxpg.embedded import EmbeddedNats, free_port
 
 Conn = psycopg.Connection[Any]
 DELIVERED = re.compile(r'^outboxpg_events_delivered_total\{event_type="([^"]*)"\} ([0-9.e+]+)$', re.M)
-
-
-async def _delete_stream(url: str, name: str) -> None:
-    nc = await nats.connect(url)
-    try:
-        await nc.jetstream().delete_stream(name)
-    finally:
-        await nc.close()
 
 
 @pytest.mark.parametrize(("flag", "kept"), [(None, 100), ("7", 7)])
@@ -51,7 +43,7 @@ def test_a_thousand_event_types_keep_metrics_small(dsn: str, conn: Conn, tmp_pat
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
     finally:
         assert w.stop() == 0, w.text()
-        asyncio.run(_delete_stream(nats_server.url, f"S{t}"))
+        asyncio.run(delete_stream(nats_server.url, f"S{t}"))
     delivered = {label: float(value) for label, value in DELIVERED.findall(body.decode())}
     assert len(delivered) == kept + 1, sorted(delivered)
     assert delivered.pop("other") == 1000 - kept

@@ -20,7 +20,7 @@ import psycopg
 import pytest
 from commands import Proc
 from helpers import allow_subjects, insert, set_settings
-from jetstream import make_stream
+from jetstream import delete_stream, new_stream, stream_subjects
 
 from outboxpg.embedded import EmbeddedNats
 
@@ -68,38 +68,14 @@ def wait_states(conn: Conn, ids: list[int], wanted: set[str], timeout: float = 3
         time.sleep(0.05)
 
 
-async def _new_stream(url: str) -> tuple[str, str]:
-    handle = await make_stream(url)
-    await handle.nc.close()
-    return handle.name, handle.prefix
-
-
-async def _stream_subjects(url: str, name: str) -> list[str]:
-    nc = await nats.connect(url)
-    try:
-        return sorted((await nc.jetstream().stream_info(name)).config.subjects or [])
-    finally:
-        await nc.close()
-
-
-async def _delete_streams(url: str, *names: str) -> None:
-    nc = await nats.connect(url)
-    try:
-        for name in names:
-            with contextlib.suppress(Exception):
-                await nc.jetstream().delete_stream(name)
-    finally:
-        await nc.close()
-
-
 def test_an_answer_from_a_core_nats_service_is_not_an_ack(dsn: str, conn: Conn, tmp_path: Path,
                                                           nats_server: EmbeddedNats, fast_retries: None) -> None:
     """A service subscribed on a producer's subject answering {"ok": true} was taken as an ack and
     the event marked published, although no stream stored it. So was any JSON without "error".
     Now: retried, then dead, with the reason; the events that go to the stream are published."""
     t = uuid.uuid4().hex[:8]
-    outbox, prefix = asyncio.run(_new_stream(nats_server.url))   # the outbox's stream: '<prefix>.>'
-    other, _ = asyncio.run(_new_stream(nats_server.url))         # a real stream that captures neither subject
+    outbox, prefix = new_stream(nats_server.url)   # the outbox's stream: '<prefix>.>'
+    other, _ = new_stream(nats_server.url)         # a real stream that captures neither subject
     set_settings(conn, subject_prefix=prefix, max_attempts=2)
     allow_subjects(conn, f"payments{t}", f"forged{t}")
     good = insert(conn, "order", "o-1", "created")
@@ -114,7 +90,8 @@ def test_an_answer_from_a_core_nats_service_is_not_an_ack(dsn: str, conn: Conn, 
             rows = wait_states(conn, [good, core, forged], {"published", "dead"})
         finally:
             assert w.stop() == 0, w.text()
-            asyncio.run(_delete_streams(nats_server.url, outbox, other))
+            asyncio.run(delete_stream(nats_server.url, outbox))
+            asyncio.run(delete_stream(nats_server.url, other))
     assert rows[good][0] == "published"
     assert rows[core][:2] == ("dead", 2), rows[core]
     assert "not a JetStream ack (no stream and seq)" in rows[core][2], rows[core]
@@ -144,9 +121,9 @@ def test_ensure_stream_adds_only_allowed_explicit_subjects(dsn: str, conn: Conn,
     finally:
         assert w.stop() == 0, w.text()
         try:
-            subjects = asyncio.run(_stream_subjects(nats_server.url, f"S{t}"))
+            subjects = asyncio.run(stream_subjects(nats_server.url, f"S{t}"))
         finally:
-            asyncio.run(_delete_streams(nats_server.url, f"S{t}"))
+            asyncio.run(delete_stream(nats_server.url, f"S{t}"))
     assert subjects == sorted([f"p{t}.>", f"billing{t}.invoice.issued"]), subjects
     (check,) = [line for line in w.text().splitlines() if "event=stream_check" in line]
     assert (f"no JetStream stream captures the explicit subject of 1 unfinished event: 'payments{t}.capture' "

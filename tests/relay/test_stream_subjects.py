@@ -15,12 +15,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import nats
 import psycopg
 import pytest
 from commands import Proc, run
 from helpers import allow_subjects, fail_times, insert, set_settings
-from jetstream import make_stream
+from jetstream import delete_stream, new_stream, stream_subjects
 from roles import login_roles
 
 from outboxpg.embedded import EmbeddedNats
@@ -31,33 +30,6 @@ NO_STREAM = "RuntimeError: no JetStream stream captures this subject (no respond
 
 def tag() -> str:
     return uuid.uuid4().hex[:8]
-
-
-async def stream_subjects(url: str, name: str) -> list[str]:
-    nc = await nats.connect(url)
-    try:
-        return sorted((await nc.jetstream().stream_info(name)).config.subjects or [])
-    finally:
-        await nc.close()
-
-
-async def _new_stream(url: str) -> tuple[str, str]:
-    handle = await make_stream(url)
-    await handle.nc.close()
-    return handle.name, handle.prefix
-
-
-def new_stream(url: str) -> tuple[str, str]:
-    """A stream of its own capturing '<prefix>.>': (name, prefix)."""
-    return asyncio.run(_new_stream(url))
-
-
-async def delete_stream(url: str, name: str) -> None:
-    nc = await nats.connect(url)
-    try:
-        await nc.jetstream().delete_stream(name)
-    finally:
-        await nc.close()
 
 
 def wait_published(conn: Conn, ids: list[int], timeout: float = 20) -> None:
