@@ -120,6 +120,15 @@ SELECT n.nspname,
  GROUP BY n.nspname
 """
 
+# The same question at a worker's start and in outboxpg status, asked of the install itself
+# (outbox_untrusted_creators(), executable by workers and operators): who, or NULL, and the
+# schema's name as an identifier (quoted where needed), for the REVOKE to suggest.
+INSTALL_UNTRUSTED_CREATORS = ("SELECT outbox_untrusted_creators() AS who, "
+                              "(SELECT p.pronamespace::regnamespace::text FROM pg_proc p "
+                              "  WHERE p.oid = 'outbox_untrusted_creators()'::regprocedure) AS schema")
+
+
+
 # -- what a schema holds (outboxpg.catalog: outboxpg migrate --adopt, tools/schema_step.py, tests) --
 
 CURRENT_SCHEMA = "SELECT current_schema()"

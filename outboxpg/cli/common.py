@@ -74,6 +74,14 @@ def add_yes(parser: argparse.ArgumentParser) -> None:
                         help="do not ask for confirmation (needed without a terminal when touching several events)")
 
 
+def untrusted_creators_text(who: str, schema: str) -> str:
+    """What the worker's refusal and outboxpg status say when roles besides the owners' may create
+    objects in the install schema (outbox_untrusted_creators()): who, where, why, and the REVOKE."""
+    return (f"{who} may CREATE in schema {schema}, where the outbox's SECURITY DEFINER functions look up names "
+            f"(whoever may create there can run code as the owner): REVOKE CREATE ON SCHEMA {schema} FROM {who} "
+            "(docs/privileges.md)")
+
+
 def point_in_time(conn: psycopg.Connection[Any], text: str, flag: str) -> Any:
     """``flag``'s value as a timestamptz: a timestamp, else an interval ago (PostgreSQL reads both).
     One a datetime cannot hold ('-infinity', before year 1) comes back as PostgreSQL's text."""

@@ -6,8 +6,9 @@ declared once (outboxpg.option), as a field of WorkerConfig (outboxpg.relay.conf
 CommandOptions below; flags, variables and help are built from those (outboxpg.cli.options).
 
 At start it fails fast, with one line on stderr and an exit code, on what no retry can fix:
-2 a bad flag or DSN, or PostgreSQL cannot be reached; 3 the outbox schema is missing or too old;
-1 the login may not run the worker's functions (or another database error at start).
+2 a bad flag or DSN, PostgreSQL cannot be reached, or roles besides the owners' may create
+objects in the install schema (outbox_untrusted_creators()); 3 the outbox schema is missing or
+too old; 1 the login may not run the worker's functions (or another database error at start).
 What may come right by itself is waited for, with a warning per try and a growing pause:
 an unreachable NATS server at start (then nats-py reconnects on its own). No log line shows
 the DSN's or the NATS URL's password.
@@ -40,6 +41,7 @@ from outboxpg.cli.common import (
     redact,
     restore_double_dash,
     secrets_of,
+    untrusted_creators_text,
 )
 from outboxpg.cli.errors import EXIT_CONNECT, EXIT_FAILED, EXIT_SCHEMA, EXIT_USAGE, CliError
 from outboxpg.cli.options import OneLineParser, add_options, from_args
@@ -174,6 +176,11 @@ async def _check_database(cfg: WorkerConfig) -> tuple[tuple[str, timedelta, list
         if denied:
             raise CliError(f"role {user!r} may not {' nor '.join(denied)}: make it a member of outbox_worker "
                            f"(GRANT outbox_worker TO \"{user}\"; see docs/privileges.md)", EXIT_FAILED)
+        # An install that others may plant objects in runs their code as its owner: no worker
+        # calls its functions until that is closed (migrate refuses such an install too).
+        row = await (await conn.execute(statements.INSTALL_UNTRUSTED_CREATORS)).fetchone()
+        if row is not None and row[0] is not None:
+            raise CliError(f"refusing to start: {untrusted_creators_text(row[0], row[1])}", EXIT_USAGE)
         if cfg.standby_flushed:
             # flush_lsn in pg_stat_replication is NULL to other roles: the worker would wait forever.
             row = await (await conn.execute(statements.MAY_READ_ALL_STATS)).fetchone()
