@@ -127,7 +127,8 @@ FUNCTIONS: tuple[SqlFunction, ...] = (
 
 # What outboxpg-worker checks at start (exists, and this login may execute it), in this order:
 # the first one missing is named. IDLE_CALLS only without --poll-only.
-WORKER_CALLS = (CLAIM, COMPLETE, FAIL, RELEASE, EXTEND, NEXT_WAKEUP, UNFINISHED_SUBJECTS, IDEMPOTENCY_FORGET)
+WORKER_CALLS = (CLAIM, COMPLETE, FAIL, RELEASE, EXTEND, NEXT_WAKEUP, UNFINISHED_SUBJECTS, IDEMPOTENCY_FORGET,
+                UNTRUSTED_CREATORS)
 IDLE_CALLS = (WORKER_IDLE, WORKER_BUSY)
 XMIN_CALLS = (XMIN_HOLDERS,)   # not with --xmin-check-interval 0
 # What the outboxpg command line calls (its schema check on a database installed with psql).

@@ -41,6 +41,9 @@ MAINTAIN = "SELECT * FROM outbox_maintain(%s)"
 
 # --since: a timestamp, else an interval ago (PostgreSQL reads both).
 SINCE = ("SELECT %s::timestamptz", "SELECT now() - %s::interval")
+# The same as text, for a time Python's datetime cannot hold (-infinity, before year 1): passed on
+# as text, PostgreSQL reads it again.
+SINCE_TEXT = ("SELECT %s::timestamptz::text", "SELECT (now() - %s::interval)::text")
 DEAD_LIST_COLUMNS = ("id, dead_at, attempts, aggregate_type, aggregate_id, event_type, subject, last_error, "
                      "created_at, msg_id")
 # The filters of outboxpg dead (list, and requeue/discard --all-matching), joined by AND.
@@ -116,6 +119,15 @@ SELECT n.nspname,
                 OR (SELECT r.rolsuper FROM pg_roles r WHERE r.oid = a.grantee)))
  GROUP BY n.nspname
 """
+
+# The same question at a worker's start and in outboxpg status, asked of the install itself
+# (outbox_untrusted_creators(), executable by workers and operators): who, or NULL, and the
+# schema's name as an identifier (quoted where needed), for the REVOKE to suggest.
+INSTALL_UNTRUSTED_CREATORS = ("SELECT outbox_untrusted_creators() AS who, "
+                              "(SELECT p.pronamespace::regnamespace::text FROM pg_proc p "
+                              "  WHERE p.oid = 'outbox_untrusted_creators()'::regprocedure) AS schema")
+
+
 
 # -- what a schema holds (outboxpg.catalog: outboxpg migrate --adopt, tools/schema_step.py, tests) --
 
@@ -292,10 +304,13 @@ SELECT f, to_regprocedure(f) IS NOT NULL,
 CHECK_SETTINGS = """
 SELECT to_regclass('outbox_settings') IS NOT NULL
        AND has_column_privilege(to_regclass('outbox_settings'), 'subject_prefix', 'SELECT')
-       AND has_column_privilege(to_regclass('outbox_settings'), 'backoff_cap', 'SELECT'),
+       AND has_column_privilege(to_regclass('outbox_settings'), 'backoff_cap', 'SELECT')
+       AND has_column_privilege(to_regclass('outbox_settings'), 'allowed_subject_prefixes', 'SELECT'),
        current_user::text, current_database()::text
 """
-WORKER_SETTINGS = "SELECT subject_prefix, backoff_cap FROM outbox_settings"
+# The stream check: where the events go, how long a duplicate window they need, which prefixes
+# --ensure-stream may add.
+WORKER_SETTINGS = "SELECT subject_prefix, backoff_cap, allowed_subject_prefixes FROM outbox_settings"
 # --standby-flushed: pg_stat_replication.flush_lsn is NULL to roles without pg_read_all_stats.
 MAY_READ_ALL_STATS = "SELECT pg_has_role('pg_read_all_stats', 'USAGE')"
 # Which backend ran it (outboxpg.relay.pooler: is there a transaction pooler in between?).
@@ -330,8 +345,10 @@ STATS = "SELECT * FROM outbox_stats"
 # -- outboxpg replay and outboxpg.replay() (0018) -----------------------------------------------
 
 REPLAY = sql.SQL("SELECT outbox_replay({})")   # {}: the filters given, as named arguments
+# How many match, and the first of them (at most %(first)s: the cap, past which the replay is refused).
+REPLAY_COUNT = sql.SQL("SELECT count(*) FROM outbox_replay_candidates({})")
 REPLAY_CANDIDATES = sql.SQL(
     "SELECT c.id, c.created_at, o.aggregate_type, o.aggregate_id, o.event_type "
-    "FROM outbox_replay_candidates({}) c "
+    "FROM (SELECT * FROM outbox_replay_candidates({}) ORDER BY id LIMIT %(first)s) c "
     "JOIN outbox o ON o.id = c.id AND o.created_at = c.created_at ORDER BY c.id")
 NAMED_ARGUMENT = sql.SQL("{} => {}::{}")      # name => %(name)s::type

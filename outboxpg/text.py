@@ -5,8 +5,28 @@ a long text cut to a width."""
 from __future__ import annotations
 
 import datetime as dt
+import re
 
-__all__ = ["age", "clip_first_line", "describe", "first_line", "join_lines"]
+__all__ = ["age", "clip_first_line", "describe", "first_line", "join_lines", "printable"]
+
+# What a terminal or a log reader may act on rather than show: the C0 controls (ESC starts an
+# escape sequence, CR goes back to the start of the line, LF starts a new one), DEL, the C1
+# controls (U+009B is a CSI on some terminals) and the Unicode line and paragraph separators.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(match: re.Match[str]) -> str:
+    c = match.group()
+    return _NAMED.get(c) or (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+
+
+def printable(text: str) -> str:
+    """``text`` with every control character escaped as Python writes it (``\\r``, ``\\x1b``,
+    ``\\u2028``): what the command lines print and the worker logs of producer-written values
+    (aggregate ids, header values, errors quoting them) stays on its line and cannot drive the
+    terminal. Everything else, backslashes included, is left as it is."""
+    return _CONTROL.sub(_escape, text) if _CONTROL.search(text) else text
 
 
 def describe(exc: BaseException, *, with_type: bool = True, whole: bool = False) -> str:

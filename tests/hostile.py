@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import reprlib
 import unicodedata
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from decimal import Decimal
 from functools import reduce
@@ -71,11 +72,16 @@ def key_field() -> st.SearchStrategy[Any]:
     return st.one_of(plain_token, hostile_text(), st.none(), st.integers(), st.binary(max_size=5))
 
 
+# Half of them under the tests' subject_prefix ('outbox'), where only the subject's own rules
+# decide; the others are refused at insert whatever they hold (no other prefix is allowed).
 subjects = st.one_of(
     st.none(),
     st.from_regex(r"[a-z]{1,6}(\.[a-z0-9]{1,6}){0,3}", fullmatch=True),
     st.lists(st.one_of(plain_token, hostile_text(8)), min_size=1, max_size=4).map(".".join),
     hostile_text(),
+    st.from_regex(r"[a-z]{1,6}(\.[a-z0-9]{1,6}){0,3}", fullmatch=True).map("outbox.".__add__),
+    st.lists(st.one_of(plain_token, hostile_text(8)), min_size=1, max_size=4).map(".".join).map("outbox.".__add__),
+    hostile_text().map("outbox.".__add__),
 )
 
 header_maps = st.one_of(
@@ -152,6 +158,13 @@ def specs(draw: st.DrawFn) -> Spec:
 # -- the model ------------------------------------------------------------------------------
 
 LIMITS = {"aggregate_type": 255, "aggregate_id": 1024, "event_type": 255, "msg_id": 255}
+# outbox_settings' defaults: explicit subjects are refused at insert unless under subject_prefix
+# (or allowed_subject_prefixes, empty here); payload and headers together at most
+# max_event_bytes, counted as jsonb (pg_column_size).
+SUBJECT_PREFIX = "outbox"
+MAX_EVENT_BYTES = 1_000_000
+# The insert trigger's refusals name the setting in the message, not a constraint.
+SETTINGS_REFUSALS = ("max_event_bytes", "allowed_subject_prefixes")
 CONSTRAINTS = {"outbox_aggregate_type_not_blank", "outbox_aggregate_id_not_blank", "outbox_event_type_not_blank",
                "outbox_msg_id_not_blank", "outbox_subject_is_valid_nats_subject", "outbox_headers_are_string_map"}
 
@@ -192,6 +205,11 @@ def _token_verdict(s: str, v: Verdict, what: str, also: str = ".*>") -> None:
 
 
 def _subject_verdict(subject: str, v: Verdict) -> None:
+    if subject.split(".")[0] != SUBJECT_PREFIX:
+        # Refused whatever else it holds: by the domain, or else by the insert trigger (the
+        # tests allow no other prefix).
+        v.refused.append(f"subject outside subject_prefix {SUBJECT_PREFIX!r} and allowed_subject_prefixes")
+        return
     if len(subject.encode("utf-8", "surrogatepass")) > 1024:
         v.refused.append("subject over 1024 bytes")
         return
@@ -202,20 +220,44 @@ def _subject_verdict(subject: str, v: Verdict) -> None:
         _token_verdict(token, v, "subject", also="*>")
 
 
-def _json_bad(value: Any) -> str | None:
-    """What PostgreSQL's jsonb refuses in a parsed JSON value: NUL and lone surrogates in strings."""
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in a parsed JSON value, keys too."""
     stack = [value]
     while stack:
         x = stack.pop()
         if isinstance(x, str):
-            if r := _bad_text(x):
-                return r
+            yield x
         elif isinstance(x, dict):
             stack.extend(x.keys())
             stack.extend(x.values())
         elif isinstance(x, list):
             stack.extend(x)
-    return None
+
+
+def _json_bad(value: Any) -> str | None:
+    """What PostgreSQL's jsonb refuses in a parsed JSON value: NUL and lone surrogates in strings."""
+    return next(filter(None, map(_bad_text, _strings(value))), None)
+
+
+def _string_bytes(value: Any) -> int:
+    """The UTF-8 bytes of every string (keys too) in a parsed JSON value: a lower bound of its
+    jsonb size, which stores each string's bytes as they are."""
+    return sum(len(x.encode("utf-8", "surrogatepass")) for x in _strings(value))
+
+
+def _size_verdict(payload: Any, headers: Any, v: Verdict) -> None:
+    """Over max_event_bytes for sure (its strings alone are), near it (jsonb's own overhead
+    decides: either), or well under. Called for a payload and headers that are otherwise fine."""
+    if isinstance(payload, (bytes, str)):
+        text = payload.encode() if isinstance(payload, str) else payload
+        parsed = json.loads(text)
+    else:
+        text, parsed = orjson.dumps(payload), payload
+    head = orjson.dumps(headers or {})
+    if _string_bytes(parsed) + _string_bytes(headers or {}) > MAX_EVENT_BYTES:
+        v.refused.append("payload and headers over max_event_bytes")
+    elif len(text) + len(head) > MAX_EVENT_BYTES // 2:
+        v.unsure.append("payload and headers near max_event_bytes")
 
 
 def _no_constant(name: str) -> Any:
@@ -301,6 +343,8 @@ def verdict(spec: Spec) -> Verdict:
                     v.refused.append("header name in NATS's own Nats- namespace")
                 _token_verdict(k, v, "header name", also=":")
     payload_verdict(spec.payload, v)
+    if not v.refused and not any(r.startswith("payload") for r in v.unsure):
+        _size_verdict(spec.payload, spec.headers, v)
     return v
 
 

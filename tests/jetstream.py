@@ -35,6 +35,34 @@ async def make_stream(url: str, duplicate_window: float = 600.0, *, atomic: bool
     return StreamHandle(nc, js, name, prefix)
 
 
+async def _new_stream(url: str) -> tuple[str, str]:
+    handle = await make_stream(url)
+    await handle.nc.close()
+    return handle.name, handle.prefix
+
+
+def new_stream(url: str) -> tuple[str, str]:
+    """A stream of its own capturing '<prefix>.>', from code outside an event loop: (name, prefix)."""
+    return asyncio.run(_new_stream(url))
+
+
+async def stream_subjects(url: str, name: str) -> list[str]:
+    """The subjects stream ``name`` captures, sorted."""
+    nc = await nats.connect(url)
+    try:
+        return sorted((await nc.jetstream().stream_info(name)).config.subjects or [])
+    finally:
+        await nc.close()
+
+
+async def delete_stream(url: str, name: str) -> None:
+    nc = await nats.connect(url)
+    try:
+        await nc.jetstream().delete_stream(name)
+    finally:
+        await nc.close()
+
+
 @dataclass
 class StoredMsg:
     seq: int

@@ -577,7 +577,8 @@ def inject(kind: str, rng: random.Random, workers: Workers, rig: Rig, lease: flo
 def _poison(admin_dsn: str, nats_url: str, ledger: Ledger) -> str:
     """One transaction: two events whose messages come just under the server's max_payload
     (they must be delivered) and one just over it (it must die at once, unsent, and block
-    nothing: each on an aggregate of its own)."""
+    nothing: each on an aggregate of its own), with outbox_settings.max_event_bytes raised to
+    let them in."""
     import nats
 
     from outboxpg import Event, enqueue_many
@@ -596,6 +597,9 @@ def _poison(admin_dsn: str, nats_url: str, ledger: Ledger) -> str:
     items = [Event("poison", agg.split("/")[1], "big", {"pad": "u" * (limit - 2048)}, msg_id=m) for m, agg in under]
     items.append(Event("poison", over[1].split("/")[1], "big", {"pad": "o" * (limit + 512)}, msg_id=over[0]))
     with psycopg.connect(admin_dsn, application_name=PRODUCER_APP) as c:
+        # Near max_payload is over max_event_bytes' default (1,000,000): raised, as an operator
+        # would for events this large; the one over max_payload must still die at the worker.
+        c.execute("UPDATE outbox_settings SET max_event_bytes = greatest(max_event_bytes, %s)", (2 * limit,))
         enqueue_many(c, items)
         c.commit()
     ledger.commit(under, time.time(), "poison_committed")

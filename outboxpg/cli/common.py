@@ -74,15 +74,32 @@ def add_yes(parser: argparse.ArgumentParser) -> None:
                         help="do not ask for confirmation (needed without a terminal when touching several events)")
 
 
+def untrusted_creators_text(who: str, schema: str) -> str:
+    """What the worker's refusal and outboxpg status say when roles besides the owners' may create
+    objects in the install schema (outbox_untrusted_creators()): who, where, why, and the REVOKE."""
+    return (f"{who} may CREATE in schema {schema}, where the outbox's SECURITY DEFINER functions look up names "
+            f"(whoever may create there can run code as the owner): REVOKE CREATE ON SCHEMA {schema} FROM {who} "
+            "(docs/privileges.md)")
+
+
 def point_in_time(conn: psycopg.Connection[Any], text: str, flag: str) -> Any:
-    """``flag``'s value as a timestamptz: a timestamp, else an interval ago (PostgreSQL reads both)."""
-    for query in statements.SINCE:
+    """``flag``'s value as a timestamptz: a timestamp, else an interval ago (PostgreSQL reads both).
+    One a datetime cannot hold ('-infinity', before year 1) comes back as PostgreSQL's text."""
+    for query, as_text in zip(statements.SINCE, statements.SINCE_TEXT):
         try:
             with conn.transaction():
                 row = conn.execute(query, (text,)).fetchone()
             assert row is not None
             return row[0]
-        except (psycopg.errors.DataError, psycopg.errors.SyntaxError):
+        except psycopg.DataError as exc:
+            if exc.sqlstate is not None:   # PostgreSQL could not read it as this kind
+                continue
+            # PostgreSQL read it, psycopg cannot hold it as a datetime.
+            with conn.transaction():
+                row = conn.execute(as_text, (text,)).fetchone()
+            assert row is not None
+            return row[0]
+        except psycopg.errors.SyntaxError:
             continue
     raise CliError(f"{flag}: neither a timestamp nor an interval: {text!r}")
 
@@ -258,9 +275,17 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"cannot serialise {type(value).__name__}")
 
 
+# What JSON leaves raw in its strings but a terminal may act on: DEL, the C1 controls (U+009B is
+# a CSI on some terminals), the line and paragraph separators. (JSON escapes the C0 ones.)
+_JSON_RAW_CONTROLS = re.compile("[\x7f-\x9f\u2028\u2029]")
+
+
 def print_json(obj: Any, indent: bool = False) -> None:
     option = orjson.OPT_INDENT_2 if indent else 0
-    sys.stdout.write(orjson.dumps(obj, default=_json_default, option=option).decode() + "\n")
+    text = orjson.dumps(obj, default=_json_default, option=option).decode()
+    # They occur only inside strings, where \uXXXX is the same character to a JSON reader.
+    text = _JSON_RAW_CONTROLS.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+    sys.stdout.write(text + "\n")
     sys.stdout.flush()
 
 

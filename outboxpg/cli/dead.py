@@ -22,8 +22,8 @@ from psycopg.rows import dict_row
 from outboxpg import statements
 from outboxpg.cli.common import add_dsn, add_yes, confirm, number_type, open_outbox, point_in_time, print_json
 from outboxpg.cli.errors import CliError
-from outboxpg.cli.render import counts_by_type, id_list, pairs, table
-from outboxpg.text import clip_first_line
+from outboxpg.cli.render import Lines, counts_by_type, id_list, pairs, table
+from outboxpg.text import clip_first_line, printable
 
 # Columns of outbox that dead show leaves out: what the partial indexes select on (0002), no
 # information beyond state.
@@ -166,10 +166,12 @@ def cmd_show(args: argparse.Namespace) -> int:
         if key in ("payload_bytes", "payload_cut_bytes"):
             continue
         if key == "payload" and row["payload_cut_bytes"]:
-            value = (f"{value}\n... ({row['payload_cut_bytes']} more bytes of {row['payload_bytes']} not shown: "
-                     "--max-bytes 0 shows them all)")
+            # jsonb's text is one line: the only line break is this one.
+            value = Lines(f"{value}\n... ({row['payload_cut_bytes']} more bytes of {row['payload_bytes']} not "
+                          "shown: --max-bytes 0 shows them all)")
         elif key in ("payload", "headers"):
-            value = orjson.dumps(value, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS).decode()
+            # orjson escapes the strings' line breaks: the lines are the indentation's.
+            value = Lines(orjson.dumps(value, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS).decode())
         elif isinstance(value, dt.datetime):
             value = value.isoformat(sep=" ")  # full precision, to match against logs
         items.append((key, value))
@@ -179,9 +181,9 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(f"\n({' and '.join(hidden)} not shown: this role may not read them)")
     if row["state"] == "dead":
         held = row["held_back_behind_it"]
-        print(f"\nIt holds back {held} later event{'' if held == 1 else 's'} of {row['aggregate_type']}/"
-              f"{row['aggregate_id']}. outboxpg dead requeue {row['id']}  |  "
-              f"outboxpg dead discard {row['id']} --reason '...'")
+        print(f"\nIt holds back {held} later event{'' if held == 1 else 's'} of "
+              f"{printable(row['aggregate_type'])}/{printable(row['aggregate_id'])}. outboxpg dead requeue "
+              f"{row['id']}  |  outboxpg dead discard {row['id']} --reason '...'")
     return 0
 
 

@@ -43,7 +43,7 @@ from outboxpg.cli.common import (
 )
 from outboxpg.cli.errors import EXIT_CONNECT, EXIT_FAILED, EXIT_SCHEMA, EXIT_USAGE, CliError
 from outboxpg.cli.options import OneLineParser
-from outboxpg.text import describe, first_line
+from outboxpg.text import describe, first_line, printable
 
 __all__ = ["build_parser", "main"]
 
@@ -176,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _fail(message: str, code: int, secrets: Sequence[str]) -> int:
-    print(redact(f"outboxpg: {message}", secrets), file=sys.stderr)
+    # One line, whatever the message quotes (a database error can quote what a producer wrote).
+    print(printable(redact(f"outboxpg: {message}", secrets)), file=sys.stderr)
     return code
 
 

@@ -6,8 +6,9 @@ declared once (outboxpg.option), as a field of WorkerConfig (outboxpg.relay.conf
 CommandOptions below; flags, variables and help are built from those (outboxpg.cli.options).
 
 At start it fails fast, with one line on stderr and an exit code, on what no retry can fix:
-2 a bad flag or DSN, or PostgreSQL cannot be reached; 3 the outbox schema is missing or too old;
-1 the login may not run the worker's functions (or another database error at start).
+2 a bad flag or DSN, PostgreSQL cannot be reached, or roles besides the owners' may create
+objects in the install schema (outbox_untrusted_creators()); 3 the outbox schema is missing or
+too old; 1 the login may not run the worker's functions (or another database error at start).
 What may come right by itself is waited for, with a warning per try and a growing pause:
 an unreachable NATS server at start (then nats-py reconnects on its own). No log line shows
 the DSN's or the NATS URL's password.
@@ -40,6 +41,7 @@ from outboxpg.cli.common import (
     redact,
     restore_double_dash,
     secrets_of,
+    untrusted_creators_text,
 )
 from outboxpg.cli.errors import EXIT_CONNECT, EXIT_FAILED, EXIT_SCHEMA, EXIT_USAGE, CliError
 from outboxpg.cli.options import OneLineParser, add_options, from_args
@@ -51,12 +53,13 @@ from outboxpg.relay.nats.streams import (
     Subject,
     explicit_to_add,
     missing_text,
-    uncaptured,
+    streams_for,
+    under_allowed,
     under_prefix,
 )
 from outboxpg.relay.pooler import POOLER_HINT, behind_transaction_pooler
 from outboxpg.relay.worker import Worker, WorkerConfig, application_name
-from outboxpg.text import describe, first_line, join_lines
+from outboxpg.text import describe, first_line, join_lines, printable
 
 log = logging.getLogger("outboxpg.worker")
 
@@ -69,8 +72,9 @@ class CommandOptions:
                            "nats://127.0.0.1:4222")
     ensure_stream: str | None = option(
         "create or update JetStream stream NAME to capture <subject_prefix>.> and the explicit subjects of "
-        "unfinished events that no stream captures, with a duplicate window covering lease + backoff cap, and "
-        "allow_atomic (atomic batch publish) on nats-server 2.12+", None, metavar="NAME")
+        "unfinished events under outbox_settings.allowed_subject_prefixes that no stream captures (never any "
+        "other), with a duplicate window covering lease + backoff cap, and allow_atomic (atomic batch publish) "
+        "on nats-server 2.12+", None, metavar="NAME")
     publisher: str | None = option("publish with your own callable (fn(event), sync or async) or object with "
                                    "publish_batch(); default: NATS JetStream", None, metavar="MODULE:CALLABLE")
     cloudevents: bool = option("publish in CloudEvents 1.0 binary content mode: ce-specversion, ce-id (msg_id), "
@@ -80,6 +84,8 @@ class CommandOptions:
                                             "default: outboxpg/<database name>", None, metavar="URI")
     metrics_port: int = option("serve Prometheus metrics on this port (1-65535); 0: off", 0)
     metrics_addr: str = option("address the metrics server binds to", "127.0.0.1")
+    metrics_event_types: int = option("distinct event_type label values the metrics keep, the first seen; every "
+                                      "other event type counts as 'other'", 100, metavar="N")
     log_level: str = option("log level", "INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
 
@@ -97,10 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _stream_setup(args: argparse.Namespace, publisher: Any, cfg: WorkerConfig, prefix: str,
-                        backoff_cap: timedelta, subjects: list[Subject]) -> None:
+                        backoff_cap: timedelta, allowed: list[str], subjects: list[Subject]) -> None:
     """Check (and with --ensure-stream, create) the stream the worker will publish into: one
-    capturing <prefix>.> and the explicit subjects of the unfinished events. A failure is
-    logged, not fatal: publishes then fail and are retried, as without a stream."""
+    capturing <prefix>.> and the explicit subjects of the unfinished events under the allowed
+    prefixes. The streams found are the ones whose acks the publisher counts at once. A failure
+    is logged, not fatal: publishes then fail and are retried, as without a stream."""
     from outboxpg.relay.nats.connection import supports_atomic_batch
     from outboxpg.relay.nats.streams import check_stream, ensure_stream
 
@@ -108,8 +115,9 @@ async def _stream_setup(args: argparse.Namespace, publisher: Any, cfg: WorkerCon
     explicit = [s for s in subjects if s.explicit and not under_prefix(s.subject, prefix)]
     if args.ensure_stream:
         try:
-            # The subjects the events use: the prefix's, and explicit ones no stream has yet.
-            wanted = [f"{prefix}.>"] + await explicit_to_add(publisher.js, prefix, explicit)
+            # The subjects the events use: the prefix's, and explicit ones under the allowed
+            # prefixes that no stream has yet (a subject a producer wrote is no reason to widen it).
+            wanted = [f"{prefix}.>"] + await explicit_to_add(publisher.js, prefix, explicit, allowed)
             # allow_atomic where the server has atomic batch publish: long runs then go as batches.
             log.info("event=ensure_stream result=%r", await ensure_stream(publisher.js, args.ensure_stream,
                                                                            wanted, window,
@@ -118,22 +126,30 @@ async def _stream_setup(args: argparse.Namespace, publisher: Any, cfg: WorkerCon
             log.error("event=ensure_stream_failed stream=%s error=%r", args.ensure_stream, describe(exc))
     try:
         problems = await check_stream(publisher.js, f"{prefix}.check", timedelta(seconds=cfg.lease) + backoff_cap)
-        missing = await uncaptured(publisher.js, explicit)
+        streams = await streams_for(publisher.js, [f"{prefix}.check", *(s.subject for s in explicit)])
+        publisher.expect_streams(name for name in streams.values() if name is not None)
+        missing = [s for s in explicit if streams[s.subject] is None and under_allowed(s.subject, allowed)]
+        outside = [s for s in explicit if streams[s.subject] is None and not under_allowed(s.subject, allowed)]
         if missing:
             problems.append(f"{missing_text(missing, 'explicit subject')}: each publish of them fails "
                             "(no responders) until a stream captures them, and they die after max_attempts "
                             "(add them to a stream, e.g. with --ensure-stream NAME)")
+        if outside:
+            problems.append(f"{missing_text(outside, 'explicit subject')}, outside subject_prefix and "
+                            "outbox_settings.allowed_subject_prefixes (written before they were refused at insert, "
+                            "or since disallowed): --ensure-stream does not add them; they fail and die after "
+                            "max_attempts unless an operator allows their prefix")
     except Exception as exc:  # noqa: BLE001 - e.g. JetStream not enabled on the server
         problems = [f"cannot check the JetStream stream for {prefix + '.>'!r}: {describe(exc)}"]
     for problem in problems:
         log.warning("event=stream_check problem=%r", problem)
 
 
-async def _check_database(cfg: WorkerConfig) -> tuple[tuple[str, timedelta, list[Subject]], str]:
+async def _check_database(cfg: WorkerConfig) -> tuple[tuple[str, timedelta, list[str], list[Subject]], str]:
     """Fail fast, in one line, on what no retry can fix: a wrong DSN or an unreachable server
     (exit 2), a database without the schema or with an older one (3), a login that may not run
-    the worker's functions (1). Returns ((subject_prefix, backoff_cap, the subjects of the
-    unfinished events) for the stream check, the database's name)."""
+    the worker's functions (1). Returns ((subject_prefix, backoff_cap, allowed_subject_prefixes,
+    the subjects of the unfinished events) for the stream check, the database's name)."""
     parse_dsn(cfg.dsn)
     try:
         conn = await psycopg.AsyncConnection.connect(cfg.dsn, autocommit=True, connect_timeout=10,
@@ -160,6 +176,11 @@ async def _check_database(cfg: WorkerConfig) -> tuple[tuple[str, timedelta, list
         if denied:
             raise CliError(f"role {user!r} may not {' nor '.join(denied)}: make it a member of outbox_worker "
                            f"(GRANT outbox_worker TO \"{user}\"; see docs/privileges.md)", EXIT_FAILED)
+        # An install that others may plant objects in runs their code as its owner: no worker
+        # calls its functions until that is closed (migrate refuses such an install too).
+        row = await (await conn.execute(statements.INSTALL_UNTRUSTED_CREATORS)).fetchone()
+        if row is not None and row[0] is not None:
+            raise CliError(f"refusing to start: {untrusted_creators_text(row[0], row[1])}", EXIT_USAGE)
         if cfg.standby_flushed:
             # flush_lsn in pg_stat_replication is NULL to other roles: the worker would wait forever.
             row = await (await conn.execute(statements.MAY_READ_ALL_STATS)).fetchone()
@@ -172,7 +193,7 @@ async def _check_database(cfg: WorkerConfig) -> tuple[tuple[str, timedelta, list
         if not cfg.poll_only and await behind_transaction_pooler(cfg.dsn):
             raise CliError(POOLER_HINT, EXIT_CONNECT)
         rows = await (await conn.execute(statements.UNFINISHED_SUBJECTS, (MAX_SUBJECTS,))).fetchall()
-        return (settings[0], settings[1], [Subject(*row) for row in rows]), database
+        return (settings[0], settings[1], list(settings[2]), [Subject(*row) for row in rows]), database
 
 
 def _load_publisher(spec: str, cfg: WorkerConfig) -> Any:
@@ -213,7 +234,8 @@ def _serve_metrics(args: argparse.Namespace, cfg: WorkerConfig) -> Any:
     is one line, exit 2, before the worker waits for NATS or claims anything."""
     from outboxpg.relay.metrics import WorkerMetrics
 
-    metrics = WorkerMetrics(cfg.dsn, application_name=f"{application_name(cfg.name)} (metrics)")
+    metrics = WorkerMetrics(cfg.dsn, application_name=f"{application_name(cfg.name)} (metrics)",
+                            max_event_types=args.metrics_event_types)
     try:
         metrics.serve(args.metrics_port, args.metrics_addr)
     except OSError as exc:   # EADDRINUSE, EADDRNOTAVAIL, EACCES, an unresolvable name (gaierror)
@@ -288,6 +310,8 @@ async def _main(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, on_signal)
     if not 0 <= args.metrics_port <= 65535:
         raise CliError(f"--metrics-port must be 0 (off) or a port from 1 to 65535, got {args.metrics_port}", EXIT_USAGE)
+    if args.metrics_event_types < 0:
+        raise CliError(f"--metrics-event-types must be 0 or more, got {args.metrics_event_types}", EXIT_USAGE)
     _check_cloudevents(args)
     # Your own publisher first: a misspelt one is reported before anything else is set up.
     custom = _load_publisher(args.publisher, cfg) if args.publisher else None
@@ -320,12 +344,15 @@ async def _main(args: argparse.Namespace) -> int:
 
 class _OneLine(logging.Filter):
     """One log line per record: libpq's errors for a multi-host DSN run over several lines (one
-    per host tried), which psycopg_pool logs as they are while it reconnects."""
+    per host tried), which psycopg_pool logs as they are while it reconnects: joined. Any other
+    control character (a bare CR, an escape sequence) is escaped: a value a producer wrote must
+    not forge a line or drive the terminal that shows the log."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
-        if "\n" in text:
-            record.msg, record.args = join_lines(text), None
+        clean = printable(join_lines(text) if "\n" in text else text)
+        if clean != text:
+            record.msg, record.args = clean, None
         return True
 
 
@@ -363,7 +390,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             handler.addFilter(_Redact(secrets))
 
     def fail(message: str, code: int) -> int:
-        print(redact(f"outboxpg-worker: {message}", secrets), file=sys.stderr)
+        print(printable(redact(f"outboxpg-worker: {message}", secrets)), file=sys.stderr)
         return code
 
     try:

@@ -1,5 +1,10 @@
 """Plain-text rendering for the CLI: aligned tables, label/value lists, JSON-ready rows (ages and
-clipped lines are outboxpg.text's, shared with the relay)."""
+clipped lines are outboxpg.text's, shared with the relay).
+
+Every value goes through cell(), which escapes control characters (outboxpg.text.printable):
+producers write aggregate ids, header values and subjects, and what they wrote must neither
+start a new line nor drive the terminal. Text whose line breaks are the command's own (indented
+JSON) is a Lines value: its lines are escaped one by one."""
 
 from __future__ import annotations
 
@@ -9,13 +14,18 @@ from collections.abc import Iterable, Mapping, Sequence
 from decimal import Decimal
 from typing import Any
 
-from outboxpg.text import age
+from outboxpg.text import age, printable
 
-__all__ = ["cell", "table", "pairs", "jsonable", "counts_by_type", "id_list"]
+__all__ = ["Lines", "cell", "table", "pairs", "jsonable", "counts_by_type", "id_list"]
+
+
+class Lines(str):
+    """Text of several lines whose line breaks (\\n) are the command's own, e.g. JSON it
+    indented; any other control character in it is still escaped."""
 
 
 def cell(value: Any) -> str:
-    """One value as table text."""
+    """One value as table text, on one line (control characters escaped), but a Lines value."""
     if value is None:
         return ""
     if isinstance(value, bool):
@@ -24,7 +34,9 @@ def cell(value: Any) -> str:
         return value.isoformat(sep=" ", timespec="seconds")
     if isinstance(value, dt.timedelta):
         return age(value)
-    return str(value)
+    if isinstance(value, Lines):
+        return "\n".join(map(printable, value.split("\n")))
+    return printable(str(value))
 
 
 def _numeric(value: Any) -> bool:
@@ -48,12 +60,12 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], indent: str = "
 
 
 def pairs(items: Iterable[tuple[str, Any]], indent: str = "  ") -> list[str]:
-    """Label/value lines, labels padded to one width. Multi-line values continue indented."""
+    """Label/value lines, labels padded to one width. The lines of a Lines value continue indented."""
     items = [(k, cell(v)) for k, v in items]
     width = max((len(k) for k, _ in items), default=0)
     out = []
     for k, v in items:
-        first, *rest = v.splitlines() or [""]
+        first, *rest = v.split("\n")
         out.append(f"{indent}{k.ljust(width)}  {first}".rstrip())
         out.extend(f"{indent}{' ' * width}  {line}".rstrip() for line in rest)
     return out

@@ -2,9 +2,11 @@
 
 The filters are declared once, in ReplayFilters: each field is a flag (``ids``: --id) and the
 argument of the same name of outbox_replay_candidates / outbox_replay (``ids => ...``). The
-command asks outbox_replay_candidates which events match, shows them (``--dry-run`` stops
-there), asks for confirmation as ``dead requeue`` does (more than one event: on the terminal,
-or --yes), then replays exactly the ids it showed: an event published meanwhile is not added.
+command asks outbox_replay_candidates how many events match and which, shows them (``--dry-run``
+stops there), asks for confirmation as ``dead requeue`` does (more than one event: on the
+terminal, or --yes), then replays exactly the ids it showed: an event published meanwhile is not
+added. More matches than --max-events (10,000): refused before anything is copied, as
+outbox_replay itself refuses them (all or nothing), and the dry run says so.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from outboxpg.cli.errors import EXIT_USAGE, CliError
 from outboxpg.cli.options import add_options, from_args
 from outboxpg.cli.render import counts_by_type, id_list
 from outboxpg.option import option
-from outboxpg.replays import FILTERS, PARAMETERS, arguments, replay
+from outboxpg.replays import DEFAULT_MAX_EVENTS, FILTERS, PARAMETERS, arguments, replay
 from outboxpg.text import first_line
 
 __all__ = ["ReplayFilters", "register"]
@@ -49,6 +51,8 @@ class ReplayFilters:
     new_msg_id: bool = option("give each copy a new msg_id, so that JetStream stores it even inside its duplicate "
                               "window (a forced redelivery); default: the original msg_id, which JetStream drops "
                               "while it remembers the original", False, environment=False)
+    max_events: int = option("replay at most N events: when more match, nothing is replayed (narrow the filters, or "
+                             "raise N)", DEFAULT_MAX_EVENTS, metavar="N", environment=False)
 
 
 assert tuple(f.name for f in dataclasses.fields(ReplayFilters)) == tuple(PARAMETERS), "one flag per SQL parameter"
@@ -79,11 +83,16 @@ def _filters(conn: psycopg.Connection[Any], filters: ReplayFilters) -> dict[str,
     return values
 
 
-def _candidates(conn: psycopg.Connection[Any], values: dict[str, Any]) -> list[dict[str, Any]]:
-    query = statements.REPLAY_CANDIDATES.format(arguments(values))
+def _candidates(conn: psycopg.Connection[Any], values: dict[str, Any], first: int) -> tuple[int, list[dict[str, Any]]]:
+    """How many published events match, and the first ``first`` of them (none when more match)."""
     try:
         with conn.cursor(row_factory=dict_row) as cur:
-            return cur.execute(query, values).fetchall()
+            count = cur.execute(statements.REPLAY_COUNT.format(arguments(values)), values).fetchone()
+            n = int(count["count"]) if count else 0
+            if n == 0 or n > first:
+                return n, []
+            return n, cur.execute(statements.REPLAY_CANDIDATES.format(arguments(values)),
+                                  {**values, "first": first}).fetchall()
     except psycopg.errors.InvalidParameterValue as exc:   # since not before until
         raise CliError(first_line(exc), EXIT_USAGE) from None
 
@@ -122,9 +131,19 @@ def cmd_replay(args: argparse.Namespace) -> int:
     filters: ReplayFilters = from_args(ReplayFilters, args)
     if all(getattr(filters, name) is None for name in FILTERS):
         raise CliError(NO_FILTER, EXIT_USAGE)
+    if filters.max_events < 1:
+        raise CliError(f"--max-events must be 1 or more, got {filters.max_events}", EXIT_USAGE)
     with open_outbox(args) as conn:
         values = _filters(conn, filters)
-        rows = _candidates(conn, values)
+        n, rows = _candidates(conn, values, filters.max_events)
+        if n > filters.max_events:
+            too_many = (f"{_plural(n, 'published event')} match, more than --max-events ({filters.max_events}): "
+                        "a replay copies all or none; narrow the filters (--since, --until, --aggregate-type, ...) "
+                        "or raise --max-events")
+            if args.dry_run:
+                print(f"Would replay none: {too_many}\n(dry run: nothing changed)")
+                return 1
+            raise CliError(f"nothing replayed: {too_many}")
         notes = _not_published(conn, filters.ids, rows) if filters.ids else []
         if notes:
             print(f"outboxpg: not published, left alone: {', '.join(notes)}", file=sys.stderr)
@@ -141,7 +160,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             confirm(f"Replay these {n} published events?", details, f"replay {n} events", args.yes)
         # Exactly the events shown: those published since are not added.
         ids = [r["id"] for r in rows]
-        done = replay(conn, **{**values, "ids": ids}, new_msg_id=filters.new_msg_id)
+        done = replay(conn, **{**values, "ids": ids}, new_msg_id=filters.new_msg_id, max_events=filters.max_events)
     copies = "new msg_id" if filters.new_msg_id else "same msg_id"
     print(f"replayed {_plural(done, 'event')} as new events ({copies}): {id_list(ids)}")
     if done < n:

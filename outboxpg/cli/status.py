@@ -13,11 +13,19 @@ import psycopg
 from psycopg.rows import dict_row
 
 from outboxpg import statements
-from outboxpg.cli.common import add_dsn, number_type, open_outbox, print_json, where_am_i, where_text
+from outboxpg.cli.common import (
+    add_dsn,
+    number_type,
+    open_outbox,
+    print_json,
+    untrusted_creators_text,
+    where_am_i,
+    where_text,
+)
 from outboxpg.cli.render import jsonable, pairs, table
 from outboxpg.relay.horizon import XminHolder
 from outboxpg.relay.nats.streams import MAX_SUBJECTS, Subject, missing_text
-from outboxpg.text import age, clip_first_line, describe
+from outboxpg.text import age, clip_first_line, describe, printable
 
 STATES = ("pending", "processing", "published", "dead", "discarded")
 
@@ -105,6 +113,7 @@ def _snapshot(conn: psycopg.Connection[Any], with_states: bool, nats_url: str | 
             producers = cur.execute(statements.OPEN_PRODUCERS).fetchall()
         # Events failing now (outbox_failing): like outbox_health, it reads only unfinished events.
         failing = cur.execute(statements.FAILING).fetchall()
+        untrusted = cur.execute(statements.INSTALL_UNTRUSTED_CREATORS).fetchone()
         settings = cur.execute(statements.MAX_ATTEMPTS).fetchone()
         max_attempts = settings["max_attempts"] if settings else None
         for f in failing:
@@ -118,7 +127,7 @@ def _snapshot(conn: psycopg.Connection[Any], with_states: bool, nats_url: str | 
     checked_at = health.pop("checked_at")
     return {"database": where_am_i(conn), "checked_at": checked_at, "health": health, "producers": producers,
             "failing": failing, "states": states, "subjects": subjects,
-            "attention": _attention(health, producers, failing, max_attempts, subjects)}
+            "attention": _attention(health, producers, failing, max_attempts, subjects, untrusted)}
 
 
 def _plural(n: int, word: str) -> str:
@@ -190,12 +199,16 @@ def _no_stream_note(f: dict[str, Any]) -> str:
     subjects = ", ".join(map(repr, f["subjects"])) + (", ..." if len(f["subjects"]) >= 5 else "")
     return (f"{_plural(n, 'event')} {'fails' if n == 1 else 'fail'}: no JetStream stream captures "
             f"{'its' if n == 1 else 'their'} subject ({subjects}; {f['max_attempts']} attempts so far): add it to "
-            "a stream (outboxpg-worker --ensure-stream NAME adds the explicit subjects of unfinished events)")
+            "a stream (outboxpg-worker --ensure-stream NAME adds the explicit subjects of unfinished events under "
+            "allowed_subject_prefixes)")
 
 
 def _attention(h: dict[str, Any], producers: list[dict[str, Any]], failing: list[dict[str, Any]],
-               max_attempts: int | None, subjects: dict[str, Any] | None = None) -> list[str]:
+               max_attempts: int | None, subjects: dict[str, Any] | None = None,
+               untrusted: dict[str, Any] | None = None) -> list[str]:
     notes = []
+    if untrusted is not None and untrusted["who"] is not None:
+        notes.append(f"workers refuse to start: {untrusted_creators_text(untrusted['who'], untrusted['schema'])}")
     if h["dead"]:
         notes.append("1 dead letter holds back later events of its aggregate: outboxpg dead list" if h["dead"] == 1
                      else f"{h['dead']} dead letters hold back later events of their aggregates: outboxpg dead list")
@@ -208,7 +221,8 @@ def _attention(h: dict[str, Any], producers: list[dict[str, Any]], failing: list
         elif subjects["missing"]:
             missing = [Subject(**m) for m in subjects["missing"]]
             notes.append(f"{missing_text(missing)}: their publishes fail (no responders) until a stream captures "
-                         "them (outboxpg-worker --ensure-stream NAME adds the explicit ones)")
+                         "them (outboxpg-worker --ensure-stream NAME adds the explicit ones under "
+                         "allowed_subject_prefixes)")
     if h["expired_leases"]:
         notes.append(f"{h['expired_leases']} lease{'s' if h['expired_leases'] != 1 else ''} expired (the worker "
                      "died or hung): the next claim retries them")
@@ -272,7 +286,9 @@ def _render(snap: dict[str, Any]) -> list[str]:
         lines += [f"  ! {note}" for note in snap["attention"]]
     else:
         lines.append("OK: nothing needs attention")
-    return lines
+    # The attention notes quote what producers wrote (reasons, subjects) and what other sessions
+    # call themselves (application_name): each stays on its line, unable to drive the terminal.
+    return [printable(line) for line in lines]
 
 
 def _as_json(snap: dict[str, Any]) -> dict[str, Any]:

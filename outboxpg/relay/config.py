@@ -23,6 +23,9 @@ def _default_name() -> str:
 class WorkerConfig:
     dsn: str = option("PostgreSQL connection string or URI; empty: libpq's PG* variables", command_default="")
     batch_size: int = option("events per claim", 500)
+    claim_bytes: int | None = option("bytes of events (payload and headers) per claim at most, one event at least: "
+                                     "what a batch holds in memory; default: outbox_settings.max_claim_bytes (64 MiB)",
+                                     None, metavar="N")
     concurrency: int = option("batches in flight at once", 4)
     lease: float = option("seconds a claimed batch is leased; at least twice --publish-timeout", 30.0)
     poll_interval: float = option("fallback poll when no notification comes, seconds", 30.0)
@@ -50,6 +53,8 @@ class WorkerConfig:
             raise ValueError("batch size must be at least 1")
         if self.concurrency < 1:
             raise ValueError("concurrency must be at least 1")
+        if self.claim_bytes is not None and self.claim_bytes < 1:
+            raise ValueError(f"claim bytes must be at least 1, got {self.claim_bytes}")
         if self.poll_interval <= 0:
             raise ValueError("poll interval must be positive")
         if self.xmin_check_interval < 0:

@@ -3,6 +3,11 @@
 Counters and histograms are updated by the worker as it goes. The gauges that come from the
 database (backlog, oldest pending age) are read only when Prometheus scrapes, at most once per
 ``sample_every`` seconds: a worker that nobody scrapes sends no extra queries.
+
+Producers choose event types, and each value of a label is a time series the worker keeps and
+every scrape carries: the ``event_type`` label takes the first ``max_event_types`` values seen
+(100 by default), and counts every other event type as ``other`` (OTHER_EVENT_TYPES). 100,000
+distinct types made /metrics 54 MB and the worker 330 MB before.
 """
 
 from __future__ import annotations
@@ -19,7 +24,10 @@ from prometheus_client.registry import Collector
 
 from outboxpg import statements
 
-__all__ = ["WorkerMetrics"]
+__all__ = ["DEFAULT_EVENT_TYPES", "OTHER_EVENT_TYPES", "WorkerMetrics"]
+
+DEFAULT_EVENT_TYPES = 100
+OTHER_EVENT_TYPES = "other"   # the event_type label of the event types past the cap
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 _BATCH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
@@ -68,7 +76,12 @@ class WorkerMetrics:
     """The worker's metrics, in a registry of their own."""
 
     def __init__(self, dsn: str, sample_every: float = 5.0,
-                 application_name: str = "outboxpg-worker (metrics)") -> None:
+                 application_name: str = "outboxpg-worker (metrics)",
+                 max_event_types: int = DEFAULT_EVENT_TYPES) -> None:
+        if max_event_types < 0:
+            raise ValueError(f"the metrics' event types must be 0 or more, got {max_event_types}")
+        self.max_event_types = max_event_types
+        self._event_types: set[str] = set()
         self.registry = CollectorRegistry()
         r = self.registry
         self.delivered = Counter("outboxpg_events_delivered_total", "Events published and marked published.",
@@ -93,6 +106,17 @@ class WorkerMetrics:
         self.maintenance_failures = Counter("outboxpg_maintenance_failures_total",
                                             "outbox_maintain() runs that failed.", registry=r)
         r.register(_DatabaseGauges(dsn, sample_every, application_name))
+
+    def event_type(self, event_type: str) -> str:
+        """The event_type label for an event type: itself while it is one of the first
+        ``max_event_types`` seen, else OTHER_EVENT_TYPES."""
+        types = self._event_types
+        if event_type in types:
+            return event_type
+        if len(types) < self.max_event_types:
+            types.add(event_type)
+            return event_type
+        return OTHER_EVENT_TYPES
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> Any:
         """Serve /metrics on addr:port from a background thread."""

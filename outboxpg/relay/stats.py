@@ -16,7 +16,7 @@ from typing import Any
 
 from outboxpg.events import OutboxEvent
 from outboxpg.relay.metrics import WorkerMetrics
-from outboxpg.text import describe
+from outboxpg.text import describe, printable
 
 __all__ = ["Recorder", "WorkerStats"]
 
@@ -117,17 +117,18 @@ class Recorder:
             # first `completed` delivered events by type (exact whenever no lease was lost).
             # One labels() lookup (a lock and a dict) per event type, not per event.
             for event_type, n in Counter(e.event_type for e in delivered[:completed]).items():
-                m.delivered.labels(event_type).inc(n)
+                m.delivered.labels(m.event_type(event_type)).inc(n)
             if completed < len(delivered):
                 m.lost_leases.inc(len(delivered) - completed)
         for (event, outcome), state in zip(failed, states):
             if m is not None and state in ("dead", "pending"):
-                (m.dead if state == "dead" else m.failed).labels(event.event_type).inc()
+                (m.dead if state == "dead" else m.failed).labels(m.event_type(event.event_type)).inc()
             if state == "dead":
                 st.dead += 1
+                # The producer's values with their control characters escaped: one line stays one.
                 log.warning("event=dead_letter id=%d aggregate=%s/%s event_type=%s attempt=%d error=%r",
-                            event.id, event.aggregate_type, event.aggregate_id, event.event_type, event.attempt,
-                            describe(outcome, whole=True))
+                            event.id, printable(event.aggregate_type), printable(event.aggregate_id),
+                            printable(event.event_type), event.attempt, describe(outcome, whole=True))
             elif state == "pending":
                 st.failed += 1
                 self._note_failure(event, outcome)
@@ -153,7 +154,8 @@ class Recorder:
             self._reasons_seen.clear()
         self._reasons_seen.add(reason)
         log.warning("event=publish_failed id=%d aggregate=%s/%s event_type=%s attempt=%d error=%r note=%r",
-                    event.id, event.aggregate_type, event.aggregate_id, event.event_type, event.attempt, text,
+                    event.id, printable(event.aggregate_type), printable(event.aggregate_id),
+                    printable(event.event_type), event.attempt, text,
                     f"first failure with this reason: it is retried; further ones are counted and logged as "
                     f"publish_failures every {self.summary_interval:g}s")
 

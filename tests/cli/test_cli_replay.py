@@ -163,3 +163,43 @@ def test_a_worker_login_is_denied(dsn: str, conn: Conn, shop: dict[str, list[int
     assert "permission denied" in line and "GRANT outbox_operator TO" in line, line
     assert allowed.code == 0 and allowed.out == f"replayed 1 event as new events (same msg_id): {shop['o-2'][0]}\n"
     assert [m[0] for m in copies(conn, last)] == shop["o-2"]
+
+
+def test_max_events_caps_a_replay_all_or_nothing_and_the_dry_run_says_so(dsn: str, conn: Conn,
+                                                                          shop: dict[str, list[int]]) -> None:
+    """Issue 25 (12): `--since -infinity` copied every published event still in the table. A
+    replay copies at most --max-events (10,000 by default), all or nothing."""
+    last = max_id(conn)
+    dry, refused, bad = run_all(
+        ("replay", "--dsn", dsn, "--since=-infinity", "--max-events", "4", "--dry-run"),
+        ("replay", "--dsn", dsn, "--since=-infinity", "--max-events", "4", "--yes"),
+        ("replay", "--dsn", dsn, "--since=-infinity", "--max-events", "0", "--yes"))
+    assert dry.code == 1 and dry.err == "", dry
+    assert dry.out == ("Would replay none: 5 published events match, more than --max-events (4): a replay copies "
+                       "all or none; narrow the filters (--since, --until, --aggregate-type, ...) or raise "
+                       "--max-events\n(dry run: nothing changed)\n"), dry.out
+    assert one_line_error(refused, 1) == (
+        "outboxpg: nothing replayed: 5 published events match, more than --max-events (4): a replay copies all or "
+        "none; narrow the filters (--since, --until, --aggregate-type, ...) or raise --max-events")
+    assert one_line_error(bad, 2) == "outboxpg: --max-events must be 1 or more, got 0"
+    assert max_id(conn) == last, "nothing copied"
+    # -infinity is a time PostgreSQL reads and Python's datetime cannot hold: passed on as text.
+    dead = run("dead", "list", "--dsn", dsn, "--since=-infinity")
+    assert dead.code == 0 and "1 dead letter match" in dead.out, dead
+    done = run("replay", "--dsn", dsn, "--since=-infinity", "--max-events", "5", "--yes")
+    assert done.code == 0 and done.out.startswith("replayed 5 events as new events"), done
+    assert len(copies(conn, last)) == 5
+
+
+def test_the_default_cap_is_ten_thousand(dsn: str, conn: Conn) -> None:
+    conn.execute("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
+                 "SELECT 'order', 'o-' || n, 'created', '{}' FROM generate_series(1, 10001) n")
+    conn.execute("UPDATE outbox SET state = 'published', published_at = now()")
+    last = max_id(conn)
+    dry, refused = run_all(("replay", "--dsn", dsn, "--since=-infinity", "--dry-run"),
+                           ("replay", "--dsn", dsn, "--since=-infinity", "--yes"))
+    assert dry.out.startswith("Would replay none: 10001 published events match, more than --max-events (10000)"), dry
+    assert one_line_error(refused, 1).startswith(
+        "outboxpg: nothing replayed: 10001 published events match, more than --max-events (10000)")
+    assert max_id(conn) == last
+

@@ -376,13 +376,15 @@ async def _deliver(env: Env, prefix: str, until: Callable[[], bool], keep_stream
 @scenario("shop")
 def _shop(env: Env) -> None:
     """docs/how-to/operate.md and dead-letters.md, the database "shop": 120 orders delivered by a worker (worker-a:4711); three events
-    it dead-lettered (two payloads over NATS max_payload, one header block over JetStream's 64 KiB);
-    an order event held back behind a dead one; one retry after a timeout; three events leased by
-    worker-b:5120."""
+    it dead-lettered (two payloads over NATS max_payload, written while max_event_bytes was set
+    above it; one header block over JetStream's 64 KiB); an order event held back behind a dead
+    one; one retry after a timeout; three events leased by worker-b:5120."""
     _migrate(env)
     prefix = f"shop{uuid.uuid4().hex[:8]}"
     with connect(env) as c:
         c.execute("UPDATE outbox_settings SET subject_prefix = %s", (prefix,))
+        # Above NATS' max_payload (1 MiB): the two label PDFs get in, and die at the worker.
+        c.execute("UPDATE outbox_settings SET max_event_bytes = 4000000")
         c.execute("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
                   "SELECT 'order', 'o-' || n, 'created', jsonb_build_object('order', 'o-' || n) "
                   "FROM generate_series(1, 120) n")
@@ -396,7 +398,8 @@ def _shop(env: Env) -> None:
             return c.execute("SELECT count(*) FROM outbox WHERE state IN ('published', 'dead')").fetchone() == (123,)
         asyncio.run(_deliver(env, prefix, settled))
         # Its retry a minute away, whenever the commands run (the default backoff: 0.5 to 1 s).
-        c.execute("UPDATE outbox_settings SET subject_prefix = DEFAULT, backoff_base = '1 minute'")
+        c.execute("UPDATE outbox_settings SET subject_prefix = DEFAULT, backoff_base = '1 minute', "
+                  "max_event_bytes = DEFAULT")
         _insert(c, "order", "o-1007", "delivered", '{"order": "o-1007"}')            # 124: behind 121
         retry = _insert(c, "order", "o-2001", "created", '{"order": "o-2001"}')       # 125
         (token,) = c.execute("SELECT DISTINCT lease_token FROM outbox_claim(10, '30 s', 'worker-a:4711')").fetchone()
@@ -481,10 +484,12 @@ NO_STREAM = "RuntimeError: no JetStream stream captures this subject (no respond
 @scenario("invoices")
 def _invoices(env: Env) -> None:
     """docs/how-to/operate.md "Events failing right now": 40 orders delivered; three invoices with a
-    subject of their own that no stream captures, failed 5 or 6 times; a 1.3 MB order
-    dead-lettered for its size (the reasons as the worker records them)."""
+    subject of their own (billing.*, allowed to producers) that no stream captures, failed 5 or 6
+    times; a 1.3 MB order (written while max_event_bytes was raised) dead-lettered for its size
+    (the reasons as the worker records them)."""
     _migrate(env)
     with connect(env) as c:
+        c.execute("UPDATE outbox_settings SET allowed_subject_prefixes = '{billing}', max_event_bytes = 2000000")
         c.execute("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
                   "SELECT 'order', 'o-' || n, 'created', jsonb_build_object('order', 'o-' || n) "
                   "FROM generate_series(1, 40) n")

@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 import psycopg
 import pytest
-from helpers import Listener, claim, connect, event, events
+from helpers import Listener, allow_subjects, claim, connect, event, events
 from psycopg import errors
 
 import outboxpg
@@ -92,6 +92,7 @@ def test_enqueue_raw_json_bytes_and_str(tx: Conn, conn: Conn) -> None:
 
 
 def test_enqueue_optional_subject_headers_msg_id(tx: Conn, conn: Conn) -> None:
+    allow_subjects(conn, "billing")   # an explicit subject outside subject_prefix
     plain = enqueue(tx, "order", "1", "created", {})
     full = enqueue(tx, "order", "2", "created", {}, subject="billing.orders", headers={"trace-id": "t-1"},
                    msg_id="order-2-created")
@@ -166,6 +167,7 @@ def test_enqueue_many_never_commits(tx: Conn, conn: Conn) -> None:
 
 
 def test_enqueue_many_mixed_optional_fields(tx: Conn, conn: Conn) -> None:
+    allow_subjects(conn, "custom")
     batch: list[Event | dict[str, Any]] = [
         Event("order", "1", "created", {"a": 1}, msg_id="explicit-1"),
         Event("order", "2", "created", {"a": 2}),
@@ -192,6 +194,7 @@ def test_enqueue_many_mixed_optional_fields(tx: Conn, conn: Conn) -> None:
 
 
 def test_enqueue_many_escapes_copy_special_characters(tx: Conn, conn: Conn) -> None:
+    allow_subjects(conn, "s")
     tricky = {"text": "tab\there\nnew line\\backslash \\N \"q\" ✓ \r\x1f end", "\\N": "\\."}
     enqueue_many(tx, [Event("agg\\type", "id\twith\ttabs", "ev", tricky, headers={"k": "a\\b\tc"},
                             subject="s.t", msg_id="\\N")])
@@ -223,6 +226,7 @@ def test_package_exports() -> None:
 # --------------------------------------------------------------------------------------------
 
 async def test_async_enqueue_never_commits(atx: psycopg.AsyncConnection[Any], conn: Conn) -> None:
+    allow_subjects(conn, "a")
     i = await enqueue(atx, "order", "1", "created", {"total": 1})
     assert isinstance(i, int)
     assert count(conn) == 0

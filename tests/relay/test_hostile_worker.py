@@ -18,6 +18,7 @@ from typing import Any
 import nats
 import psycopg
 import pytest
+from helpers import allow_subjects
 from jetstream import StreamHandle, make_stream, read_stream
 from nats.js.api import StreamConfig
 
@@ -92,10 +93,15 @@ async def test_poison_events_die_with_a_reason_and_hold_back_only_their_aggregat
         poison[name] = enqueue(conn, "poison", name, "e", payload, **kw)
         behind.append(enqueue(conn, "poison", name, "after", {}))
 
+    # Written before max_event_bytes was lowered to the default (or with it raised): the worker
+    # still has to dead-letter it.
+    conn.execute("UPDATE outbox_settings SET max_event_bytes = 2000000")
     poisonous("too-big", payload={"blob": "x" * 1_100_000})                  # over max_payload (1 MiB)
     poisonous("header-name", headers={"k\u00e9y": "v"})                      # the client refuses the name
     poisonous("header-line-break", headers={"X-Note": "a\nb"})               # a line break in a value
-    poisonous("no-stream", subject=f"nostream{uuid.uuid4().hex[:8]}.x")       # no stream captures it
+    no_stream = f"nostream{uuid.uuid4().hex[:8]}"
+    allow_subjects(conn, no_stream)
+    poisonous("no-stream", subject=f"{no_stream}.x")                          # no stream captures it
 
     running = RunningWorker(dsn, nats_server.url)
     everything = list(good) + list(poison.values()) + behind
@@ -185,7 +191,8 @@ async def test_a_subject_in_the_jetstream_api_is_never_published(dsn: str, conn:
     for subject in (f"$JS.API.STREAM.PURGE.{stream.name}", f"$JS.API.STREAM.DELETE.{stream.name}", "$SYS.REQ.x"):
         with pytest.raises(psycopg.errors.CheckViolation, match="outbox_subject_is_valid_nats_subject"):
             enqueue(conn, "evil", "1", "e", {}, subject=subject)
-    # Further down a subject, $ is an ordinary character.
+    # Further down a subject, $ is an ordinary character (the first token allowed to producers).
+    allow_subjects(conn, stream.prefix)
     fine = enqueue(conn, "fine", "1", "e", {}, subject=f"{stream.prefix}.$JS.API")
     await _run_until_done(dsn, conn, nats_server.url, fine)
     info = await stream.js.stream_info(stream.name)
@@ -211,3 +218,35 @@ async def test_a_message_over_the_streams_size_limit_dies_at_once(dsn: str, conn
     state, attempts, error = rows(conn, [big])[big]
     assert (state, attempts) == ("dead", 1), (state, attempts, error)
     assert "maximum" in error
+
+
+async def test_the_outbox_headers_go_first_and_row_headers_named_like_them_never_go(dsn: str, conn: Conn,
+                                                                                    nats_server: Any) -> None:
+    """Issue 25 (11): lower-case row headers 'outbox-id' / 'outbox-aggregate-type' went out beside
+    the real Outbox-Id / Outbox-Aggregate-Type, and the row's headers came before Nats-Msg-Id (a
+    value naming Nats-Msg-Id placed first defeated de-duplication on nats-server 2.9). Now the
+    outbox's headers are the first lines of the block, each once, and a re-publish of the event
+    is still dropped by JetStream."""
+    stream = await make_stream(nats_server.url)
+    conn.execute("UPDATE outbox_settings SET subject_prefix = %s", (stream.prefix,))
+    i = enqueue(conn, "order", "o-1", "paid", {"n": 1}, msg_id="m-1",
+                headers={"X-Note": "Nats-Msg-Id: forged", "outbox-id": "999", "OUTBOX-AGGREGATE-TYPE": "forged",
+                         "outbox-attempt": "7", "traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"})
+    await _run_until_done(dsn, conn, nats_server.url, i)
+    # The same message again (a replay keeps the msg_id, as a re-publish would): JetStream must drop it.
+    (copy,) = conn.execute("SELECT outbox_replay(ids => ARRAY[%s]::bigint[])", (i,)).fetchone()
+    assert copy == 1
+    (copy_id,) = conn.execute("SELECT max(id) FROM outbox").fetchone()
+    await _run_until_done(dsn, conn, nats_server.url, copy_id)
+    assert rows(conn, [copy_id])[copy_id][0] == "published"
+    info = await stream.js.stream_info(stream.name)
+    resp = await stream.nc.request(f"$JS.API.STREAM.MSG.GET.{stream.name}", orjson_dumps({"seq": 1}), timeout=5)
+    lines = base64.b64decode(orjson_loads(resp.data)["message"]["hdrs"]).decode("utf-8").split("\r\n")
+    await stream.nc.close()
+    assert info.state.messages == 1, "the re-publish was stored again"
+    names = [line.split(": ", 1)[0] for line in lines[1:] if line]
+    assert names[:6] == ["Nats-Msg-Id", "Outbox-Id", "Outbox-Event-Type", "Outbox-Aggregate-Type",
+                         "Outbox-Aggregate-Id", "Outbox-Attempt"], lines
+    assert sorted(n.lower() for n in names) == sorted({n.lower() for n in names}), f"a name twice: {names}"
+    assert set(names[6:]) == {"X-Note", "traceparent"}, names   # (the copy's Outbox-Replay-Of was dropped)
+    assert f"Outbox-Id: {i}" in lines and "Outbox-Aggregate-Type: order" in lines and "Nats-Msg-Id: m-1" in lines

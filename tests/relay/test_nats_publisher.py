@@ -60,6 +60,10 @@ async def test_answers_on_the_reply_subject(nats_server: Any) -> None:
                                                "description": "expected stream does not match"}}),
         "unavailable": orjson.dumps({"error": {"code": 503, "err_code": 10008, "description": "jetstream unavailable"}}),
         "garbage": b"<html>",
+        "coreok": b'{"ok": true}',                            # a core NATS service, not a stream
+        "empty": b"",
+        "noseq": orjson.dumps({"stream": "S"}),
+        "otherstream": orjson.dumps({"stream": "NOT_HERE", "seq": 3}),   # no stream captures the subject
     }
     nc = await nats.connect(nats_server.url)
 
@@ -71,7 +75,7 @@ async def test_answers_on_the_reply_subject(nats_server: Any) -> None:
 
     await nc.subscribe(f"{prefix}.*", cb=respond)
     await nc.flush()
-    pub = NatsPublisher(nats_server.url, ack_timeout=0.5)
+    pub = NatsPublisher(nats_server.url, ack_timeout=0.5, streams={"S"})   # as if the start check found S
     await pub.start()
     try:
         kinds = [*answers, "silent"]
@@ -83,6 +87,12 @@ async def test_answers_on_the_reply_subject(nats_server: Any) -> None:
         assert isinstance(out["unavailable"], nats.js.errors.ServiceUnavailableError)
         assert isinstance(out["garbage"], RuntimeError) and "unreadable" in str(out["garbage"])
         assert isinstance(out["silent"], TimeoutError)
+        for kind in ("coreok", "noseq"):
+            assert type(out[kind]) is RuntimeError and "not a JetStream ack (no stream and seq)" in str(out[kind])
+        assert type(out["empty"]) is RuntimeError and "unreadable JetStream ack b''" in str(out["empty"])
+        assert type(out["otherstream"]) is RuntimeError and str(out["otherstream"]) == (
+            f"answer naming stream 'NOT_HERE' is not a JetStream ack for '{prefix}.otherstream' (no stream captures "
+            "it): not known stored")
         assert not pub.inflight.waiting, "a timed-out publish is forgotten"
     finally:
         await pub.close()
@@ -102,7 +112,7 @@ async def test_a_late_ack_is_ignored_and_concurrent_batches_keep_their_own(nats_
 
     await nc.subscribe(f"{prefix}.*", cb=respond)
     await nc.flush()
-    pub = NatsPublisher(nats_server.url, ack_timeout=0.3)
+    pub = NatsPublisher(nats_server.url, ack_timeout=0.3, streams={"S"})
     await pub.start()
     try:
         slow, fast = await asyncio.gather(
@@ -194,7 +204,7 @@ def _connect_fake(pub: NatsPublisher, fake: _FakeNats) -> None:
 
 
 def _fake_publisher(seed: int, ack_timeout: float = 2.0, **kw: Any) -> tuple[NatsPublisher, _FakeNats]:
-    pub = NatsPublisher(ack_timeout=ack_timeout)
+    pub = NatsPublisher(ack_timeout=ack_timeout, streams={"S"})
     fake = _FakeNats(pub, seed, **kw)
     _connect_fake(pub, fake)
     return pub, fake
@@ -339,7 +349,7 @@ class _FakeAtomicNats(_FakeNats):
 
 def _fake_atomic_publisher(seed: int, events: list[OutboxEvent], ack_timeout: float = 2.0, min_run: int = 4,
                            **kw: Any) -> tuple[NatsPublisher, _FakeAtomicNats]:
-    pub = NatsPublisher(ack_timeout=ack_timeout, atomic_min_run=min_run)
+    pub = NatsPublisher(ack_timeout=ack_timeout, atomic_min_run=min_run, streams={"S"})
     fake = _FakeAtomicNats(pub, seed, **kw)
     _connect_fake(pub, fake)
     pub.connection.atomic_server = True

@@ -1,9 +1,11 @@
 """Events with a subject of their own (issue 10): a stream made for <subject_prefix>.> does not
-capture 'billing.invoice.issued'. `outboxpg-worker --ensure-stream` adds the explicit subjects
-of the unfinished events to its stream; without it, the start-up check says in one WARNING line
-which explicit subjects no stream captures; `outboxpg status` names the subject of events
-failing with "no responders", and with `--nats-url` checks every subject before anything fails.
-The subjects come from outbox_unfinished_subjects() (schema/80_observability.sql)."""
+capture 'billing.invoice.issued' (which producers may write once an operator allows 'billing' in
+outbox_settings.allowed_subject_prefixes). `outboxpg-worker --ensure-stream` adds the explicit
+subjects of the unfinished events under the allowed prefixes to its stream, never others (issue
+25); without it, the start-up check says in one WARNING line which explicit subjects no stream
+captures; `outboxpg status` names the subject of events failing with "no responders", and with
+`--nats-url` checks every subject before anything fails. The subjects come from
+outbox_unfinished_subjects() (schema/80_observability.sql)."""
 
 from __future__ import annotations
 
@@ -13,12 +15,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import nats
 import psycopg
 import pytest
 from commands import Proc, run
-from helpers import fail_times, insert, set_settings
-from jetstream import make_stream
+from helpers import allow_subjects, fail_times, insert, set_settings
+from jetstream import delete_stream, new_stream, stream_subjects
 from roles import login_roles
 
 from outboxpg.embedded import EmbeddedNats
@@ -31,33 +32,6 @@ def tag() -> str:
     return uuid.uuid4().hex[:8]
 
 
-async def stream_subjects(url: str, name: str) -> list[str]:
-    nc = await nats.connect(url)
-    try:
-        return sorted((await nc.jetstream().stream_info(name)).config.subjects or [])
-    finally:
-        await nc.close()
-
-
-async def _new_stream(url: str) -> tuple[str, str]:
-    handle = await make_stream(url)
-    await handle.nc.close()
-    return handle.name, handle.prefix
-
-
-def new_stream(url: str) -> tuple[str, str]:
-    """A stream of its own capturing '<prefix>.>': (name, prefix)."""
-    return asyncio.run(_new_stream(url))
-
-
-async def delete_stream(url: str, name: str) -> None:
-    nc = await nats.connect(url)
-    try:
-        await nc.jetstream().delete_stream(name)
-    finally:
-        await nc.close()
-
-
 def wait_published(conn: Conn, ids: list[int], timeout: float = 20) -> None:
     end = time.monotonic() + timeout
     while conn.execute("SELECT count(*) FROM outbox WHERE id = ANY(%s) AND state = 'published'",
@@ -68,6 +42,7 @@ def wait_published(conn: Conn, ids: list[int], timeout: float = 20) -> None:
 
 def test_the_function_lists_default_and_explicit_subjects_of_unfinished_events(conn: Conn) -> None:
     set_settings(conn, subject_prefix="shop")
+    allow_subjects(conn, "billing")
     insert(conn, "order", "1", "created")
     insert(conn, "order", "2", "created")
     insert(conn, "invoice", "i-1", "issued", subject="billing.invoice.issued")
@@ -79,6 +54,7 @@ def test_the_function_lists_default_and_explicit_subjects_of_unfinished_events(c
 
 
 def test_a_worker_and_an_operator_login_may_call_it(dsn: str, conn: Conn) -> None:
+    allow_subjects(conn, "billing")
     insert(conn, "invoice", "i-1", "issued", subject="billing.invoice.issued")
     with login_roles(dsn, worker="outbox_worker", operator="outbox_operator", producer="outbox_producer") as logins:
         for role in ("worker", "operator"):
@@ -94,6 +70,7 @@ def test_ensure_stream_adds_the_explicit_subjects_the_events_use(dsn: str, conn:
     t = tag()
     prefix, name, explicit = f"p{t}", f"S{t}", f"billing{t}.invoice.issued"
     set_settings(conn, subject_prefix=prefix)
+    allow_subjects(conn, f"billing{t}")
     ids = [insert(conn, "order", "o-1", "created"),
            insert(conn, "invoice", "i-1", "issued", subject=explicit),
            insert(conn, "order", "o-2", "created", subject=f"{prefix}.custom")]   # under the prefix already
@@ -119,6 +96,7 @@ def test_ensure_stream_leaves_a_subject_that_another_stream_captures(dsn: str, c
     t = tag()
     name = f"S{t}"
     set_settings(conn, subject_prefix=f"p{t}")
+    allow_subjects(conn, other_prefix)
     i = insert(conn, "invoice", "i-1", "issued", subject=f"{other_prefix}.invoice.issued")
     w = Proc(tmp_path, "--dsn", dsn, "--nats-url", nats_server.url, "--ensure-stream", name)
     try:
@@ -137,6 +115,7 @@ def test_start_check_warns_once_about_explicit_subjects_no_stream_captures(dsn: 
     stream, prefix = new_stream(nats_server.url)
     t = tag()
     set_settings(conn, subject_prefix=prefix, backoff_base="1 s", backoff_cap="1 s")
+    allow_subjects(conn, f"billing{t}", f"audit{t}")
     ok = insert(conn, "order", "o-1", "created")
     for n in range(3):
         insert(conn, "invoice", f"i-{n}", "issued", subject=f"billing{t}.invoice.issued")
@@ -160,12 +139,13 @@ def test_start_check_warns_once_about_explicit_subjects_no_stream_captures(dsn: 
 
 
 def test_status_names_the_subject_of_events_failing_for_want_of_a_stream(conn: Conn, dsn: str) -> None:
+    allow_subjects(conn, "billing")
     i = insert(conn, "invoice", "i-1", "issued", subject="billing.invoice.issued")
     fail_times(conn, i, NO_STREAM, 1)   # at the first failure already: it cannot come right by itself
     out = run("status", "--dsn", dsn).out
     assert ("! 1 event fails: no JetStream stream captures its subject ('billing.invoice.issued'; 1 attempts so "
             "far): add it to a stream (outboxpg-worker --ensure-stream NAME adds the explicit subjects of "
-            "unfinished events)") in out, out
+            "unfinished events under allowed_subject_prefixes)") in out, out
     assert "subjects in JetStream" not in out   # not asked: no --nats-url
 
 
@@ -175,6 +155,7 @@ def test_status_with_nats_url_checks_every_subject_before_anything_fails(conn: C
     t = tag()
     try:
         set_settings(conn, subject_prefix=prefix)
+        allow_subjects(conn, f"billing{t}")
         insert(conn, "order", "o-1", "created")
         insert(conn, "invoice", "i-1", "issued", subject=f"billing{t}.invoice.issued")
         insert(conn, "order", "o-2", "created", subject=f"{prefix}.own")

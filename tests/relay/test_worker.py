@@ -79,6 +79,9 @@ async def test_failing_publisher_dead_letters_after_max_attempts_and_others_flow
 async def test_oversize_payload_is_dead_lettered_at_once(dsn, conn, nats_server, fast_retries):
     stream = await make_stream(nats_server.url)
     conn.execute("UPDATE outbox_settings SET subject_prefix = %s", (stream.prefix,))
+    # Over max_event_bytes' default too: written with the limit raised (or before there was one),
+    # it must still die at once at the worker.
+    conn.execute("UPDATE outbox_settings SET max_event_bytes = 2000000")
     huge = enqueue(conn, "blob", "1", "uploaded", {"blob": "x" * 1_200_000})
     after = enqueue(conn, "blob", "1", "tagged", {})
     other = enqueue(conn, "blob", "2", "uploaded", {"blob": "small"})

@@ -127,6 +127,8 @@ async def test_too_large_kth_event_is_dead_at_once_and_holds_back_its_aggregate_
             return just_under
         return {"n": n}
 
+    # The huge one is over max_event_bytes' default too: written with the limit raised.
+    conn.execute("UPDATE outbox_settings SET max_event_bytes = %s", (2 * limit,))
     ids = write(conn, ["big", "tight", "ok1", "ok2"], 8, payload)
     running = start(dsn, NatsPublisher(nats_server.url, ack_timeout=2), batch_size=100)
     await until_published(conn, 3 + 2 + 8 + 8, 20)

@@ -156,6 +156,36 @@ def test_python_helper_sync_and_async(dsn: str, conn: Conn) -> None:
     assert copy["aggregate_id"] == "b" and copy["headers"]["Outbox-Replay-Of"] == str(ids[1])
 
 
+def test_python_helper_takes_max_events_all_or_nothing(dsn: str, conn: Conn) -> None:
+    """Issue 25 (12): outboxpg.replay() passes max_events (default 10,000, outbox_replay's); more
+    matches than that copy nothing and raise InvalidParameterValue naming max_events."""
+    insert_series(conn, [f"a{n}" for n in range(6)])
+    publish_all(conn)
+    last = max_id(conn)
+    since = datetime.now(UTC) - timedelta(hours=1)
+    with pytest.raises(psycopg.errors.InvalidParameterValue, match=r"more than max_events \(5\)"):
+        outboxpg.replay(conn, since=since, max_events=5)
+    assert rows_after(conn, last) == []
+    assert outboxpg.replay(conn, since=since, max_events=6) == 6
+
+    async def from_asyncio() -> None:
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as aconn:
+            with pytest.raises(psycopg.errors.InvalidParameterValue, match="max_events"):
+                await outboxpg.replay(aconn, since=since, max_events=5)
+    asyncio.run(from_asyncio())
+    assert len(rows_after(conn, last)) == 6
+
+
+def test_python_helper_default_cap_is_ten_thousand(conn: Conn) -> None:
+    conn.execute("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
+                 "SELECT 'order', 'o-' || n, 'created', '{}' FROM generate_series(1, 10001) n")
+    conn.execute("UPDATE outbox SET state = 'published', published_at = now()")
+    last = max_id(conn)
+    with pytest.raises(psycopg.errors.InvalidParameterValue, match=r"more than max_events \(10000\)"):
+        outboxpg.replay(conn, since=datetime(1970, 1, 1, tzinfo=UTC))
+    assert rows_after(conn, last) == []
+
+
 # -- filters -----------------------------------------------------------------------------------
 
 def test_filters_select_published_events_only(conn: Conn) -> None:

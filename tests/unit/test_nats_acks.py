@@ -10,7 +10,7 @@ import orjson
 import pytest
 from workers import event
 
-from outboxpg.relay.nats.acks import AckReader
+from outboxpg.relay.nats.acks import AckReader, OtherStream
 from outboxpg.relay.nats.runs import Batch, InFlight, Run
 from outboxpg.relay.publishers import NotSent, PermanentError
 
@@ -25,7 +25,7 @@ def test_stored_and_duplicate_acks_are_successes_and_duplicates_are_counted() ->
     assert acks.outcome(orjson.dumps({"stream": "S", "seq": 7}), None) is None
     assert acks.duplicates == 0 and seen == []
     assert acks.outcome(orjson.dumps({"stream": "S", "seq": 7, "duplicate": True}), None) is None
-    assert acks.outcome(orjson.dumps({"stream": "S", "duplicate": True}), None) is None
+    assert acks.outcome(orjson.dumps({"stream": "S", "seq": 0, "duplicate": True}), None) is None
     assert acks.duplicates == 2 and seen == [7, 0]
     assert AckReader().outcome(orjson.dumps({"stream": "S", "seq": 1, "duplicate": True}), None) is None
 
@@ -47,12 +47,32 @@ def test_answers_that_no_retry_can_fix_are_permanent() -> None:
     (b"<html>", None, RuntimeError, "unreadable JetStream ack b'<html>': "),
     (b"[1, 2]", None, RuntimeError, "unreadable JetStream ack b'[1, 2]'"),
     (orjson.dumps({"error": "flat text"}), None, RuntimeError, "JetStream refused the message: 'flat text'"),
+    # Published means stored (issue 25): only a PubAck naming a stream and a sequence counts.
+    (b'{"ok": true}', None, RuntimeError, "not a JetStream ack (no stream and seq): b'{\"ok\": true}', so not known "
+                                          "stored: does a service other than a JetStream stream answer on this subject?"),
+    (b"{}", None, RuntimeError, "not a JetStream ack (no stream and seq)"),
+    (b"", None, RuntimeError, "unreadable JetStream ack b''"),
+    (orjson.dumps({"stream": "S", "duplicate": True}), None, RuntimeError, "not a JetStream ack"),
+    (orjson.dumps({"stream": "", "seq": 1}), None, RuntimeError, "not a JetStream ack"),
+    (orjson.dumps({"stream": "S", "seq": "1"}), None, RuntimeError, "not a JetStream ack"),
+    (orjson.dumps({"stream": "S", "seq": True}), None, RuntimeError, "not a JetStream ack"),
 ])
 def test_other_answers_are_ordinary_failures(answer: bytes, headers: dict[str, str] | None, kind: type,
                                              says: str) -> None:
     outcome = AckReader().outcome(answer, headers)
     assert type(outcome) is kind and not isinstance(outcome, PermanentError)
     assert says in str(outcome)
+
+
+def test_an_ack_from_a_stream_not_expected_is_to_be_confirmed_and_not_counted_yet() -> None:
+    seen: list[int] = []
+    acks = AckReader(on_duplicate=seen.append, streams={"OUTBOX"})
+    assert acks.outcome(orjson.dumps({"stream": "OUTBOX", "seq": 1}), None) is None
+    other = acks.outcome(orjson.dumps({"stream": "BILLING", "seq": 4, "duplicate": True}), None)
+    assert isinstance(other, OtherStream) and (other.stream, other.seq, other.duplicate) == ("BILLING", 4, True)
+    assert acks.duplicates == 0 and seen == []
+    acks.stored(other.seq, other.duplicate)   # once confirmed
+    assert acks.duplicates == 1 and seen == [4]
 
 
 async def test_a_run_that_fails_gives_its_failure_to_the_event_in_flight_and_notsent_to_the_rest() -> None:

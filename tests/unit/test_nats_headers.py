@@ -19,15 +19,19 @@ from outboxpg.relay.publishers import PermanentError
 LIMIT = 1024 * 1024
 
 
-def test_row_headers_come_first_and_the_outbox_headers_win() -> None:
+def test_the_outbox_headers_come_first_and_row_headers_named_like_them_in_any_case_give_way() -> None:
     e = event(42, "shop.order.created", aggregate_id="o-7", msg_id="m-42", attempt=3,
-              headers={"traceparent": "00-abc", "Outbox-Id": "forged", "Nats-Msg-Id": "forged"})
+              headers={"traceparent": "00-abc", "Outbox-Id": "forged", "outbox-id": "forged",
+                       "OUTBOX-ATTEMPT": "9", "nats-msg-id": "forged", "X-Note": "Nats-Msg-Id: forged"})
     headers = message_headers(e, None, LIMIT)
-    assert headers == {"traceparent": "00-abc", "Outbox-Id": "42", "Nats-Msg-Id": "m-42",
-                       "Outbox-Event-Type": "created", "Outbox-Aggregate-Type": "order",
-                       "Outbox-Aggregate-Id": "o-7", "Outbox-Attempt": "3"}
-    assert list(headers) == ["traceparent", "Outbox-Id", "Nats-Msg-Id", "Outbox-Event-Type",
-                             "Outbox-Aggregate-Type", "Outbox-Aggregate-Id", "Outbox-Attempt"]
+    assert headers == {"Nats-Msg-Id": "m-42", "Outbox-Id": "42", "Outbox-Event-Type": "created",
+                       "Outbox-Aggregate-Type": "order", "Outbox-Aggregate-Id": "o-7", "Outbox-Attempt": "3",
+                       "traceparent": "00-abc", "X-Note": "Nats-Msg-Id: forged"}
+    assert list(headers) == ["Nats-Msg-Id", "Outbox-Id", "Outbox-Event-Type", "Outbox-Aggregate-Type",
+                             "Outbox-Aggregate-Id", "Outbox-Attempt", "traceparent", "X-Note"]
+    # A dropped header's value is not looked at (nor counted): only what is sent.
+    dropped = event(1, "x", headers={"outbox-event-type": "a\nb"})
+    assert not isinstance(message_headers(dropped, None, LIMIT), PermanentError)
 
 
 def test_cloudevents_attributes_replace_row_headers_of_the_same_name_in_any_case() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 from decimal import Decimal
 
-from outboxpg.cli.render import cell, counts_by_type, id_list, jsonable, pairs, table
+from outboxpg.cli.render import Lines, cell, counts_by_type, id_list, jsonable, pairs, table
 
 
 def test_cells_for_people() -> None:
@@ -26,12 +26,28 @@ def test_a_table_aligns_numbers_right_and_the_rest_left() -> None:
 
 
 def test_pairs_pad_labels_and_indent_continued_lines() -> None:
-    assert pairs([("id", 7), ("last_error", "boom\nDETAIL: x"), ("empty", "")]) == [
-        "  id          7",
-        "  last_error  boom",
-        "              DETAIL: x",
+    assert pairs([("id", 7), ("payload", Lines('{\n  "a": 1\n}')), ("empty", "")]) == [
+        "  id       7",
+        "  payload  {",
+        '             "a": 1',
+        "           }",
         "  empty",
     ]
+
+
+def test_control_characters_are_escaped_in_every_value_one_line_stays_one() -> None:
+    """Issue 25 (10): what producers write (aggregate ids, header values, errors quoting them)
+    is printed with its control characters escaped: no new line, no terminal escape sequence."""
+    hostile = "o-1\x1b]0;x\x07\x1b[2J\rforged\nline\x9b\u2028"
+    escaped = "o-1\\x1b]0;x\\x07\\x1b[2J\\rforged\\nline\\x9b\\u2028"
+    assert cell(hostile) == escaped
+    assert pairs([("last_error", "boom\nDETAIL: x"), ("aggregate_id", hostile)]) == [
+        "  last_error    boom\\nDETAIL: x",
+        f"  aggregate_id  {escaped}",
+    ]
+    assert table(["aggregate"], [[hostile]])[2] == f"  {escaped}"
+    # Lines keep their own line breaks and escape the rest.
+    assert cell(Lines("a\x1b[2J\nb\r")) == "a\\x1b[2J\nb\\r"
 
 
 def test_jsonable_turns_intervals_into_seconds_and_decimals_into_floats() -> None:

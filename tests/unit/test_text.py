@@ -8,7 +8,7 @@ from datetime import timedelta
 from hypothesis import given
 from hypothesis import strategies as st
 
-from outboxpg.text import age, clip_first_line, describe, first_line, join_lines
+from outboxpg.text import age, clip_first_line, describe, first_line, join_lines, printable
 
 # What psycopg says when no host of a multi-host DSN could be reached: only its first line names
 # a host, and the last one tried at that.
@@ -61,3 +61,15 @@ def test_age_says_a_duration_for_people() -> None:
              -12.34: "-12.3 s"}
     assert {s: age(timedelta(seconds=s)) for s in cases} == cases
     assert age(None) == ""
+
+
+def test_printable_escapes_control_characters_and_nothing_else() -> None:
+    assert printable("o-1\x1b]0;x\x07\x1b[2J\rforged\nline\tx\x00\x7f\x85\x9b\u2028\u2029") == \
+        "o-1\\x1b]0;x\\x07\\x1b[2J\\rforged\\nline\\tx\\x00\\x7f\\x85\\x9b\\u2028\\u2029"
+    plain = "é \\ 'quoted' \u202e \U0001f600"
+    assert printable(plain) is plain
+
+
+@given(st.text())
+def test_printable_text_is_one_line(text: str) -> None:
+    assert len(printable(text).splitlines()) <= 1

@@ -12,11 +12,19 @@ here with orjson. That also sees every error answer: publish_async loses those w
 HTTP-like code (400, 404, 500, 503) because ``APIError.from_error`` raises inside its reply
 callback, so the publish timed out instead, and "message size exceeds maximum" was retried
 until dead instead of dead-lettered at once.
+
+Published means stored: an answer counts as an ack only if it is a JetStream PubAck, a JSON
+object naming the stream that stored the message and its sequence number there, from a stream
+expected to capture the subject. Anything else on the reply subject (a core NATS service
+subscribed on the subject answering ``{"ok": true}``, an empty message) is a failure, retried:
+nothing says the message is in a stream. An ack naming a stream outside ``streams`` (the ones
+the worker's start check found) is an OtherStream: the publisher asks JetStream whether that
+stream captures the subject before it counts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import nats.js.errors
@@ -24,7 +32,7 @@ import orjson
 
 from outboxpg.relay.publishers import PermanentError
 
-__all__ = ["AckReader"]
+__all__ = ["AckReader", "OtherStream"]
 
 # JetStream API error codes that no retry can fix.
 _PERMANENT_API_CODES = {
@@ -35,18 +43,31 @@ _PERMANENT_API_CODES = {
 _STATUS = "Status"   # nats.js.api.Header.STATUS: an inline status answer (503: no responders)
 
 
+class OtherStream(RuntimeError):
+    """A PubAck from a stream not known to capture the subject: it counts only once JetStream
+    says that stream captures it (NatsPublisher looks it up)."""
+
+    def __init__(self, stream: str, seq: int, duplicate: bool) -> None:
+        super().__init__(f"acked by stream {stream!r}, not known to capture the subject")
+        self.stream, self.seq, self.duplicate = stream, seq, duplicate
+
+
 class AckReader:
     """Reads the answers; counts the duplicates (``duplicates``) and calls
     ``on_duplicate(stream_seq)``, if given, for each: an ack that says JetStream already had the
-    message (a re-publish dropped by deduplication)."""
+    message (a re-publish dropped by deduplication). ``streams``: the streams whose acks count
+    at once; None: any stream's (the answer must still be a PubAck)."""
 
-    def __init__(self, on_duplicate: Callable[[int], None] | None = None) -> None:
+    def __init__(self, on_duplicate: Callable[[int], None] | None = None,
+                 streams: Iterable[str] | None = None) -> None:
         self.on_duplicate = on_duplicate
         self.duplicates = 0
+        self.streams: set[str] | None = None if streams is None else set(streams)
 
     def outcome(self, data: bytes, headers: Mapping[str, str] | None) -> BaseException | None:
         """What an answer (its body and headers) says: None for stored (or already stored), else
-        the failure, a PermanentError for one that no retry can fix."""
+        the failure, a PermanentError for one that no retry can fix, an OtherStream for a PubAck
+        of a stream outside ``streams``."""
         if not data and headers and _STATUS in headers:
             if headers[_STATUS] == "503":
                 return RuntimeError("no JetStream stream captures this subject (no responders)")
@@ -57,10 +78,14 @@ class AckReader:
         except (orjson.JSONDecodeError, AttributeError) as exc:
             return RuntimeError(f"unreadable JetStream ack {data[:200]!r}: {exc}")
         if error is None:
-            if ack.get("duplicate"):
-                self.duplicates += 1
-                if self.on_duplicate is not None:
-                    self.on_duplicate(ack.get("seq", 0))
+            stream, seq = ack.get("stream"), ack.get("seq")
+            if not (isinstance(stream, str) and stream and type(seq) is int and seq >= 0):
+                return RuntimeError(f"not a JetStream ack (no stream and seq): {data[:200]!r}, so not known stored: "
+                                    "does a service other than a JetStream stream answer on this subject?")
+            duplicate = bool(ack.get("duplicate"))
+            if self.streams is not None and stream not in self.streams:
+                return OtherStream(stream, seq, duplicate)
+            self.stored(seq, duplicate)
             return None
         try:
             nats.js.errors.APIError.from_error(error)   # raises the matching nats-py error class
@@ -71,3 +96,10 @@ class AckReader:
         except Exception as exc:  # noqa: BLE001 - an error object nats-py cannot read
             return RuntimeError(f"JetStream refused the message: {error!r} ({exc!r})")
         return RuntimeError(f"JetStream refused the message: {error!r}")
+
+    def stored(self, seq: int, duplicate: bool) -> None:
+        """An ack that counts: a duplicate is counted (and reported)."""
+        if duplicate:
+            self.duplicates += 1
+            if self.on_duplicate is not None:
+                self.on_duplicate(seq)

@@ -161,11 +161,13 @@ class AtomicBatches:
         try:
             for n in range(start, end):
                 event = events[positions[n]]
-                headers = {**messages[n], "Nats-Batch-Id": batch_id, "Nats-Batch-Sequence": str(n - start + 1)}
+                # The batch's headers first, as the outbox's own come before the row's (headers.py).
                 if n + 1 < end:
+                    headers = {"Nats-Batch-Id": batch_id, "Nats-Batch-Sequence": str(n - start + 1), **messages[n]}
                     await publish(event.subject, event.payload, headers=headers)
                 else:
-                    headers["Nats-Batch-Commit"] = "1"
+                    headers = {"Nats-Batch-Id": batch_id, "Nats-Batch-Sequence": str(n - start + 1),
+                               "Nats-Batch-Commit": "1", **messages[n]}
                     await publish(event.subject, event.payload, reply=connection.reply_prefix + token,
                                   headers=headers)
         except Exception as exc:  # noqa: BLE001 - connection trouble (the messages were checked)

@@ -1,9 +1,12 @@
 """An event's NATS message headers, and whether the message fits the server's limits.
 
-Headers: the row's own, then Nats-Msg-Id (the row's msg_id: JetStream drops a re-publish of the
-same event within the stream's duplicate window) and the Outbox-* ones (which win over a row
-header of the same name); with ``cloudevents``, the CloudEvents binary-mode attributes too
-(outboxpg.cloudevents), counted in the size checks.
+Headers: Nats-Msg-Id (the row's msg_id: JetStream drops a re-publish of the same event within the
+stream's duplicate window) and the Outbox-* ones first; with ``cloudevents``, the CloudEvents
+binary-mode attributes (outboxpg.cloudevents); then the row's own, less any named like one of
+those in any case (``outbox-id`` beside ``Outbox-Id`` would leave a consumer to guess which one
+is the outbox's). Ours come first because a server that looks a header up by searching the
+block for its name (nats-server 2.9 did, for Nats-Msg-Id) would otherwise find it inside a row
+header's value first. Everything is counted in the size checks.
 
 Never sendable (a PermanentError: dead-lettered at once, never retried): a message over the
 server's max_payload, headers over JetStream's 64 KiB, a header value containing a line break.
@@ -35,6 +38,9 @@ _OUTBOX_HEADERS = ("Nats-Msg-Id", "Outbox-Id", "Outbox-Event-Type", "Outbox-Aggr
 _FIXED_HEADER_BYTES = len("NATS/1.0\r\n") + sum(len(name) + 4 for name in _OUTBOX_HEADERS) + 2
 _CE_HEADERS = frozenset(HEADER_NAMES)
 _CE_NAME_BYTES = sum(len(name) + 4 for name in HEADER_NAMES)
+# The names a row header may not have, lower-cased: the outbox's own, and with CloudEvents theirs.
+_TAKEN = frozenset(name.lower() for name in _OUTBOX_HEADERS)
+_TAKEN_CE = _TAKEN | _CE_HEADERS
 
 
 def message_headers(event: OutboxEvent, cloudevents: CloudEvents | None, max_payload: int,
@@ -43,6 +49,11 @@ def message_headers(event: OutboxEvent, cloudevents: CloudEvents | None, max_pay
     (0: unknown, not checked); ``extra``: header bytes still to be added (an atomic batch's)."""
     payload = event.payload
     row_headers = event.headers
+    if row_headers:
+        # A row header named like one of ours, in any case, gives way.
+        taken = _TAKEN if cloudevents is None else _TAKEN_CE
+        if any(k.lower() in taken for k in row_headers):
+            row_headers = {k: v for k, v in row_headers.items() if k.lower() not in taken}
     # The values that can hold a line break, looked at in one string (the id and the
     # attempt are numbers).
     text = event.msg_id + event.event_type + event.aggregate_type + event.aggregate_id
@@ -56,22 +67,19 @@ def message_headers(event: OutboxEvent, cloudevents: CloudEvents | None, max_pay
                "Outbox-Attempt": attempt}
     ce_bytes = 0
     if cloudevents is not None:
-        # Binary content mode: the attributes come from the columns; a row header of the same
-        # name (in any case) gives way, as the Outbox-* ones do.
+        # Binary content mode: the attributes come from the columns.
         ce = cloudevents.headers(event)
         ce_bytes = _CE_NAME_BYTES + sum(map(len, ce.values()))   # the values are ASCII (encoded)
         headers.update(ce)
-        if row_headers and any(k.lower() in _CE_HEADERS for k in row_headers):
-            row_headers = {k: v for k, v in row_headers.items() if k.lower() not in _CE_HEADERS}
     if row_headers:
-        headers = {**row_headers, **headers}
+        headers.update(row_headers)
     # NATS counts the header block in max_payload: a message over it would make the server
     # answer -ERR and close the connection (for good, in nats-py); JetStream refuses a header
     # block over 64 KiB. First a bound computed without a loop: at least the real size (the
-    # values untrimmed, a row header that the outbox's own replace counted too).
+    # values untrimmed).
     header_bytes = _FIXED_HEADER_BYTES + len(text.encode()) + len(outbox_id) + len(attempt) + extra + ce_bytes
     if row_headers:
-        header_bytes += sum(len(k) + 4 for k in row_headers if k not in _OUTBOX_HEADERS)
+        header_bytes += sum(len(k) + 4 for k in row_headers)
     if (max_payload and header_bytes + len(payload) > max_payload) or header_bytes > JS_MAX_HEADER_BYTES:
         # Near a limit: count exactly what goes on the wire.
         header_bytes = header_block_bytes(headers) + extra

@@ -20,6 +20,13 @@ The whole batch is bounded by ``ack_timeout``: an event still unacked then gets 
 the rest of its run ``NotSent``. Long runs of a few hot aggregates go as atomic batches instead
 where the server and the stream allow it (batches.py).
 
+Published means stored: an answer counts only if it is a JetStream PubAck (acks.py) from a
+stream in ``streams`` (the worker passes the ones its start check found: the stream of
+``<subject_prefix>.>`` and those capturing the explicit subjects), or from a stream JetStream
+says captures the event's subject (looked up once per subject and _STREAM_TTL seconds). A core
+NATS service answering on the subject, or an answer naming a stream that does not capture it,
+is a failure.
+
 Everything else that is not a never-sendable message (headers.py) nor an answer no retry can fix
 (acks.py), such as no ack in time, no stream answering or the connection down, is an ordinary
 failure, retried with backoff. With an OpenTelemetry SDK, a span per event from its send to its
@@ -32,17 +39,18 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import nats.errors
+import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from outboxpg.cloudevents import CloudEvents
 from outboxpg.events import OutboxEvent, runs_of
-from outboxpg.relay.nats.acks import AckReader
+from outboxpg.relay.nats.acks import AckReader, OtherStream
 from outboxpg.relay.nats.batches import AtomicBatches
 from outboxpg.relay.nats.connection import NatsConnection, parse_servers
 from outboxpg.relay.nats.headers import message_headers
@@ -54,6 +62,9 @@ from outboxpg.text import describe
 __all__ = ["NatsPublisher"]
 
 log = logging.getLogger("outboxpg.nats")
+
+_STREAM_TTL = 30.0            # seconds a subject's stream, as JetStream named it, is trusted
+_MAX_SUBJECTS_KNOWN = 10_000  # subjects whose stream is remembered at once (then forgotten, all)
 
 
 class NatsPublisher:
@@ -67,14 +78,16 @@ class NatsPublisher:
                  max_pending: int = 10_000, connect_deadline: float | None = None,
                  on_duplicate: Callable[[int], None] | None = None, atomic_min_run: int | None = 32,
                  atomic_max_runs: int = 2, cloudevents: CloudEvents | None = None,
-                 tracer_provider: Any = None) -> None:
+                 tracer_provider: Any = None, streams: Iterable[str] = ()) -> None:
         """``atomic_min_run``: runs at least this long go as atomic batches where the stream
         allows it (None: never), while at most ``atomic_max_runs`` such runs are in flight.
         ``cloudevents``: add its ce-* headers and content-type to every message (binary content
         mode, see outboxpg.cloudevents). ``tracer_provider``: an OpenTelemetry SDK
         TracerProvider to record a span per published event with (default: the global one, if
-        it is an SDK's; see outboxpg.relay.tracing). A malformed ``url`` is a ValueError (see
-        parse_servers)."""
+        it is an SDK's; see outboxpg.relay.tracing). ``streams``: the JetStream streams whose
+        acks count at once (expect_streams adds more); an ack from any other stream counts only
+        if JetStream says that stream captures the event's subject. A malformed ``url`` is a
+        ValueError (see parse_servers)."""
         self.servers = parse_servers(url)
         self.cloudevents = cloudevents
         self.tracer_provider = tracer_provider
@@ -87,9 +100,17 @@ class NatsPublisher:
         # Set while the client can publish (cleared while one closed for good is replaced): the
         # worker claims only while it is set.
         self.ready = self.connection.ready
-        self.acks = AckReader(on_duplicate)
+        self.acks = AckReader(on_duplicate, streams)
+        # subject -> (the stream JetStream says captures it, or None; until when that is trusted)
+        self._captures: dict[str, tuple[str | None, float]] = {}
+        self._lookups: dict[str, asyncio.Task[str | None]] = {}
         self.inflight = InFlight()
         self.atomic = AtomicBatches(self.connection, self.inflight, atomic_min_run, atomic_max_runs, self._headers)
+
+    def expect_streams(self, names: Iterable[str]) -> None:
+        """Count the acks of these streams at once (the worker's start check found them)."""
+        assert self.acks.streams is not None
+        self.acks.streams.update(names)
 
     @property
     def nc(self) -> Client | None:
@@ -228,8 +249,14 @@ class NatsPublisher:
         run = self.inflight.waiting.pop(msg.subject[self.connection.reply_prefix_len:], None)
         if run is None:
             return   # the batch stopped waiting (ack_timeout): too late
-        run.token = None
         outcome = self.acks.outcome(msg.data, msg.headers)
+        if isinstance(outcome, OtherStream):
+            # run.token stays set meanwhile: if the batch runs out of time first, it fails the
+            # event in flight as unanswered.
+            outcome = await self._confirm_stream(run, outcome)
+            if run.finished:
+                return
+        run.token = None
         if run.chunk_end:
             await self.atomic.answered(run, outcome)   # the answer to an atomic batch's commit
             return
@@ -244,6 +271,44 @@ class NatsPublisher:
             await self._send(run)
         else:
             self.inflight.finish(run, None)
+
+    async def _confirm_stream(self, run: Run, ack: OtherStream) -> BaseException | None:
+        """None if JetStream says ``ack.stream`` captures the subject the answer is for (then
+        the ack counts), else why the answer is not an ack for it."""
+        events = run.batch.events
+        subject = events[run.positions[(run.chunk_end or run.next + 1) - 1]].subject
+        loop = asyncio.get_running_loop()
+        known = self._captures.get(subject)
+        if known is not None and known[1] > loop.time():
+            name: str | None = known[0]
+        else:
+            task = self._lookups.get(subject)
+            if task is None:
+                task = self._lookups[subject] = asyncio.ensure_future(self._stream_of(subject))
+                task.add_done_callback(lambda _: self._lookups.pop(subject, None))
+            try:
+                name = await asyncio.shield(task)
+            except Exception as exc:  # noqa: BLE001 - timeout, no JetStream API...: not known stored
+                return RuntimeError(f"answer from stream {ack.stream!r}, but which stream captures {subject!r} cannot "
+                                    f"be checked: {describe(exc)}")
+        if name == ack.stream:
+            self.acks.stored(ack.seq, ack.duplicate)
+            return None
+        captured = "no stream captures it" if name is None else f"stream {name!r} captures it"
+        return RuntimeError(f"answer naming stream {ack.stream!r} is not a JetStream ack for {subject!r} "
+                            f"({captured}): not known stored")
+
+    async def _stream_of(self, subject: str) -> str | None:
+        """The stream JetStream says captures ``subject`` (None: none), remembered for _STREAM_TTL."""
+        assert self.connection.js is not None
+        try:
+            name: str | None = await self.connection.js.find_stream_name_by_subject(subject)
+        except nats.js.errors.NotFoundError:
+            name = None
+        if len(self._captures) >= _MAX_SUBJECTS_KNOWN:
+            self._captures.clear()
+        self._captures[subject] = (name, asyncio.get_running_loop().time() + _STREAM_TTL)
+        return name
 
     def _on_lost(self) -> None:
         """nats-py closed the client for good: the publishes waiting for an answer fail now."""

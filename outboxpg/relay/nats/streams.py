@@ -8,7 +8,9 @@ which a stream capturing ``<subject_prefix>.>`` takes. An event with an explicit
 answered "no responders" and the event dies after ``max_attempts``. The database names the
 subjects of its unfinished events (``outbox_unfinished_subjects()``, migration 0015); JetStream
 says which stream, if any, captures each. Used by the worker at start (``--ensure-stream`` adds
-the explicit subjects; the stream check warns about those nothing captures) and by
+the explicit subjects under ``outbox_settings.allowed_subject_prefixes``, never others: a subject
+a producer wrote is no reason to widen a stream; the stream check warns about those nothing
+captures, and the streams it finds are the ones whose acks the publisher counts at once) and by
 ``outboxpg status --nats-url``.
 """
 
@@ -23,7 +25,7 @@ from nats.js import JetStreamContext
 from nats.js.api import StreamConfig
 
 __all__ = ["MAX_SUBJECTS", "Subject", "check_stream", "ensure_stream", "explicit_to_add", "missing_text", "stream_for",
-           "uncaptured", "under_prefix"]
+           "streams_for", "uncaptured", "under_allowed", "under_prefix"]
 
 # The most used subjects first; an outbox with more distinct subjects than this is checked on these.
 MAX_SUBJECTS = 100
@@ -41,6 +43,11 @@ def under_prefix(subject: str, prefix: str) -> bool:
     return subject.startswith(prefix + ".")
 
 
+def under_allowed(subject: str, prefixes: Sequence[str]) -> bool:
+    """Whether ``subject`` is under one of ``prefixes`` (whole tokens), as the insert checks it."""
+    return any(subject == p or under_prefix(subject, p) for p in prefixes)
+
+
 async def stream_for(js: JetStreamContext, subject: str) -> str | None:
     """The stream that captures ``subject`` (a literal subject), or None."""
     try:
@@ -49,16 +56,25 @@ async def stream_for(js: JetStreamContext, subject: str) -> str | None:
         return None
 
 
+async def streams_for(js: JetStreamContext, subjects: Sequence[str]) -> dict[str, str | None]:
+    """The stream that captures each subject, or None (one JetStream API request each)."""
+    return {subject: await stream_for(js, subject) for subject in subjects}
+
+
 async def uncaptured(js: JetStreamContext, subjects: Sequence[Subject]) -> list[Subject]:
     """The subjects no stream captures (one JetStream API request each)."""
     return [s for s in subjects if await stream_for(js, s.subject) is None]
 
 
-async def explicit_to_add(js: JetStreamContext, prefix: str, subjects: Sequence[Subject]) -> list[str]:
-    """The explicit subjects ``--ensure-stream`` adds to its stream: those ``<prefix>.>`` does not
-    cover and no stream captures yet (a subject another stream has already must not be added:
-    the server refuses streams whose subjects overlap)."""
-    candidates = [s for s in subjects if s.explicit and not under_prefix(s.subject, prefix)]
+async def explicit_to_add(js: JetStreamContext, prefix: str, subjects: Sequence[Subject],
+                          allowed: Sequence[str]) -> list[str]:
+    """The explicit subjects ``--ensure-stream`` adds to its stream: those under
+    ``allowed`` (outbox_settings.allowed_subject_prefixes) that ``<prefix>.>`` does not cover and
+    no stream captures yet (a subject another stream has already must not be added: the server
+    refuses streams whose subjects overlap). A subject outside them (written before the insert
+    refused it, or since disallowed) is never added: the stream stays what the operator allowed."""
+    candidates = [s for s in subjects if s.explicit and not under_prefix(s.subject, prefix)
+                  and under_allowed(s.subject, allowed)]
     return [s.subject for s in await uncaptured(js, candidates)]
 
 
