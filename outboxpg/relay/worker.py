@@ -97,6 +97,7 @@ class Worker:
         self._releasing: asyncio.Future[None] | None = None
         self._look_again = LOOK_AGAIN_LEAST
         self._looked_again = False    # the last drain started because _look_again ran out
+        self._handing_back = 0        # batches in their pause after _hand_back: no looking again
         # What a DBA sees in pg_stat_activity.application_name for each connection (unless the
         # DSN or $PGAPPNAME names one: libpq's fallback_application_name gives way to those).
         self.application_name = application_name(config.name)
@@ -207,11 +208,14 @@ class Worker:
         ``_look_again`` ran out (True)."""
         woken = asyncio.ensure_future(self._wake.wait())
         try:
-            done, _ = await asyncio.wait({*self._inflight, woken}, timeout=self._look_again,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            while True:
+                done, _ = await asyncio.wait({*self._inflight, woken}, timeout=self._look_again,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                # Not while a batch handed back pauses: the claim would take it straight back.
+                if done or not self._handing_back:
+                    return not done
         finally:
             woken.cancel()
-        return not done
 
     def _release_lock_soon(self) -> None:
         if self._releasing is None or self._releasing.done():
@@ -362,14 +366,18 @@ class Worker:
         an attempt; it is claimed again (and waits again) on the next claim."""
         log.warning("event=standby_flush_timeout standby=%s events=%d waited=%.1fs note=%r", self.cfg.standby_flushed,
                     len(events), waited, "released unpublished: a standby has not flushed them")
-        try:
-            await self.gateway.release([e.id for e in events], token)
-        except psycopg.Error as exc:
-            log.warning("event=db_error during=release error=%r note=%r", first_line(exc),
-                        "the leases will expire and the events be claimed again")
         # Not straight back to a claim that would wait just as long: a short pause, cut by stop().
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._stop.wait(), min(1.0, self.cfg.publish_timeout))
+        self._handing_back += 1
+        try:
+            try:
+                await self.gateway.release([e.id for e in events], token)
+            except psycopg.Error as exc:
+                log.warning("event=db_error during=release error=%r note=%r", first_line(exc),
+                            "the leases will expire and the events be claimed again")
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), min(1.0, self.cfg.publish_timeout))
+        finally:
+            self._handing_back -= 1
 
     async def _keep_leases(self, events: Sequence[OutboxEvent], token: Any, published: asyncio.Event) -> None:
         """Extend the batch's leases now and every third of the lease, until ``published`` is set.

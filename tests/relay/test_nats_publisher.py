@@ -353,7 +353,7 @@ def _fake_atomic_publisher(seed: int, events: list[OutboxEvent], ack_timeout: fl
     fake = _FakeAtomicNats(pub, seed, **kw)
     _connect_fake(pub, fake)
     pub.connection.atomic_server = True
-    pub.atomic.streams["fake.x"] = ("S", float("inf"))   # as if looked up: a stream with allow_atomic
+    pub.atomic.streams.remember("fake.x", "S", ttl=float("inf"))   # as if looked up: a stream with allow_atomic
     by_agg: dict[str, list[int]] = {}
     for e in events:
         by_agg.setdefault(e.aggregate_id, []).append(e.id)

@@ -22,7 +22,7 @@ stored after all) is sent with sequential acks, where JetStream's dedup drops wh
 stored; a batch would instead be refused whole for a stored Nats-Msg-Id. A retry cannot miss
 this: the claim starts the run at the failed event, whose attempt is then at least 2.
 Which stream a subject goes to, and whether it allows atomic publish, is looked up with the
-JetStream API and kept for ``_STREAM_TTL`` seconds (dropped at once when a batch is refused).
+JetStream API and kept for a while (captures.py; dropped at once when a batch is refused).
 
 When batches pay: on file storage a commit costs a few ms (the server stages the batch in a
 store of its own) and commits to a stream do not overlap, so short runs are faster with
@@ -46,6 +46,7 @@ from collections.abc import Callable
 import nats.js.errors
 
 from outboxpg.events import OutboxEvent
+from outboxpg.relay.nats.captures import SubjectCache
 from outboxpg.relay.nats.connection import NatsConnection
 from outboxpg.relay.nats.headers import BATCH_HEADER_BYTES
 from outboxpg.relay.nats.runs import Batch, InFlight, Run
@@ -57,7 +58,6 @@ __all__ = ["AtomicBatches"]
 log = logging.getLogger("outboxpg.nats")
 
 _BATCH_MAX = 1000               # messages per atomic batch (the server's streamMaxAtomicBatchSize)
-_STREAM_TTL = 30.0              # seconds a subject's stream lookup is trusted
 
 
 class AtomicBatches:
@@ -72,8 +72,7 @@ class AtomicBatches:
         self.min_run = min_run          # None: never
         self.max_runs = max_runs
         self.headers = headers
-        self.streams: dict[str, tuple[str | None, float]] = {}   # subject -> (atomic stream or None, until)
-        self._lookups: dict[str, asyncio.Task[str | None]] = {}
+        self.streams = SubjectCache(self._look_up)   # subject -> its stream if it allows atomic publish
 
     async def choose(self, batch: Batch, runs: list[Run]) -> None:
         """Mark the runs to be sent as atomic batches (``messages`` set): long enough, while
@@ -94,7 +93,10 @@ class AtomicBatches:
         if not candidates:
             return
         subjects = {events[i].subject for run in candidates for i in run.positions}
-        streams = dict(zip(subjects, await asyncio.gather(*map(self._atomic_stream, subjects))))
+        # A lookup that failed (a timeout, no JetStream...) is not remembered: sequential this
+        # time, asked again next time.
+        found = await asyncio.gather(*map(self.streams.get, subjects), return_exceptions=True)
+        streams = {s: None if isinstance(f, BaseException) else f for s, f in zip(subjects, found)}
         for run in candidates:
             names = {streams[events[i].subject] for i in run.positions}
             if len(names) != 1 or None in names:
@@ -109,20 +111,8 @@ class AtomicBatches:
                 run.messages = messages
                 inflight.atomic_open += 1
 
-    async def _atomic_stream(self, subject: str) -> str | None:
-        """The stream that captures ``subject`` if it allows atomic publish, else None; looked up
-        once per _STREAM_TTL (one lookup at a time per subject)."""
-        loop = asyncio.get_running_loop()
-        cached = self.streams.get(subject)
-        if cached is not None and cached[1] > loop.time():
-            return cached[0]
-        task = self._lookups.get(subject)
-        if task is None:
-            task = self._lookups[subject] = asyncio.ensure_future(self._look_up(subject))
-            task.add_done_callback(lambda _: self._lookups.pop(subject, None))
-        return await asyncio.shield(task)
-
     async def _look_up(self, subject: str) -> str | None:
+        """The stream that captures ``subject`` if it allows atomic publish, else None."""
         connection = self.connection
         assert connection.js is not None
         try:
@@ -130,13 +120,12 @@ class AtomicBatches:
             info = await connection.js.stream_info(name)
         except nats.js.errors.NotFoundError:
             name = None   # no stream: the sequential publish says so, event by event
-        except Exception as exc:  # noqa: BLE001 - timeout, no JetStream...: sequential, ask again next time
+        except Exception as exc:
             log.debug("event=stream_lookup_failed subject=%s error=%r", subject, str(exc))
-            return None
+            raise
         else:
             if not info.config.allow_atomic:
                 name = None
-        self.streams[subject] = (name, asyncio.get_running_loop().time() + _STREAM_TTL)
         return name
 
     async def send_chunk(self, run: Run) -> None:
@@ -205,5 +194,5 @@ class AtomicBatches:
         # publish (10174: no longer), before the next batch to them.
         events = run.batch.events
         for i in run.positions:
-            self.streams.pop(events[i].subject, None)
+            self.streams.forget(events[i].subject)
         self.inflight.finish(run, outcome)

@@ -23,7 +23,7 @@ where the server and the stream allow it (batches.py).
 Published means stored: an answer counts only if it is a JetStream PubAck (acks.py) from a
 stream in ``streams`` (the worker passes the ones its start check found: the stream of
 ``<subject_prefix>.>`` and those capturing the explicit subjects), or from a stream JetStream
-says captures the event's subject (looked up once per subject and _STREAM_TTL seconds). A core
+says captures the event's subject (captures.py). A core
 NATS service answering on the subject, or an answer naming a stream that does not capture it,
 is a failure.
 
@@ -52,6 +52,7 @@ from outboxpg.cloudevents import CloudEvents
 from outboxpg.events import OutboxEvent, runs_of
 from outboxpg.relay.nats.acks import AckReader, OtherStream
 from outboxpg.relay.nats.batches import AtomicBatches
+from outboxpg.relay.nats.captures import SubjectCache
 from outboxpg.relay.nats.connection import NatsConnection, parse_servers
 from outboxpg.relay.nats.headers import message_headers
 from outboxpg.relay.nats.runs import Batch, InFlight, Run
@@ -62,9 +63,6 @@ from outboxpg.text import describe
 __all__ = ["NatsPublisher"]
 
 log = logging.getLogger("outboxpg.nats")
-
-_STREAM_TTL = 30.0            # seconds a subject's stream, as JetStream named it, is trusted
-_MAX_SUBJECTS_KNOWN = 10_000  # subjects whose stream is remembered at once (then forgotten, all)
 
 
 class NatsPublisher:
@@ -101,9 +99,7 @@ class NatsPublisher:
         # worker claims only while it is set.
         self.ready = self.connection.ready
         self.acks = AckReader(on_duplicate, streams)
-        # subject -> (the stream JetStream says captures it, or None; until when that is trusted)
-        self._captures: dict[str, tuple[str | None, float]] = {}
-        self._lookups: dict[str, asyncio.Task[str | None]] = {}
+        self.captures = SubjectCache(self._capturing_stream)
         self.inflight = InFlight()
         self.atomic = AtomicBatches(self.connection, self.inflight, atomic_min_run, atomic_max_runs, self._headers)
 
@@ -277,20 +273,11 @@ class NatsPublisher:
         the ack counts), else why the answer is not an ack for it."""
         events = run.batch.events
         subject = events[run.positions[(run.chunk_end or run.next + 1) - 1]].subject
-        loop = asyncio.get_running_loop()
-        known = self._captures.get(subject)
-        if known is not None and known[1] > loop.time():
-            name: str | None = known[0]
-        else:
-            task = self._lookups.get(subject)
-            if task is None:
-                task = self._lookups[subject] = asyncio.ensure_future(self._stream_of(subject))
-                task.add_done_callback(lambda _: self._lookups.pop(subject, None))
-            try:
-                name = await asyncio.shield(task)
-            except Exception as exc:  # noqa: BLE001 - timeout, no JetStream API...: not known stored
-                return RuntimeError(f"answer from stream {ack.stream!r}, but which stream captures {subject!r} cannot "
-                                    f"be checked: {describe(exc)}")
+        try:
+            name = await self.captures.get(subject)
+        except Exception as exc:  # noqa: BLE001 - timeout, no JetStream API...: not known stored
+            return RuntimeError(f"answer from stream {ack.stream!r}, but which stream captures {subject!r} cannot "
+                                f"be checked: {describe(exc)}")
         if name == ack.stream:
             self.acks.stored(ack.seq, ack.duplicate)
             return None
@@ -298,17 +285,12 @@ class NatsPublisher:
         return RuntimeError(f"answer naming stream {ack.stream!r} is not a JetStream ack for {subject!r} "
                             f"({captured}): not known stored")
 
-    async def _stream_of(self, subject: str) -> str | None:
-        """The stream JetStream says captures ``subject`` (None: none), remembered for _STREAM_TTL."""
+    async def _capturing_stream(self, subject: str) -> str | None:
         assert self.connection.js is not None
         try:
-            name: str | None = await self.connection.js.find_stream_name_by_subject(subject)
+            return await self.connection.js.find_stream_name_by_subject(subject)
         except nats.js.errors.NotFoundError:
-            name = None
-        if len(self._captures) >= _MAX_SUBJECTS_KNOWN:
-            self._captures.clear()
-        self._captures[subject] = (name, asyncio.get_running_loop().time() + _STREAM_TTL)
-        return name
+            return None
 
     def _on_lost(self) -> None:
         """nats-py closed the client for good: the publishes waiting for an answer fail now."""
