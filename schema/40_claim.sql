@@ -585,10 +585,14 @@ DECLARE
     m_leased timestamptz[];
     x_tids  tid[];
     due     bigint;         -- claimable heads at the front of the queue (up to 16)
-    front   bigint[];       -- their lock_keys, in claim order
+    front   integer[];      -- their lock_keys, in claim order
     front_read integer;     -- the due heads read there, claimable or not (up to 16)
+    busy_front boolean[];   -- whether each of them is a busy aggregate's head
+    skip    integer[];      -- the lock_keys of busy heads at the front this pass leaves
+    busy_key integer;       -- the lock_key of the busy head this pass takes, if any
+    busy_share integer;     -- what it takes at most
     share   integer;        -- the events a run of this pass takes at most, or one more:
-    plus    bigint[];       -- the lock_keys of the heads that take one more
+    plus    integer[];      -- the lock_keys of the heads that take one more
     budget  bigint;         -- max_bytes, or the setting
     pass_bytes bigint;
     taken   bigint := 0;    -- bytes of the events of the passes before
@@ -632,22 +636,37 @@ BEGIN
     END IF;
     -- The first due heads (those that hold the floor), read without locks: parked ones whose
     -- second is up are dropped below with the heads found empty (outbox_refresh_heads looks at
-    -- their events first); how many can be claimed, for the fair share below; and whether a
-    -- pass can find any (below).
+    -- their events first); which can be claimed, for the shares below; and whether a pass can
+    -- find any (below).
     SELECT coalesce(array_agg(p.aggregate_type) FILTER (WHERE p.parked AND p.leased_until < t), '{}'),
            coalesce(array_agg(p.aggregate_id) FILTER (WHERE p.parked AND p.leased_until < t), '{}'),
-           coalesce(array_agg(p.lock_key ORDER BY p.ready_at, p.opened_id)
-                    FILTER (WHERE NOT p.parked AND (p.leased_until IS NULL OR p.leased_until < t)
-                              AND (p.head_id <= g.settled
-                                   OR (p.head_id <= g.open_below AND p.lock_key <> ALL (g.held_keys)))), '{}'),
+           coalesce(array_agg(p.lock_key ORDER BY p.ready_at, p.opened_id) FILTER (WHERE p.claimable), '{}'),
+           coalesce(array_agg(p.busy ORDER BY p.ready_at, p.opened_id) FILTER (WHERE p.claimable), '{}'),
            count(*)
-      INTO empty_types, empty_ids, front, front_read
-      FROM (SELECT h.aggregate_type, h.aggregate_id, h.parked, h.leased_until, h.head_id, h.lock_key,
-                   h.ready_at, h.opened_id
+      INTO empty_types, empty_ids, front, busy_front, front_read
+      FROM (SELECT h.aggregate_type, h.aggregate_id, h.parked, h.leased_until, h.lock_key, h.ready_at, h.opened_id,
+                   NOT h.parked AND (h.leased_until IS NULL OR h.leased_until < t)
+                   AND (h.head_id <= g.settled
+                        OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys))) AS claimable,
+                   h.moves >= 3 AS busy
               FROM outbox_heads h
              WHERE h.ready_at <= t AND h.ready_at >= floor_at
              ORDER BY h.ready_at, h.opened_id
              LIMIT 16) p;
+    -- A claim takes one busy head (moved on 3 times or more: an aggregate whose events come one
+    -- after another) and every quiet one among those at the front; the other busy heads there
+    -- are left to the next claim. So a busy aggregate's run is long (published as one atomic
+    -- batch where the stream allows it, not event by event), the other claims in flight take
+    -- the other busy heads side by side, and a quiet aggregate's event goes in the next claim
+    -- after it is due, whatever the busy ones have queued. Left only in the first pass: one
+    -- that comes back short takes them in the next (a short claim still means that nothing
+    -- more is claimable).
+    SELECT coalesce(array_agg(f.k ORDER BY f.i) FILTER (WHERE NOT f.b), '{}'),
+           coalesce(array_agg(f.k) FILTER (WHERE f.b AND f.r > 1), '{}'),
+           min(f.k) FILTER (WHERE f.b AND f.r = 1)
+      INTO front, skip, busy_key
+      FROM (SELECT u.k, u.b, u.i, count(*) FILTER (WHERE u.b) OVER (ORDER BY u.i) AS r
+              FROM unnest(front, busy_front) WITH ORDINALITY AS u(k, b, i)) f;
 
     -- Passes: a pass that reclaimed expired runs looks again for the rest of the batch, so a
     -- worker's crash does not cost the next claim its batch (a short claim tells a worker that
@@ -657,20 +676,25 @@ BEGIN
         -- find none either, under the same conditions (save a head that commits in between,
         -- which the next claim takes), so it is not made. Planned and run, it is about 40% of an
         -- empty claim on a new connection and half of every later empty claim.
-        EXIT WHEN pass = 1 AND cardinality(front) = 0 AND front_read < 16;
+        EXIT WHEN pass = 1 AND cardinality(front) = 0 AND busy_key IS NULL AND front_read < 16;
         remaining := n - cardinality(c_ids);
-        -- Fair shares: a run takes at most its share of what the claim still hands out, split
-        -- among the claimable heads at the front of the queue (up to 16), so that one busy
-        -- aggregate never fills a claim while others wait: a quiet aggregate's event goes in
-        -- the next claim after it is due, whatever the busy ones have queued. The remainder
-        -- goes one event each to the first of them, so that the claim is full when their lines
-        -- are long enough. Alone, a head takes it all; behind many heads of a few events each
-        -- (a uniform mix) the share is larger than their lines and changes nothing. The heads
-        -- this pass locks may differ from the ones read above (taken by a claim meanwhile):
-        -- the shares are then a little off, never the order.
+        -- Shares: with a busy head, each quiet head takes up to 10 events (its own share at
+        -- most) and the busy one the rest, so that the claim stays full. Without one, a run
+        -- takes at most its share of what the claim still hands out, split among the quiet
+        -- heads at the front, the remainder one event each to the first of them: alone, a head
+        -- takes it all; behind many heads of a few events each (a uniform mix) the share is
+        -- larger than their lines and changes nothing. The heads this pass locks may differ
+        -- from the ones read above (taken by a claim meanwhile): the shares are then a little
+        -- off, never the order.
         due := greatest(cardinality(front), 1);
-        share := least(cfg.max_run, remaining, greatest(1, remaining / due));
-        plus := CASE WHEN share < cfg.max_run THEN front[1 : remaining - share * due] ELSE '{}' END;
+        IF busy_key IS NULL THEN
+            share := least(cfg.max_run, remaining, greatest(1, remaining / due));
+            plus := CASE WHEN share < cfg.max_run THEN front[1 : remaining - share * due] ELSE '{}' END;
+        ELSE
+            share := least(10, greatest(1, remaining / (cardinality(front) + 1)));
+            plus := '{}';
+            busy_share := least(cfg.max_run, greatest(1, remaining - cardinality(front) * share));
+        END IF;
         -- One statement a pass. `cand`: the heads whose time has come, oldest first, leaving out
         -- those the guard holds back (head_id is a lower bound of the first event's id; each
         -- event is checked below), each with its line: its first max_run unfinished events, read
@@ -685,7 +709,9 @@ BEGIN
                    e.id, e.ctid, e.created_at, e.state, e.attempts, e.next_attempt_at, e.locked_until, e.lease_token,
                    e.expires_at, e.size_bytes
               FROM (SELECT h.aggregate_type, h.aggregate_id, h.lock_key, h.head_id, h.ready_at, h.leased_until,
-                           h.opened_id, h.ctid AS tid, share + (h.lock_key = ANY (plus))::integer AS share
+                           h.opened_id, h.ctid AS tid,
+                           CASE WHEN h.lock_key = busy_key THEN busy_share
+                                ELSE share + (h.lock_key = ANY (plus))::integer END AS share
                       FROM outbox_heads h
                      WHERE h.ready_at <= t
                        AND h.ready_at >= floor_at
@@ -693,6 +719,7 @@ BEGIN
                        AND NOT h.parked
                        AND (h.head_id <= g.settled
                             OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys)))
+                       AND h.lock_key <> ALL (skip)
                      ORDER BY h.ready_at, h.opened_id             -- head_id is in no index
                      LIMIT remaining
                        FOR NO KEY UPDATE SKIP LOCKED) h
@@ -823,7 +850,7 @@ BEGIN
         END IF;
         empty_types := empty_types || pass_empty_types;
         empty_ids := empty_ids || pass_empty_ids;
-        EXIT WHEN seen_heads = 0;
+        EXIT WHEN seen_heads = 0 AND cardinality(skip) = 0;
         c_ids  := c_ids || pass_ids;          -- || and least/greatest ignore NULLs
         c_tids := c_tids || pass_tids;
         taken  := taken + coalesce(pass_bytes, 0);
@@ -860,7 +887,12 @@ BEGIN
                AND (o.id = ANY (x_ids)) IS TRUE
                AND o.created_at BETWEEN pass_lo AND pass_hi;
         END IF;
-        EXIT WHEN (r_ids IS NULL AND x_ids IS NULL) OR cardinality(c_ids) >= n OR taken >= budget;
+        EXIT WHEN (r_ids IS NULL AND x_ids IS NULL AND cardinality(skip) = 0) OR cardinality(c_ids) >= n
+                  OR taken >= budget;
+        -- The busy heads left in the first pass share what remains.
+        front := skip;
+        skip := '{}';
+        busy_key := NULL;
     END LOOP;
 
     IF cardinality(empty_types) > 0 THEN
