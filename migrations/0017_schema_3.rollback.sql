@@ -17,6 +17,8 @@ DROP VIEW outbox_health;
 DROP FUNCTION outbox_xmin_holders();
 DROP FUNCTION outbox_claim(integer, interval, text, bigint);
 DROP FUNCTION outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean, integer);
+DROP VIEW outbox_stats;
+DROP FUNCTION outbox_health_row();
 
 -- Back to one namespace of keys: where two producers hold one key, the earlier event keeps it.
 DELETE FROM outbox_idempotency k
@@ -34,6 +36,91 @@ ALTER TABLE outbox_settings DROP COLUMN allowed_subject_prefixes, DROP COLUMN ma
     DROP COLUMN max_deliver_delay, DROP COLUMN max_claim_bytes;
 GRANT EXECUTE ON FUNCTION outbox_forget_deleted() TO PUBLIC;
 ALTER TABLE outbox_intake DROP COLUMN newest_id;
+
+CREATE OR REPLACE FUNCTION outbox_health_row()
+RETURNS TABLE (
+    backlog                    bigint,
+    pending                    bigint,
+    processing                 bigint,
+    waiting_retry              bigint,
+    dead                       bigint,
+    expired_leases             bigint,
+    oldest_pending_age         interval,
+    last_claim_at              timestamptz,
+    worker_claimed_last_minute boolean,
+    open_producers             integer,
+    oldest_producer_pid        integer,
+    oldest_producer_age        interval,
+    held_by_open_transactions  bigint
+)
+LANGUAGE plpgsql
+STABLE
+ROWS 1
+SET search_path FROM CURRENT
+SET enable_seqscan = off
+SET max_parallel_workers_per_gather = 0
+-- With sequential scans off, any plan with one (outbox_settings, the id sequence) is costed
+-- above jit_above_cost: JIT compiled it on every call (8 ms a call here, 84 ms the first).
+SET jit = off
+AS $$
+#variable_conflict use_column
+DECLARE
+    n_pending    bigint;
+    n_processing bigint;
+    n_waiting    bigint;
+    n_dead       bigint;
+    n_expired    bigint;
+    n_held       bigint;
+    oldest       timestamptz;
+    last_claim   timestamptz;
+    n_producers  integer := 0;
+    p_pid        integer;
+    p_age        interval;
+    guard_on     boolean;
+    -- What the claim holds back (outbox_commit_guard): ids above settled, unless at or below
+    -- open_below and of an aggregate whose key is not in held_keys. NULL settled: nothing.
+    settled      bigint;
+    open_below   bigint;
+    held_keys    integer[];
+BEGIN
+    SELECT i.last_claim_at INTO last_claim FROM outbox_intake i;
+
+    IF to_regprocedure('outbox_open_producers()') IS NOT NULL THEN
+        SELECT count(*)::integer,
+               (array_agg(p.pid ORDER BY p.xact_age DESC NULLS LAST, p.held_above))[1],
+               (array_agg(p.xact_age ORDER BY p.xact_age DESC NULLS LAST, p.held_above))[1]
+          INTO n_producers, p_pid, p_age
+          FROM outbox_open_producers() p;
+    END IF;
+    IF n_producers > 0 THEN
+        SELECT s.commit_order_guard INTO guard_on FROM outbox_settings s;
+        IF guard_on THEN
+            SELECT g.settled, g.open_below, g.held_keys INTO settled, open_below, held_keys
+              FROM outbox_commit_guard() g;
+        END IF;
+    END IF;
+
+    -- One pass over the unfinished events (the partial index outbox_unfinished_by_aggregate_idx).
+    SELECT count(*) FILTER (WHERE o.state = 'pending'),
+           count(*) FILTER (WHERE o.state = 'processing'),
+           count(*) FILTER (WHERE o.state = 'pending' AND o.next_attempt_at > now()),
+           count(*) FILTER (WHERE o.state = 'dead'),
+           count(*) FILTER (WHERE o.state = 'processing' AND o.locked_until < now()),
+           count(*) FILTER (WHERE o.state = 'pending' AND o.id > settled
+                              AND (o.id > open_below
+                                   OR outbox_aggregate_key(o.aggregate_type, o.aggregate_id) = ANY (held_keys))),
+           min(o.created_at) FILTER (WHERE o.state IN ('pending', 'processing'))
+      INTO n_pending, n_processing, n_waiting, n_dead, n_expired, n_held, oldest
+      FROM outbox o
+     WHERE o.unfinished;
+
+    RETURN QUERY SELECT n_pending + n_processing, n_pending, n_processing, n_waiting, n_dead, n_expired,
+                        now() - oldest, last_claim,
+                        coalesce(last_claim >= now() - interval '1 minute', false),
+                        n_producers, p_pid, p_age, n_held;
+END;
+$$;
+ALTER FUNCTION outbox_health_row() SECURITY DEFINER;
 
 -- The row trigger of every insert. In order:
 --   * deliver_at: written into next_attempt_at, the column every claim waits on for retries, so
@@ -843,6 +930,18 @@ AS $$
      ORDER BY h.xmin_age DESC NULLS LAST, h.since NULLS LAST, h.pid
 $$;
 
+CREATE OR REPLACE VIEW outbox_stats AS
+SELECT count(*) FILTER (WHERE state = 'pending')                                AS pending,
+       count(*) FILTER (WHERE state = 'pending' AND next_attempt_at > now())    AS waiting_retry,
+       count(*) FILTER (WHERE state = 'processing')                             AS processing,
+       count(*) FILTER (WHERE state = 'published')                              AS published,
+       count(*) FILTER (WHERE state = 'dead')                                   AS dead,
+       count(*) FILTER (WHERE state = 'discarded')                              AS discarded,
+       now() - min(created_at) FILTER (WHERE state IN ('pending', 'processing')) AS oldest_pending_age,
+       now() - min(claimed_at) FILTER (WHERE state = 'processing')              AS oldest_lease_age,
+       max(claimed_at)                                                          AS last_claim_at
+  FROM outbox;
+
 -- The row of outbox_health_row(), and the oldest xmin holder past the threshold with how many
 -- there are: those columns read no outbox table, so they need none of the row's pinned plans.
 CREATE OR REPLACE VIEW outbox_health AS
@@ -867,6 +966,12 @@ SELECT h.backlog, h.pending, h.processing, h.waiting_retry, h.dead, h.expired_le
 
 COMMENT ON FUNCTION outbox_claim(integer, interval, text) IS
     'Lease up to batch_size due events under a new lease_token: runs of up to max_run consecutive events per aggregate, oldest heads first, rows in id order; reclaims expired runs (one failed attempt for the run''s first event).';
+
+COMMENT ON VIEW outbox_stats IS
+    'One row: events per state, oldest undelivered event''s age, oldest running lease''s age, last claim time.';
+
+COMMENT ON FUNCTION outbox_health_row() IS
+    'The row of the outbox_health view (computed with index scans only).';
 
 COMMENT ON COLUMN outbox_health.backlog IS 'Events pending (incl. waiting for a retry or held back) or leased.';
 
@@ -925,6 +1030,8 @@ COMMENT ON COLUMN outbox_health.xmin_holder_query IS 'The start (200 characters)
 
 COMMENT ON COLUMN outbox_health.xmin_holder_application IS 'The session''s application_name.';
 
+COMMENT ON COLUMN outbox_health.waiting_retry IS NULL;
+
 -- 3. Nobody may call anything by default.
 REVOKE EXECUTE ON FUNCTION
     outbox_wake_workers(), outbox_worker_idle(), outbox_worker_busy(),
@@ -953,6 +1060,10 @@ GRANT SELECT ON outbox_health TO outbox_worker;
 --    died) - but not payload and headers, the application's data.
 GRANT SELECT ON outbox_stats, outbox_dead_letters, outbox_partitions, outbox_health, outbox_settings
     TO outbox_operator;
+
+GRANT EXECUTE ON FUNCTION
+    outbox_requeue(bigint[]), outbox_discard(bigint[], text), outbox_maintain(boolean), outbox_health_row()
+TO outbox_operator;
 
 -- 3. Nobody may call anything by default.
 REVOKE EXECUTE ON FUNCTION

@@ -20,6 +20,11 @@ DROP FUNCTION outbox_xmin_holders();
 DROP FUNCTION outbox_claim(integer, interval, text);
 DROP FUNCTION outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean);
 
+-- outbox_stats and outbox_health count scheduled events apart from those waiting for a retry (a
+-- column more, in the middle). Made again below.
+DROP VIEW outbox_stats;
+DROP FUNCTION outbox_health_row();
+
 ALTER TABLE outbox_settings
     ADD COLUMN allowed_subject_prefixes text[] NOT NULL DEFAULT '{}'
                        CONSTRAINT allowed_subject_prefixes_are_valid_nats_subjects CHECK (
@@ -586,7 +591,10 @@ RETURNS TABLE (
     attempts       integer,
     created_at     timestamptz,
     lease_token    uuid,
-    locked_until   timestamptz
+    locked_until   timestamptz,
+    -- When the event was first due: its deliver_at, or its creation if that came later. The
+    -- worker's lag counts from it, so a scheduled event is not lag before its time.
+    due_at         timestamptz
 )
 LANGUAGE plpgsql
 -- Runs as its owner: a worker has no rights on the tables.
@@ -981,7 +989,8 @@ BEGIN
                -- The columns' domains, as their base types.
                o.aggregate_type::text, o.aggregate_id::text, o.event_type::text, o.payload,
                o.headers::jsonb, o.msg_id::text,
-               o.attempts, o.created_at, o.lease_token, o.locked_until
+               o.attempts, o.created_at, o.lease_token, o.locked_until,
+               greatest(o.created_at, o.deliver_at)
     )
     SELECT * FROM claimed ORDER BY 1;
 END;
@@ -1079,6 +1088,118 @@ BEGIN
 END;
 $$;
 
+-- Every event counted, published ones included: a tool for people, not for a tight loop.
+-- Of the pending events, two kinds wait for a time: scheduled ones (never tried, deliver_at
+-- ahead) and those waiting for a retry (failed at least once, backoff ahead). A scheduled event
+-- is not a failure: counted apart, so that a dashboard of retries shows failures only.
+CREATE OR REPLACE VIEW outbox_stats AS
+SELECT count(*) FILTER (WHERE state = 'pending')                                AS pending,
+       count(*) FILTER (WHERE state = 'pending' AND attempts = 0 AND next_attempt_at > now()) AS scheduled,
+       count(*) FILTER (WHERE state = 'pending' AND attempts > 0 AND next_attempt_at > now()) AS waiting_retry,
+       count(*) FILTER (WHERE state = 'processing')                             AS processing,
+       count(*) FILTER (WHERE state = 'published')                              AS published,
+       count(*) FILTER (WHERE state = 'dead')                                   AS dead,
+       count(*) FILTER (WHERE state = 'discarded')                              AS discarded,
+       now() - min(created_at) FILTER (WHERE state IN ('pending', 'processing')) AS oldest_pending_age,
+       now() - min(claimed_at) FILTER (WHERE state = 'processing')              AS oldest_lease_age,
+       max(claimed_at)                                                          AS last_claim_at
+  FROM outbox;
+
+COMMENT ON VIEW outbox_stats IS
+    'One row: events per state (of the pending ones: scheduled, never tried and not due yet; waiting_retry, failed and waiting for their next attempt), oldest undelivered event''s age, oldest running lease''s age, last claim time.';
+
+CREATE OR REPLACE FUNCTION outbox_health_row()
+RETURNS TABLE (
+    backlog                    bigint,
+    pending                    bigint,
+    processing                 bigint,
+    scheduled                  bigint,
+    waiting_retry              bigint,
+    dead                       bigint,
+    expired_leases             bigint,
+    oldest_pending_age         interval,
+    last_claim_at              timestamptz,
+    worker_claimed_last_minute boolean,
+    open_producers             integer,
+    oldest_producer_pid        integer,
+    oldest_producer_age        interval,
+    held_by_open_transactions  bigint
+)
+LANGUAGE plpgsql
+STABLE
+ROWS 1
+-- Runs as its owner: the view that calls it runs it as the one who reads the view.
+SECURITY DEFINER
+SET search_path FROM CURRENT
+SET enable_seqscan = off
+SET max_parallel_workers_per_gather = 0
+-- With sequential scans off, any plan with one (outbox_settings, the id sequence) is costed
+-- above jit_above_cost: JIT compiled it on every call (8 ms a call here, 84 ms the first).
+SET jit = off
+AS $$
+#variable_conflict use_column
+DECLARE
+    n_pending    bigint;
+    n_processing bigint;
+    n_scheduled  bigint;
+    n_waiting    bigint;
+    n_dead       bigint;
+    n_expired    bigint;
+    n_held       bigint;
+    oldest       timestamptz;
+    last_claim   timestamptz;
+    n_producers  integer := 0;
+    p_pid        integer;
+    p_age        interval;
+    guard_on     boolean;
+    -- What the claim holds back (outbox_commit_guard): ids above settled, unless at or below
+    -- open_below and of an aggregate whose key is not in held_keys. NULL settled: nothing.
+    settled      bigint;
+    open_below   bigint;
+    held_keys    integer[];
+BEGIN
+    SELECT i.last_claim_at INTO last_claim FROM outbox_intake i;
+
+    IF to_regprocedure('outbox_open_producers()') IS NOT NULL THEN
+        SELECT count(*)::integer,
+               (array_agg(p.pid ORDER BY p.xact_age DESC NULLS LAST, p.held_above))[1],
+               (array_agg(p.xact_age ORDER BY p.xact_age DESC NULLS LAST, p.held_above))[1]
+          INTO n_producers, p_pid, p_age
+          FROM outbox_open_producers() p;
+    END IF;
+    IF n_producers > 0 THEN
+        SELECT s.commit_order_guard INTO guard_on FROM outbox_settings s;
+        IF guard_on THEN
+            SELECT g.settled, g.open_below, g.held_keys INTO settled, open_below, held_keys
+              FROM outbox_commit_guard() g;
+        END IF;
+    END IF;
+
+    -- One pass over the unfinished events (the partial index outbox_unfinished_by_aggregate_idx).
+    SELECT count(*) FILTER (WHERE o.state = 'pending'),
+           count(*) FILTER (WHERE o.state = 'processing'),
+           count(*) FILTER (WHERE o.state = 'pending' AND o.attempts = 0 AND o.next_attempt_at > now()),
+           count(*) FILTER (WHERE o.state = 'pending' AND o.attempts > 0 AND o.next_attempt_at > now()),
+           count(*) FILTER (WHERE o.state = 'dead'),
+           count(*) FILTER (WHERE o.state = 'processing' AND o.locked_until < now()),
+           count(*) FILTER (WHERE o.state = 'pending' AND o.id > settled
+                              AND (o.id > open_below
+                                   OR outbox_aggregate_key(o.aggregate_type, o.aggregate_id) = ANY (held_keys))),
+           min(o.created_at) FILTER (WHERE o.state IN ('pending', 'processing'))
+      INTO n_pending, n_processing, n_scheduled, n_waiting, n_dead, n_expired, n_held, oldest
+      FROM outbox o
+     WHERE o.unfinished;
+
+    RETURN QUERY SELECT n_pending + n_processing, n_pending, n_processing, n_scheduled, n_waiting, n_dead, n_expired,
+                        now() - oldest, last_claim,
+                        coalesce(last_claim >= now() - interval '1 minute', false),
+                        n_producers, p_pid, p_age, n_held;
+END;
+$$;
+
+COMMENT ON FUNCTION outbox_health_row() IS
+    'The row of the outbox_health view (computed with index scans only).';
+
 CREATE OR REPLACE FUNCTION outbox_xmin_holders()
 RETURNS TABLE (kind text, pid integer, name text, since timestamptz, age interval, xmin_age integer,
                state text, role text, application_name text, past_threshold boolean)
@@ -1130,7 +1251,7 @@ COMMENT ON FUNCTION outbox_xmin_holders() IS
 -- The row of outbox_health_row(), and the oldest xmin holder past the threshold with how many
 -- there are: those columns read no outbox table, so they need none of the row's pinned plans.
 CREATE OR REPLACE VIEW outbox_health AS
-SELECT h.backlog, h.pending, h.processing, h.waiting_retry, h.dead, h.expired_leases, h.oldest_pending_age,
+SELECT h.backlog, h.pending, h.processing, h.scheduled, h.waiting_retry, h.dead, h.expired_leases, h.oldest_pending_age,
        h.last_claim_at, h.worker_claimed_last_minute, h.open_producers, h.oldest_producer_pid,
        h.oldest_producer_age, h.held_by_open_transactions,
        coalesce(x.holders, 0)::integer AS xmin_holders,
@@ -1152,7 +1273,11 @@ SELECT h.backlog, h.pending, h.processing, h.waiting_retry, h.dead, h.expired_le
 COMMENT ON VIEW outbox_health IS
     'One row, cheap (reads unfinished events, the intake row, the lock table and the server''s activity, never the bulk of published ones): backlog, oldest pending age, dead letters, expired leases, last claim and whether a worker claimed within the last minute, open producing transactions and what they hold back, and what holds back the xmin horizon past outbox_settings.xmin_warn_after.';
 
-COMMENT ON COLUMN outbox_health.backlog IS 'Events pending (incl. waiting for a retry or held back) or leased.';
+COMMENT ON COLUMN outbox_health.backlog IS 'Events pending (incl. scheduled, waiting for a retry or held back) or leased.';
+
+COMMENT ON COLUMN outbox_health.scheduled IS 'Pending events never tried whose deliver_at is ahead: waiting for their time, not failing.';
+
+COMMENT ON COLUMN outbox_health.waiting_retry IS 'Pending events that failed and wait for their next attempt (backoff).';
 
 COMMENT ON COLUMN outbox_health.oldest_pending_age IS 'now() - created_at of the oldest pending or leased event; NULL when there is none.';
 

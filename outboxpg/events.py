@@ -27,6 +27,9 @@ class OutboxEvent:
     msg_id: str
     attempt: int
     created_at: datetime
+    # When the event was first due: its deliver_at, or created_at when that came later (None:
+    # created_at). The worker's lag counts from it: a scheduled event is no lag before its time.
+    due_at: datetime | None = None
 
     def json(self) -> Any:
         """The payload parsed (orjson)."""
@@ -36,7 +39,7 @@ class OutboxEvent:
 # The columns of outbox_claim() the worker reads, in this order. Rows are read by position (this
 # runs for every event), at the positions named here.
 CLAIM_COLUMN_NAMES = ("id", "subject", "aggregate_type", "aggregate_id", "event_type", "payload", "headers",
-                      "msg_id", "attempts", "created_at", "lease_token")
+                      "msg_id", "attempts", "created_at", "lease_token", "due_at")
 CLAIM_COLUMNS = ", ".join(CLAIM_COLUMN_NAMES)
 LEASE_TOKEN = CLAIM_COLUMN_NAMES.index("lease_token")
 
@@ -46,11 +49,12 @@ _EMPTY = b"{}"
 # through object.__setattr__ (about 1.7 us for these ten); the slots' own setters, called
 # directly, do the same in about half that.
 _FIELDS = ("id", "subject", "aggregate_type", "aggregate_id", "event_type", "payload", "headers", "msg_id",
-           "attempt", "created_at")
+           "attempt", "created_at", "due_at")
 assert tuple(f.name for f in fields(OutboxEvent)) == _FIELDS, "event_from_row must set every field"
-assert CLAIM_COLUMN_NAMES[:len(_FIELDS)] == _FIELDS[:8] + ("attempts", "created_at"), "event_from_row reads by position"
+assert CLAIM_COLUMN_NAMES[:10] == _FIELDS[:8] + ("attempts", "created_at"), "event_from_row reads by position"
+assert CLAIM_COLUMN_NAMES.index("due_at") == 11, "event_from_row reads by position"
 (_set_id, _set_subject, _set_aggregate_type, _set_aggregate_id, _set_event_type, _set_payload, _set_headers,
- _set_msg_id, _set_attempt, _set_created_at) = (OutboxEvent.__dict__[name].__set__ for name in _FIELDS)
+ _set_msg_id, _set_attempt, _set_created_at, _set_due_at) = (OutboxEvent.__dict__[name].__set__ for name in _FIELDS)
 _new = object.__new__
 
 
@@ -67,6 +71,7 @@ def event_from_row(row: tuple[Any, ...]) -> OutboxEvent:
     _set_msg_id(event, row[7])
     _set_attempt(event, row[8])
     _set_created_at(event, row[9])
+    _set_due_at(event, row[11])
     return event
 
 

@@ -324,7 +324,8 @@ LISTEN = "LISTEN outbox"
 WORKER_IDLE = "SELECT outbox_worker_idle()"
 WORKER_BUSY = "SELECT outbox_worker_busy()"
 # outbox_health: cheap, and readable by the outbox_worker role (the table is not).
-HEALTH_GAUGES = "SELECT backlog, dead, coalesce(extract(epoch FROM oldest_pending_age), 0) FROM outbox_health"
+HEALTH_GAUGES = ("SELECT backlog, dead, coalesce(extract(epoch FROM oldest_pending_age), 0), scheduled, waiting_retry "
+                 "FROM outbox_health")
 
 # -- the producer (outboxpg.producer) -----------------------------------------------------------
 

@@ -528,7 +528,10 @@ RETURNS TABLE (
     attempts       integer,
     created_at     timestamptz,
     lease_token    uuid,
-    locked_until   timestamptz
+    locked_until   timestamptz,
+    -- When the event was first due: its deliver_at, or its creation if that came later. The
+    -- worker's lag counts from it, so a scheduled event is not lag before its time.
+    due_at         timestamptz
 )
 LANGUAGE plpgsql
 -- Runs as its owner: a worker has no rights on the tables.
@@ -923,7 +926,8 @@ BEGIN
                -- The columns' domains, as their base types.
                o.aggregate_type::text, o.aggregate_id::text, o.event_type::text, o.payload,
                o.headers::jsonb, o.msg_id::text,
-               o.attempts, o.created_at, o.lease_token, o.locked_until
+               o.attempts, o.created_at, o.lease_token, o.locked_until,
+               greatest(o.created_at, o.deliver_at)
     )
     SELECT * FROM claimed ORDER BY 1;
 END;

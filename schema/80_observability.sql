@@ -55,9 +55,13 @@
 DO $$ BEGIN PERFORM set_config('search_path', format('%I, pg_temp', current_schema()), false); END $$;
 
 -- Every event counted, published ones included: a tool for people, not for a tight loop.
+-- Of the pending events, two kinds wait for a time: scheduled ones (never tried, deliver_at
+-- ahead) and those waiting for a retry (failed at least once, backoff ahead). A scheduled event
+-- is not a failure: counted apart, so that a dashboard of retries shows failures only.
 CREATE OR REPLACE VIEW outbox_stats AS
 SELECT count(*) FILTER (WHERE state = 'pending')                                AS pending,
-       count(*) FILTER (WHERE state = 'pending' AND next_attempt_at > now())    AS waiting_retry,
+       count(*) FILTER (WHERE state = 'pending' AND attempts = 0 AND next_attempt_at > now()) AS scheduled,
+       count(*) FILTER (WHERE state = 'pending' AND attempts > 0 AND next_attempt_at > now()) AS waiting_retry,
        count(*) FILTER (WHERE state = 'processing')                             AS processing,
        count(*) FILTER (WHERE state = 'published')                              AS published,
        count(*) FILTER (WHERE state = 'dead')                                   AS dead,
@@ -68,7 +72,7 @@ SELECT count(*) FILTER (WHERE state = 'pending')                                
   FROM outbox;
 
 COMMENT ON VIEW outbox_stats IS
-    'One row: events per state, oldest undelivered event''s age, oldest running lease''s age, last claim time.';
+    'One row: events per state (of the pending ones: scheduled, never tried and not due yet; waiting_retry, failed and waiting for their next attempt), oldest undelivered event''s age, oldest running lease''s age, last claim time.';
 
 -- Events failing right now (failed at least once, not delivered yet: pending and waiting for
 -- their retry, or leased again for one), grouped by their last error's first line with the
@@ -133,6 +137,7 @@ RETURNS TABLE (
     backlog                    bigint,
     pending                    bigint,
     processing                 bigint,
+    scheduled                  bigint,
     waiting_retry              bigint,
     dead                       bigint,
     expired_leases             bigint,
@@ -160,6 +165,7 @@ AS $$
 DECLARE
     n_pending    bigint;
     n_processing bigint;
+    n_scheduled  bigint;
     n_waiting    bigint;
     n_dead       bigint;
     n_expired    bigint;
@@ -196,18 +202,19 @@ BEGIN
     -- One pass over the unfinished events (the partial index outbox_unfinished_by_aggregate_idx).
     SELECT count(*) FILTER (WHERE o.state = 'pending'),
            count(*) FILTER (WHERE o.state = 'processing'),
-           count(*) FILTER (WHERE o.state = 'pending' AND o.next_attempt_at > now()),
+           count(*) FILTER (WHERE o.state = 'pending' AND o.attempts = 0 AND o.next_attempt_at > now()),
+           count(*) FILTER (WHERE o.state = 'pending' AND o.attempts > 0 AND o.next_attempt_at > now()),
            count(*) FILTER (WHERE o.state = 'dead'),
            count(*) FILTER (WHERE o.state = 'processing' AND o.locked_until < now()),
            count(*) FILTER (WHERE o.state = 'pending' AND o.id > settled
                               AND (o.id > open_below
                                    OR outbox_aggregate_key(o.aggregate_type, o.aggregate_id) = ANY (held_keys))),
            min(o.created_at) FILTER (WHERE o.state IN ('pending', 'processing'))
-      INTO n_pending, n_processing, n_waiting, n_dead, n_expired, n_held, oldest
+      INTO n_pending, n_processing, n_scheduled, n_waiting, n_dead, n_expired, n_held, oldest
       FROM outbox o
      WHERE o.unfinished;
 
-    RETURN QUERY SELECT n_pending + n_processing, n_pending, n_processing, n_waiting, n_dead, n_expired,
+    RETURN QUERY SELECT n_pending + n_processing, n_pending, n_processing, n_scheduled, n_waiting, n_dead, n_expired,
                         now() - oldest, last_claim,
                         coalesce(last_claim >= now() - interval '1 minute', false),
                         n_producers, p_pid, p_age, n_held;
@@ -268,7 +275,7 @@ COMMENT ON FUNCTION outbox_xmin_holders() IS
 -- The row of outbox_health_row(), and the oldest xmin holder past the threshold with how many
 -- there are: those columns read no outbox table, so they need none of the row's pinned plans.
 CREATE OR REPLACE VIEW outbox_health AS
-SELECT h.backlog, h.pending, h.processing, h.waiting_retry, h.dead, h.expired_leases, h.oldest_pending_age,
+SELECT h.backlog, h.pending, h.processing, h.scheduled, h.waiting_retry, h.dead, h.expired_leases, h.oldest_pending_age,
        h.last_claim_at, h.worker_claimed_last_minute, h.open_producers, h.oldest_producer_pid,
        h.oldest_producer_age, h.held_by_open_transactions,
        coalesce(x.holders, 0)::integer AS xmin_holders,
@@ -289,7 +296,9 @@ SELECT h.backlog, h.pending, h.processing, h.waiting_retry, h.dead, h.expired_le
 
 COMMENT ON VIEW outbox_health IS
     'One row, cheap (reads unfinished events, the intake row, the lock table and the server''s activity, never the bulk of published ones): backlog, oldest pending age, dead letters, expired leases, last claim and whether a worker claimed within the last minute, open producing transactions and what they hold back, and what holds back the xmin horizon past outbox_settings.xmin_warn_after.';
-COMMENT ON COLUMN outbox_health.backlog IS 'Events pending (incl. waiting for a retry or held back) or leased.';
+COMMENT ON COLUMN outbox_health.backlog IS 'Events pending (incl. scheduled, waiting for a retry or held back) or leased.';
+COMMENT ON COLUMN outbox_health.scheduled IS 'Pending events never tried whose deliver_at is ahead: waiting for their time, not failing.';
+COMMENT ON COLUMN outbox_health.waiting_retry IS 'Pending events that failed and wait for their next attempt (backoff).';
 COMMENT ON COLUMN outbox_health.oldest_pending_age IS 'now() - created_at of the oldest pending or leased event; NULL when there is none.';
 COMMENT ON COLUMN outbox_health.dead IS 'Dead letters: each holds back the later events of its aggregate until requeued or discarded.';
 COMMENT ON COLUMN outbox_health.expired_leases IS 'Leases past locked_until (worker died or hung); the next outbox_claim() retries them.';

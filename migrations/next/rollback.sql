@@ -9,6 +9,8 @@ DROP VIEW outbox_health;
 DROP FUNCTION outbox_xmin_holders();
 DROP FUNCTION outbox_claim(integer, interval, text, bigint);
 DROP FUNCTION outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean, integer);
+DROP VIEW outbox_stats;
+DROP FUNCTION outbox_health_row();
 
 -- Back to one namespace of keys: where two producers hold one key, the earlier event keeps it.
 DELETE FROM outbox_idempotency k

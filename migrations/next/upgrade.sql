@@ -12,6 +12,11 @@ DROP FUNCTION outbox_xmin_holders();
 DROP FUNCTION outbox_claim(integer, interval, text);
 DROP FUNCTION outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean);
 
+-- outbox_stats and outbox_health count scheduled events apart from those waiting for a retry (a
+-- column more, in the middle). Made again below.
+DROP VIEW outbox_stats;
+DROP FUNCTION outbox_health_row();
+
 ALTER TABLE outbox_settings
     ADD COLUMN allowed_subject_prefixes text[] NOT NULL DEFAULT '{}'
                        CONSTRAINT allowed_subject_prefixes_are_valid_nats_subjects CHECK (

@@ -261,8 +261,9 @@ def _render(snap: dict[str, Any]) -> list[str]:
     lines = [f"outboxpg status: {where_text(snap['database'])}, {checked.isoformat(sep=' ', timespec='seconds')}", "",
              "health (outbox_health)"]
     lines += pairs([
-        ("backlog", f"{h['backlog']}  (pending {h['pending']}, of which waiting for a retry "
-                    f"{h['waiting_retry']}; processing {h['processing']})"),
+        # Scheduled events (never tried, not due yet) are not failures: counted apart from retries.
+        ("backlog", f"{h['backlog']}  (pending {h['pending']}, of which scheduled {h['scheduled']}, waiting for a "
+                    f"retry {h['waiting_retry']}; processing {h['processing']})"),
         ("oldest pending age", age(oldest) if oldest is not None else "none pending"),
         ("dead letters", h["dead"]),
         ("expired leases", h["expired_leases"]),

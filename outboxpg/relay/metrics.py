@@ -1,8 +1,9 @@
 """Prometheus metrics of a worker (``outboxpg-worker --metrics-port N``).
 
 Counters and histograms are updated by the worker as it goes. The gauges that come from the
-database (backlog, oldest pending age) are read only when Prometheus scrapes, at most once per
-``sample_every`` seconds: a worker that nobody scrapes sends no extra queries.
+database (backlog, scheduled and retrying events, dead letters, oldest pending age) are read only
+when Prometheus scrapes, at most once per ``sample_every`` seconds: a worker that nobody scrapes
+sends no extra queries.
 
 Producers choose event types, and each value of a label is a time series the worker keeps and
 every scrape carries: the ``event_type`` label takes the first ``max_event_types`` values seen
@@ -34,7 +35,8 @@ _BATCH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 
 
 class _DatabaseGauges(Collector):
-    """Backlog and oldest pending age, read from the database on scrape (cached)."""
+    """Backlog, scheduled and retrying events, dead letters and oldest pending age, read from the
+    database on scrape (cached)."""
 
     def __init__(self, dsn: str, sample_every: float, application_name: str) -> None:
         self.dsn = dsn
@@ -42,9 +44,9 @@ class _DatabaseGauges(Collector):
         self.sample_every = sample_every
         self._lock = threading.Lock()
         self._at = 0.0
-        self._values: tuple[float, float, float] | None = None
+        self._values: tuple[float, ...] | None = None
 
-    def _sample(self) -> tuple[float, float, float] | None:
+    def _sample(self) -> tuple[float, ...] | None:
         with self._lock:
             if self._values is not None and time.monotonic() - self._at < self.sample_every:
                 return self._values
@@ -56,7 +58,7 @@ class _DatabaseGauges(Collector):
             except psycopg.Error:
                 return self._values
             assert row is not None
-            self._values = (float(row[0]), float(row[1]), float(row[2]))
+            self._values = tuple(float(v) for v in row)
             self._at = time.monotonic()
             return self._values
 
@@ -64,9 +66,14 @@ class _DatabaseGauges(Collector):
         values = self._sample()
         if values is None:
             return
-        backlog, dead, age = values
+        backlog, dead, age, scheduled, waiting_retry = values
         yield GaugeMetricFamily("outboxpg_backlog_events", "Events pending or leased (sampled from the database).",
                                 value=backlog)
+        yield GaugeMetricFamily("outboxpg_scheduled_events",
+                                "Pending events never tried whose deliver_at is ahead (sampled).", value=scheduled)
+        yield GaugeMetricFamily("outboxpg_waiting_retry_events",
+                                "Pending events that failed and wait for their next attempt (sampled).",
+                                value=waiting_retry)
         yield GaugeMetricFamily("outboxpg_dead_events", "Dead events waiting for an operator (sampled).", value=dead)
         yield GaugeMetricFamily("outboxpg_oldest_pending_age_seconds",
                                 "Age of the oldest event not yet delivered (sampled).", value=age)
@@ -96,7 +103,8 @@ class WorkerMetrics:
                                          "Time to publish one batch and receive its acks.",
                                          buckets=_LATENCY_BUCKETS, registry=r)
         self.lag_seconds = Histogram("outboxpg_event_lag_seconds",
-                                     "From the event's created_at (its transaction's start) to the broker's ack.",
+                                     "From when the event was due (its created_at, its transaction's start, "
+                                     "or a later deliver_at) to the broker's ack.",
                                      buckets=_LATENCY_BUCKETS, registry=r)
         self.claim_size = Histogram("outboxpg_claim_batch_size", "Events returned by each non-empty claim.",
                                     buckets=_BATCH_BUCKETS, registry=r)

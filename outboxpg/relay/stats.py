@@ -104,14 +104,16 @@ class Recorder:
                         "published after the lease expired and was taken over; the new holder republishes "
                         "(same msg_id)")
         if events:
-            created = [e.created_at for e in events]
+            # From when each event was due (a scheduled event's deliver_at), not its creation: an
+            # event due in 20 s and delivered on time is no lag.
+            due = [e.due_at or e.created_at for e in events]
             # Summed as timedeltas by map()/sum() in C, not one Python step per event.
-            st.lag_sum += sum(map(acked_at.__sub__, created), _NO_TIME).total_seconds()
-            st.lag_count += len(created)
-            st.lag_max = max(st.lag_max, (acked_at - min(created)).total_seconds())
+            st.lag_sum += sum(map(acked_at.__sub__, due), _NO_TIME).total_seconds()
+            st.lag_count += len(due)
+            st.lag_max = max(st.lag_max, (acked_at - min(due)).total_seconds())
             if m is not None:
-                for c in created:
-                    m.lag_seconds.observe((acked_at - c).total_seconds())
+                for d in due:
+                    m.lag_seconds.observe((acked_at - d).total_seconds())
         if m is not None:
             # Which reports were refused for a lost lease is not known one by one: count the
             # first `completed` delivered events by type (exact whenever no lease was lost).

@@ -5,18 +5,21 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
 import pytest
-from helpers import claim_ids
+from commands import run_all
+from helpers import claim, claim_ids, complete, fail, make_due
 from roles import denied
-from workers import start, wait_until
+from workers import event, start, wait_until
 
 from outboxpg import Event, enqueue, enqueue_many
 from outboxpg.events import OutboxEvent
 from outboxpg.relay.publishers import FunctionPublisher
+from outboxpg.relay.stats import Recorder
 
 
 def insert(conn: psycopg.Connection[Any], agg: str, deliver_at: str | None = None) -> int:
@@ -179,3 +182,61 @@ async def test_an_idle_worker_publishes_a_scheduled_event_at_its_time_without_po
     await running.stop()
     assert published["now"] - t0 < 1.0
     assert 1.4 <= published["later"] - t0 < 4.0     # at its time, not at the 120 s poll
+
+
+# -- scheduled events are neither failures nor lag ----------------------------------------------
+
+def test_a_scheduled_event_is_counted_scheduled_not_waiting_for_a_retry(dsn, conn):
+    """An event whose deliver_at is ahead and that was never tried is 'scheduled' in outbox_stats,
+    outbox_health and `outboxpg status`; waiting_retry keeps meaning failed and waiting."""
+    scheduled = insert(conn, "7", "1 hour")
+    failing = insert(conn, "8")
+    insert(conn, "9", "-1 minute")                # due already: neither
+    (row, due) = claim(conn, 10)
+    assert row["id"] == failing
+    assert fail(conn, failing, row["lease_token"]) == "pending"
+    complete(conn, [due["id"]], due["lease_token"])
+    stats = conn.execute("SELECT pending, scheduled, waiting_retry FROM outbox_stats").fetchone()
+    assert stats == (2, 1, 1)
+    health = conn.execute("SELECT pending, scheduled, waiting_retry FROM outbox_health").fetchone()
+    assert health == (2, 1, 1)
+
+    js, text = run_all(("status", "--dsn", dsn, "--json"), ("status", "--dsn", dsn))
+    h = js.json()["health"]
+    assert (h["pending"], h["scheduled"], h["waiting_retry"]) == (2, 1, 1)
+    assert text.code == 0, text
+    assert "(pending 2, of which scheduled 1, waiting for a retry 1; processing 0)" in text.out, text.out
+    # Due, it is neither: it waits for a worker like any other event.
+    conn.execute("UPDATE outbox SET next_attempt_at = now() - interval '1 second' WHERE id = %s", (scheduled,))
+    assert conn.execute("SELECT scheduled, waiting_retry FROM outbox_stats").fetchone() == (0, 1)
+
+
+def test_the_claim_says_when_an_event_was_due(conn):
+    """outbox_claim's due_at: when the event was first due (its deliver_at, or its creation when
+    that came later), which the worker's lag counts from."""
+    later = insert(conn, "7", "1.2 seconds")
+    past = insert(conn, "8", "-1 hour")
+    now = insert(conn, "9")
+    created = dict(conn.execute("SELECT id, created_at FROM outbox").fetchall())
+    deliver_at = conn.execute("SELECT deliver_at FROM outbox WHERE id = %s", (later,)).fetchone()[0]
+    rows = {r["id"]: r for r in claim(conn, 10)}
+    assert rows[past]["due_at"] == created[past] and rows[now]["due_at"] == created[now]
+    got, _ = claim_until(conn, 1, 5)
+    assert got == [later]
+    fail(conn, later, conn.execute("SELECT lease_token FROM outbox WHERE id = %s", (later,)).fetchone()[0])
+    make_due(conn, [later])
+    (again,) = claim(conn, 10)                      # a retry: still due since deliver_at
+    assert again["id"] == later and again["due_at"] == deliver_at
+
+
+def test_worker_lag_counts_from_when_the_event_was_due():
+    """An event due in 20 s and delivered 10 ms after is 10 ms of lag, not 20,010 (lag_max_ms)."""
+    created = datetime.now(UTC)
+    due = created + timedelta(seconds=20)
+    scheduled = replace(event(1, "x", created_at=created), due_at=due)
+    plain = event(2, "x", created_at=due)           # an OutboxEvent made without due_at: created_at
+    recorder = Recorder("w", 60.0, None)
+    acked = due + timedelta(milliseconds=10)
+    recorder.reported([scheduled, plain], acked, [scheduled, plain], 2, [], [], 0, 0)
+    assert abs(recorder.stats.lag_max - 0.010) < 1e-6
+    assert abs(recorder.stats.lag_sum - 0.020) < 1e-6

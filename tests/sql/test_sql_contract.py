@@ -627,7 +627,7 @@ def _stats(conn: Conn) -> dict[str, Any]:
 
 
 def test_stats_on_empty_outbox(conn: Conn) -> None:
-    assert _stats(conn) == {"pending": 0, "waiting_retry": 0, "processing": 0, "published": 0, "dead": 0,
+    assert _stats(conn) == {"pending": 0, "scheduled": 0, "waiting_retry": 0, "processing": 0, "published": 0, "dead": 0,
                             "discarded": 0, "oldest_pending_age": None, "oldest_lease_age": None,
                             "last_claim_at": None}
 

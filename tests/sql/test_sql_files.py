@@ -203,7 +203,7 @@ NO_PRODUCERS = {"open_producers": 0, "oldest_producer_pid": None, "oldest_produc
 
 
 def test_health_of_an_empty_outbox(conn: psycopg.Connection[Any]) -> None:
-    assert health(conn) == {"backlog": 0, "pending": 0, "processing": 0, "waiting_retry": 0, "dead": 0,
+    assert health(conn) == {"backlog": 0, "pending": 0, "processing": 0, "scheduled": 0, "waiting_retry": 0, "dead": 0,
                             "expired_leases": 0, "oldest_pending_age": None, "last_claim_at": None,
                             "worker_claimed_last_minute": False, **NO_PRODUCERS}
 
@@ -214,7 +214,8 @@ def test_health_of_known_data(conn: psycopg.Connection[Any]) -> None:
         h = health(conn)
         oldest = conn.execute("SELECT now() - min(created_at) FROM outbox WHERE state IN ('pending', 'processing')"
                               ).fetchone()
-    assert h == {"backlog": 3, "pending": 2, "processing": 1, "waiting_retry": 0, "dead": 4, "expired_leases": 0,
+    assert h == {"backlog": 3, "pending": 2, "processing": 1, "scheduled": 0, "waiting_retry": 0, "dead": 4,
+                 "expired_leases": 0,
                  "oldest_pending_age": oldest[0] if oldest else None, "last_claim_at": last_claim_at(conn),
                  "worker_claimed_last_minute": True, **NO_PRODUCERS}
     # kept to the second by the claims: at most a second before the last one
