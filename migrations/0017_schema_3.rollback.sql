@@ -16,7 +16,8 @@ DROP FUNCTION outbox_untrusted_creators();
 DROP VIEW outbox_health;
 DROP FUNCTION outbox_xmin_holders();
 DROP FUNCTION outbox_claim(integer, interval, text, bigint);
-DROP FUNCTION outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean, integer);
+DROP FUNCTION outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean, integer, boolean);
+DROP FUNCTION outbox_replay_candidates(bigint[], text, text, text, timestamptz, timestamptz, boolean);
 DROP VIEW outbox_stats;
 DROP FUNCTION outbox_health_row();
 
@@ -28,9 +29,9 @@ ALTER TABLE outbox_idempotency DROP CONSTRAINT outbox_idempotency_pkey, DROP COL
     ADD CONSTRAINT outbox_idempotency_pkey PRIMARY KEY (idempotency_key);
 
 -- A dropped column keeps its grants (and its roles' dependencies on them): revoked first.
-REVOKE SELECT (produced_by, size_bytes) ON outbox FROM outbox_operator;
+REVOKE SELECT (produced_by, size_bytes, replay_of) ON outbox FROM outbox_operator;
 GRANT SELECT (lease_token) ON outbox TO outbox_operator;
-ALTER TABLE outbox DROP COLUMN produced_by, DROP COLUMN size_bytes;
+ALTER TABLE outbox DROP COLUMN produced_by, DROP COLUMN size_bytes, DROP COLUMN replay_of;
 REVOKE SELECT (allowed_subject_prefixes) ON outbox_settings FROM outbox_worker;
 ALTER TABLE outbox_settings DROP COLUMN allowed_subject_prefixes, DROP COLUMN max_event_bytes,
     DROP COLUMN max_deliver_delay, DROP COLUMN max_claim_bytes;
@@ -819,6 +820,43 @@ BEGIN
 END;
 $$;
 
+CREATE OR REPLACE FUNCTION outbox_replay_candidates(ids bigint[] DEFAULT NULL, aggregate_type text DEFAULT NULL,
+                                         aggregate_id text DEFAULT NULL, event_type text DEFAULT NULL,
+                                         since timestamptz DEFAULT NULL, until timestamptz DEFAULT NULL)
+RETURNS TABLE (id bigint, created_at timestamptz)
+LANGUAGE plpgsql
+STABLE
+-- Runs as its owner, like outbox_replay, which reads its rows: the same selection for both.
+SECURITY DEFINER
+SET search_path FROM CURRENT
+-- A plan per call, with the filters' values: "since IS NULL OR created_at >= since" folds away
+-- and the partitions outside [since, until) are pruned, which a generic plan cannot do.
+SET plan_cache_mode = force_custom_plan
+AS $$
+BEGIN
+    IF num_nonnulls(ids, aggregate_type, aggregate_id, event_type, since, until) = 0 THEN
+        RAISE EXCEPTION 'outbox_replay: no filter given: refusing to replay every published event'
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Give ids, aggregate_type, aggregate_id, event_type, since or until (combined with AND).';
+    END IF;
+    IF since >= until THEN
+        RAISE EXCEPTION 'outbox_replay: since (%) is not before until (%)', since, until
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    RETURN QUERY
+    SELECT o.id, o.created_at
+      FROM outbox o
+     WHERE o.state = 'published'
+       AND (outbox_replay_candidates.ids IS NULL OR o.id = ANY (outbox_replay_candidates.ids))
+       AND (outbox_replay_candidates.aggregate_type IS NULL OR o.aggregate_type = outbox_replay_candidates.aggregate_type)
+       AND (outbox_replay_candidates.aggregate_id IS NULL OR o.aggregate_id = outbox_replay_candidates.aggregate_id)
+       AND (outbox_replay_candidates.event_type IS NULL OR o.event_type = outbox_replay_candidates.event_type)
+       AND (outbox_replay_candidates.since IS NULL OR o.created_at >= outbox_replay_candidates.since)
+       AND (outbox_replay_candidates.until IS NULL OR o.created_at < outbox_replay_candidates.until)
+     ORDER BY o.id;
+END;
+$$;
+
 CREATE OR REPLACE FUNCTION outbox_replay(ids bigint[] DEFAULT NULL, aggregate_type text DEFAULT NULL,
                               aggregate_id text DEFAULT NULL, event_type text DEFAULT NULL,
                               since timestamptz DEFAULT NULL, until timestamptz DEFAULT NULL,
@@ -1004,6 +1042,9 @@ COMMENT ON FUNCTION outbox_idempotency_event(text) IS
 
 COMMENT ON FUNCTION outbox_cancel(bigint[]) IS
     'Take not-yet-delivered events (pending, scheduled or not, and dead) out of the flow: discarded with reason ''cancelled''; the next event of their aggregate becomes claimable. A claimed event is left alone. Returns how many were cancelled.';
+
+COMMENT ON FUNCTION outbox_replay_candidates(bigint[], text, text, text, timestamptz, timestamptz) IS
+    'The published events outbox_replay would copy with the same filters (combined with AND, at least one; created_at in [since, until)), in id order: its dry run.';
 
 COMMENT ON FUNCTION outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean) IS
     'Re-send published events still in the table as new events, in their original order (filters as outbox_replay_candidates, at least one); same msg_id unless new_msg_id (JetStream drops a copy inside its duplicate window); header Outbox-Replay-Of names the original. Returns how many.';

@@ -21,9 +21,10 @@ DROP FUNCTION outbox_claim(integer, interval, text);
 DROP FUNCTION outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean);
 
 -- outbox_stats and outbox_health count scheduled events apart from those waiting for a retry (a
--- column more, in the middle). Made again below.
+-- column more, in the middle); outbox_replay_candidates takes include_replays. Made again below.
 DROP VIEW outbox_stats;
 DROP FUNCTION outbox_health_row();
+DROP FUNCTION outbox_replay_candidates(bigint[], text, text, text, timestamptz, timestamptz);
 
 ALTER TABLE outbox_settings
     ADD COLUMN allowed_subject_prefixes text[] NOT NULL DEFAULT '{}'
@@ -58,6 +59,10 @@ REVOKE SELECT (lease_token) ON outbox FROM outbox_operator;
 -- far it has read them (outbox_take_in).
 ALTER TABLE outbox_intake ADD COLUMN newest_id bigint NOT NULL DEFAULT 0;
 
+-- A replay's copy names the event it copies, so that a replay copies originals only. Nullable
+-- without a default: a change of the catalog alone, no table rewrite.
+ALTER TABLE outbox ADD COLUMN replay_of bigint;
+
 COMMENT ON COLUMN outbox_settings.allowed_subject_prefixes IS
     'Prefixes (whole tokens) an explicit subject may have besides subject_prefix; any other subject is refused at INSERT.';
 
@@ -69,6 +74,9 @@ COMMENT ON COLUMN outbox_settings.max_deliver_delay IS
 
 COMMENT ON COLUMN outbox_settings.max_claim_bytes IS
     'The bytes of events (size_bytes) one outbox_claim hands out when the caller gives no max_bytes; one event always goes.';
+
+COMMENT ON COLUMN outbox.replay_of IS
+    'The event this one is a copy of (outbox_replay); NULL: written by a producer.';
 
 COMMENT ON COLUMN outbox.produced_by IS
     'The login that wrote the event (session_user); set by the insert, never by the producer.';
@@ -999,12 +1007,58 @@ $$;
 COMMENT ON FUNCTION outbox_claim(integer, interval, text, bigint) IS
     'Lease up to batch_size due events (at most max_bytes of them, default outbox_settings.max_claim_bytes; one at least) under a new lease_token: runs of up to max_run consecutive events per aggregate, oldest heads first, rows in id order; reclaims expired runs (one failed attempt for the run''s first event).';
 
+CREATE OR REPLACE FUNCTION outbox_replay_candidates(ids bigint[] DEFAULT NULL, aggregate_type text DEFAULT NULL,
+                                         aggregate_id text DEFAULT NULL, event_type text DEFAULT NULL,
+                                         since timestamptz DEFAULT NULL, until timestamptz DEFAULT NULL,
+                                         include_replays boolean DEFAULT false)
+RETURNS TABLE (id bigint, created_at timestamptz)
+LANGUAGE plpgsql
+STABLE
+-- Runs as its owner, like outbox_replay, which reads its rows: the same selection for both.
+SECURITY DEFINER
+SET search_path FROM CURRENT
+-- A plan per call, with the filters' values: "since IS NULL OR created_at >= since" folds away
+-- and the partitions outside [since, until) are pruned, which a generic plan cannot do.
+SET plan_cache_mode = force_custom_plan
+AS $$
+BEGIN
+    IF num_nonnulls(ids, aggregate_type, aggregate_id, event_type, since, until) = 0 THEN
+        RAISE EXCEPTION 'outbox_replay: no filter given: refusing to replay every published event'
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Give ids, aggregate_type, aggregate_id, event_type, since or until (combined with AND).';
+    END IF;
+    IF since >= until THEN
+        RAISE EXCEPTION 'outbox_replay: since (%) is not before until (%)', since, until
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF include_replays IS NULL THEN
+        RAISE EXCEPTION 'outbox_replay: include_replays must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    RETURN QUERY
+    SELECT o.id, o.created_at
+      FROM outbox o
+     WHERE o.state = 'published'
+       AND (outbox_replay_candidates.ids IS NULL OR o.id = ANY (outbox_replay_candidates.ids))
+       AND (outbox_replay_candidates.aggregate_type IS NULL OR o.aggregate_type = outbox_replay_candidates.aggregate_type)
+       AND (outbox_replay_candidates.aggregate_id IS NULL OR o.aggregate_id = outbox_replay_candidates.aggregate_id)
+       AND (outbox_replay_candidates.event_type IS NULL OR o.event_type = outbox_replay_candidates.event_type)
+       AND (outbox_replay_candidates.since IS NULL OR o.created_at >= outbox_replay_candidates.since)
+       AND (outbox_replay_candidates.until IS NULL OR o.created_at < outbox_replay_candidates.until)
+       AND (outbox_replay_candidates.include_replays OR o.replay_of IS NULL)
+     ORDER BY o.id;
+END;
+$$;
+
+COMMENT ON FUNCTION outbox_replay_candidates(bigint[], text, text, text, timestamptz, timestamptz, boolean) IS
+    'The published events outbox_replay would copy with the same filters (combined with AND, at least one; created_at in [since, until); copies made by earlier replays only with include_replays), in id order: its dry run.';
+
 -- At most max_events copies a call, all or nothing: a filter that matches more (a slip such as
 -- since => '-infinity') copies nothing and says how to go on.
 CREATE OR REPLACE FUNCTION outbox_replay(ids bigint[] DEFAULT NULL, aggregate_type text DEFAULT NULL,
                               aggregate_id text DEFAULT NULL, event_type text DEFAULT NULL,
                               since timestamptz DEFAULT NULL, until timestamptz DEFAULT NULL,
-                              new_msg_id boolean DEFAULT false, max_events integer DEFAULT 10000) RETURNS integer
+                              new_msg_id boolean DEFAULT false, max_events integer DEFAULT 10000,
+                              include_replays boolean DEFAULT false) RETURNS integer
 LANGUAGE plpgsql
 -- Runs as its owner: an operator may not insert events nor read payloads itself.
 SECURITY DEFINER
@@ -1023,15 +1077,18 @@ BEGIN
     -- Through the insert path of every event (its trigger assigns the ids in this statement's
     -- order). A copy belongs to the original's producer. One more than the cap is read: finding
     -- it undoes the statement.
-    INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers, subject, msg_id, produced_by)
+    INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers, subject, msg_id, produced_by,
+                        replay_of)
     SELECT o.aggregate_type, o.aggregate_id, o.event_type, o.payload,
            o.headers || jsonb_build_object('Outbox-Replay-Of', o.id::text),
            o.subject,
            CASE WHEN outbox_replay.new_msg_id THEN gen_random_uuid()::text ELSE o.msg_id END,
-           o.produced_by
+           o.produced_by,
+           o.id
       FROM (SELECT c.id, c.created_at
               FROM outbox_replay_candidates(outbox_replay.ids, outbox_replay.aggregate_type, outbox_replay.aggregate_id,
-                                            outbox_replay.event_type, outbox_replay.since, outbox_replay.until) c
+                                            outbox_replay.event_type, outbox_replay.since, outbox_replay.until,
+                                            outbox_replay.include_replays) c
              ORDER BY c.id
              LIMIT max_events + 1) c
       JOIN outbox o ON o.id = c.id AND o.created_at = c.created_at
@@ -1046,8 +1103,8 @@ BEGIN
 END;
 $$;
 
-COMMENT ON FUNCTION outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean, integer) IS
-    'Re-send published events still in the table as new events, in their original order (filters as outbox_replay_candidates, at least one; at most max_events, else none); same msg_id unless new_msg_id (JetStream drops a copy inside its duplicate window); header Outbox-Replay-Of names the original. Returns how many.';
+COMMENT ON FUNCTION outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean, integer, boolean) IS
+    'Re-send published events still in the table as new events, in their original order (filters as outbox_replay_candidates, at least one; copies of earlier replays only with include_replays; at most max_events, else none); same msg_id unless new_msg_id (JetStream drops a copy inside its duplicate window); replay_of and header Outbox-Replay-Of name the original. Returns how many.';
 
 -- Keys of finished events are forgotten here, not on the producers' path: a producer that
 -- deleted or touched other keys' rows would make producers wait on each other, and deadlock
@@ -1383,8 +1440,8 @@ REVOKE EXECUTE ON FUNCTION
     outbox_fail(bigint, uuid, text, boolean), outbox_release(bigint[], uuid),
     outbox_extend(bigint[], uuid, interval),
     outbox_requeue(bigint[]), outbox_discard(bigint[], text),
-    outbox_replay_candidates(bigint[], text, text, text, timestamptz, timestamptz),
-    outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean, integer),
+    outbox_replay_candidates(bigint[], text, text, text, timestamptz, timestamptz, boolean),
+    outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean, integer, boolean),
     outbox_maintain(boolean), outbox_forget_deleted(), outbox_idempotency_forget(integer),
     outbox_open_producers(), outbox_health_row(), outbox_xmin_holders(), outbox_unfinished_subjects(integer),
     outbox_untrusted_creators()
@@ -1417,8 +1474,8 @@ GRANT SELECT ON outbox_stats, outbox_dead_letters, outbox_failing, outbox_partit
 
 GRANT EXECUTE ON FUNCTION
     outbox_requeue(bigint[]), outbox_discard(bigint[], text), outbox_cancel(bigint[]),
-    outbox_replay_candidates(bigint[], text, text, text, timestamptz, timestamptz),
-    outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean, integer),
+    outbox_replay_candidates(bigint[], text, text, text, timestamptz, timestamptz, boolean),
+    outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean, integer, boolean),
     outbox_maintain(boolean), outbox_idempotency_forget(integer), outbox_idempotency_event(text),
     outbox_unfinished_subjects(integer), outbox_health_row(), outbox_open_producers(), outbox_xmin_holders(),
     outbox_untrusted_creators()
@@ -1430,5 +1487,5 @@ GRANT SELECT (id, created_at, aggregate_type, aggregate_id, event_type, subject,
               published_at, dead_at, discarded_at, discard_reason,
               in_flow, unfinished,   -- what the partial indexes select on
               tableoid,              -- which partition an event is in
-              deliver_at, idempotency_key, expires_at, produced_by, size_bytes)
+              deliver_at, idempotency_key, expires_at, produced_by, size_bytes, replay_of)
     ON outbox TO outbox_operator;

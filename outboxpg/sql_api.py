@@ -84,10 +84,10 @@ REQUEUE = _f("outbox_requeue", "bigint[]", callers=(OPERATOR,), definer=True)
 DISCARD = _f("outbox_discard", "bigint[]", "text", callers=(OPERATOR,), definer=True)
 # re-send published events (operators only); the candidates are its dry run
 TS = "timestamp with time zone"
-REPLAY = _f("outbox_replay", "bigint[]", "text", "text", "text", TS, TS, "boolean", "integer", callers=(OPERATOR,),
-            definer=True)
-REPLAY_CANDIDATES = _f("outbox_replay_candidates", "bigint[]", "text", "text", "text", TS, TS, callers=(OPERATOR,),
-                       definer=True, settings=("plan_cache_mode=force_custom_plan", *PATH))
+REPLAY = _f("outbox_replay", "bigint[]", "text", "text", "text", TS, TS, "boolean", "integer", "boolean",
+            callers=(OPERATOR,), definer=True)
+REPLAY_CANDIDATES = _f("outbox_replay_candidates", "bigint[]", "text", "text", "text", TS, TS, "boolean",
+                       callers=(OPERATOR,), definer=True, settings=("plan_cache_mode=force_custom_plan", *PATH))
 # -- producers and operators --------------------------------------------------------------------
 CANCEL = _f("outbox_cancel", "bigint[]", callers=(PRODUCER, OPERATOR), definer=True)   # scheduled events
 # idempotent enqueue. The insert trigger calls the first as the producer; enqueue the second.

@@ -349,7 +349,9 @@ REPLAY = sql.SQL("SELECT outbox_replay({})")   # {}: the filters given, as named
 # How many match, and the first of them (at most %(first)s: the cap, past which the replay is refused).
 REPLAY_COUNT = sql.SQL("SELECT count(*) FROM outbox_replay_candidates({})")
 REPLAY_CANDIDATES = sql.SQL(
-    "SELECT c.id, c.created_at, o.aggregate_type, o.aggregate_id, o.event_type "
+    "SELECT c.id, c.created_at, o.aggregate_type, o.aggregate_id, o.event_type, o.msg_id, o.replay_of "
     "FROM (SELECT * FROM outbox_replay_candidates({}) ORDER BY id LIMIT %(first)s) c "
     "JOIN outbox o ON o.id = c.id AND o.created_at = c.created_at ORDER BY c.id")
 NAMED_ARGUMENT = sql.SQL("{} => {}::{}")      # name => %(name)s::type
+# The given ids' states, and of a copy made by an earlier replay the event it copies.
+REPLAY_STATE_BY_ID = "SELECT id, state::text, replay_of FROM outbox WHERE id = ANY (%s)"

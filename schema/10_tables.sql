@@ -246,6 +246,12 @@ CREATE TABLE outbox (
     -- payload and headers in bytes, as the insert trigger measured them (the jsonb datums before
     -- compression): what max_event_bytes and a claim's byte budget count.
     size_bytes      integer,
+    -- A copy made by outbox_replay: the id of the event it copies (NULL: an event a producer
+    -- wrote). Replays copy only events where it is NULL unless asked (include_replays), so that
+    -- replaying an aggregate twice sends its events twice, not its events and the first copies.
+    -- Producers may not write it. No foreign key: a partitioned table's key includes
+    -- created_at, and the original's partition may be dropped before the copy's.
+    replay_of       bigint,
 
     -- A unique constraint on a partitioned table must contain the partition key.
     PRIMARY KEY (id, created_at),
@@ -259,6 +265,8 @@ COMMENT ON TABLE outbox IS
     'outboxpg events. INSERT (aggregate_type, aggregate_id, event_type, payload[, subject, headers, msg_id]) in your business transaction; everything else goes through the outbox_* functions.';
 COMMENT ON COLUMN outbox.deliver_at IS
     'Not handed out before this time (NULL: at once). Copied into next_attempt_at at insert.';
+COMMENT ON COLUMN outbox.replay_of IS
+    'The event this one is a copy of (outbox_replay); NULL: written by a producer.';
 COMMENT ON COLUMN outbox.idempotency_key IS
     'Optional: while an event with this key is unfinished, another one with it is not inserted.';
 COMMENT ON COLUMN outbox.expires_at IS

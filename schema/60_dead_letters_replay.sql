@@ -32,7 +32,7 @@
 -- What a copy keeps: aggregate_type, aggregate_id, event_type, payload, subject (NULL stays
 -- NULL: the default subject is resolved at claim time with the subject_prefix of the day),
 -- headers plus 'Outbox-Replay-Of: <original id>' (a consumer, or a query on headers, can tell a
--- copy; a copy of a copy names its own source), and msg_id: the broker's deduplication key, the
+-- copy), the same id in replay_of (which producers may not write), and msg_id: the broker's deduplication key, the
 -- same one by default, so JetStream drops a copy whose original it still remembers (within the
 -- stream's duplicate window) and stores it again after; new_msg_id => true gives each copy a
 -- fresh one, so the stream stores it whatever the window: a forced redelivery. created_at,
@@ -42,6 +42,10 @@
 -- ids, aggregate_type, aggregate_id, event_type, and created_at in [since, until). Ids that are
 -- not published events (pending, dead, discarded, dropped with their partition) are left out.
 -- No match: 0 events, no error. since after until: an error (a typo, not an empty range).
+-- Copies made by earlier replays (replay_of set) are left out, even by id, unless
+-- include_replays: replaying an aggregate a second time copies its events again, not its events
+-- and the first replay's copies of them (3, then 6, then 12). With include_replays a copy of a
+-- copy names the copy it was made from.
 -- outbox_replay_candidates(...) takes the same filters and returns what outbox_replay would copy
 -- (id, created_at, in id order): its dry run, and the one place the selection is written.
 -- Published events are in no index but the primary key (the partial indexes hold only
@@ -150,7 +154,8 @@ COMMENT ON FUNCTION outbox_discard(bigint[], text) IS
 
 CREATE OR REPLACE FUNCTION outbox_replay_candidates(ids bigint[] DEFAULT NULL, aggregate_type text DEFAULT NULL,
                                          aggregate_id text DEFAULT NULL, event_type text DEFAULT NULL,
-                                         since timestamptz DEFAULT NULL, until timestamptz DEFAULT NULL)
+                                         since timestamptz DEFAULT NULL, until timestamptz DEFAULT NULL,
+                                         include_replays boolean DEFAULT false)
 RETURNS TABLE (id bigint, created_at timestamptz)
 LANGUAGE plpgsql
 STABLE
@@ -171,6 +176,9 @@ BEGIN
         RAISE EXCEPTION 'outbox_replay: since (%) is not before until (%)', since, until
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
+    IF include_replays IS NULL THEN
+        RAISE EXCEPTION 'outbox_replay: include_replays must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
     RETURN QUERY
     SELECT o.id, o.created_at
       FROM outbox o
@@ -181,19 +189,21 @@ BEGIN
        AND (outbox_replay_candidates.event_type IS NULL OR o.event_type = outbox_replay_candidates.event_type)
        AND (outbox_replay_candidates.since IS NULL OR o.created_at >= outbox_replay_candidates.since)
        AND (outbox_replay_candidates.until IS NULL OR o.created_at < outbox_replay_candidates.until)
+       AND (outbox_replay_candidates.include_replays OR o.replay_of IS NULL)
      ORDER BY o.id;
 END;
 $$;
 
-COMMENT ON FUNCTION outbox_replay_candidates(bigint[], text, text, text, timestamptz, timestamptz) IS
-    'The published events outbox_replay would copy with the same filters (combined with AND, at least one; created_at in [since, until)), in id order: its dry run.';
+COMMENT ON FUNCTION outbox_replay_candidates(bigint[], text, text, text, timestamptz, timestamptz, boolean) IS
+    'The published events outbox_replay would copy with the same filters (combined with AND, at least one; created_at in [since, until); copies made by earlier replays only with include_replays), in id order: its dry run.';
 
 -- At most max_events copies a call, all or nothing: a filter that matches more (a slip such as
 -- since => '-infinity') copies nothing and says how to go on.
 CREATE OR REPLACE FUNCTION outbox_replay(ids bigint[] DEFAULT NULL, aggregate_type text DEFAULT NULL,
                               aggregate_id text DEFAULT NULL, event_type text DEFAULT NULL,
                               since timestamptz DEFAULT NULL, until timestamptz DEFAULT NULL,
-                              new_msg_id boolean DEFAULT false, max_events integer DEFAULT 10000) RETURNS integer
+                              new_msg_id boolean DEFAULT false, max_events integer DEFAULT 10000,
+                              include_replays boolean DEFAULT false) RETURNS integer
 LANGUAGE plpgsql
 -- Runs as its owner: an operator may not insert events nor read payloads itself.
 SECURITY DEFINER
@@ -212,15 +222,18 @@ BEGIN
     -- Through the insert path of every event (its trigger assigns the ids in this statement's
     -- order). A copy belongs to the original's producer. One more than the cap is read: finding
     -- it undoes the statement.
-    INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers, subject, msg_id, produced_by)
+    INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers, subject, msg_id, produced_by,
+                        replay_of)
     SELECT o.aggregate_type, o.aggregate_id, o.event_type, o.payload,
            o.headers || jsonb_build_object('Outbox-Replay-Of', o.id::text),
            o.subject,
            CASE WHEN outbox_replay.new_msg_id THEN gen_random_uuid()::text ELSE o.msg_id END,
-           o.produced_by
+           o.produced_by,
+           o.id
       FROM (SELECT c.id, c.created_at
               FROM outbox_replay_candidates(outbox_replay.ids, outbox_replay.aggregate_type, outbox_replay.aggregate_id,
-                                            outbox_replay.event_type, outbox_replay.since, outbox_replay.until) c
+                                            outbox_replay.event_type, outbox_replay.since, outbox_replay.until,
+                                            outbox_replay.include_replays) c
              ORDER BY c.id
              LIMIT max_events + 1) c
       JOIN outbox o ON o.id = c.id AND o.created_at = c.created_at
@@ -235,5 +248,5 @@ BEGIN
 END;
 $$;
 
-COMMENT ON FUNCTION outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean, integer) IS
-    'Re-send published events still in the table as new events, in their original order (filters as outbox_replay_candidates, at least one; at most max_events, else none); same msg_id unless new_msg_id (JetStream drops a copy inside its duplicate window); header Outbox-Replay-Of names the original. Returns how many.';
+COMMENT ON FUNCTION outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean, integer, boolean) IS
+    'Re-send published events still in the table as new events, in their original order (filters as outbox_replay_candidates, at least one; copies of earlier replays only with include_replays; at most max_events, else none); same msg_id unless new_msg_id (JetStream drops a copy inside its duplicate window); replay_of and header Outbox-Replay-Of name the original. Returns how many.';

@@ -107,8 +107,8 @@ REVOKE EXECUTE ON FUNCTION
     outbox_fail(bigint, uuid, text, boolean), outbox_release(bigint[], uuid),
     outbox_extend(bigint[], uuid, interval),
     outbox_requeue(bigint[]), outbox_discard(bigint[], text),
-    outbox_replay_candidates(bigint[], text, text, text, timestamptz, timestamptz),
-    outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean, integer),
+    outbox_replay_candidates(bigint[], text, text, text, timestamptz, timestamptz, boolean),
+    outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean, integer, boolean),
     outbox_maintain(boolean), outbox_forget_deleted(), outbox_idempotency_forget(integer),
     outbox_open_producers(), outbox_health_row(), outbox_xmin_holders(), outbox_unfinished_subjects(integer),
     outbox_untrusted_creators()
@@ -165,8 +165,8 @@ GRANT SELECT ON outbox_stats, outbox_dead_letters, outbox_failing, outbox_partit
 GRANT SELECT ON outbox_heads, outbox_intake, outbox_idempotency TO outbox_operator;
 GRANT EXECUTE ON FUNCTION
     outbox_requeue(bigint[]), outbox_discard(bigint[], text), outbox_cancel(bigint[]),
-    outbox_replay_candidates(bigint[], text, text, text, timestamptz, timestamptz),
-    outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean, integer),
+    outbox_replay_candidates(bigint[], text, text, text, timestamptz, timestamptz, boolean),
+    outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean, integer, boolean),
     outbox_maintain(boolean), outbox_idempotency_forget(integer), outbox_idempotency_event(text),
     outbox_unfinished_subjects(integer), outbox_health_row(), outbox_open_producers(), outbox_xmin_holders(),
     outbox_untrusted_creators()
@@ -180,7 +180,7 @@ GRANT SELECT (id, created_at, aggregate_type, aggregate_id, event_type, subject,
               published_at, dead_at, discarded_at, discard_reason,
               in_flow, unfinished,   -- what the partial indexes select on
               tableoid,              -- which partition an event is in
-              deliver_at, idempotency_key, expires_at, produced_by, size_bytes)
+              deliver_at, idempotency_key, expires_at, produced_by, size_bytes, replay_of)
     ON outbox TO outbox_operator;
 -- The outboxpg command line (status, maintain, dead) checks which steps are applied in yoyo's
 -- bookkeeping table, when the schema was installed with yoyo (outboxpg migrate) rather than psql.

@@ -8,7 +8,8 @@ DROP FUNCTION outbox_untrusted_creators();
 DROP VIEW outbox_health;
 DROP FUNCTION outbox_xmin_holders();
 DROP FUNCTION outbox_claim(integer, interval, text, bigint);
-DROP FUNCTION outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean, integer);
+DROP FUNCTION outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean, integer, boolean);
+DROP FUNCTION outbox_replay_candidates(bigint[], text, text, text, timestamptz, timestamptz, boolean);
 DROP VIEW outbox_stats;
 DROP FUNCTION outbox_health_row();
 
@@ -20,9 +21,9 @@ ALTER TABLE outbox_idempotency DROP CONSTRAINT outbox_idempotency_pkey, DROP COL
     ADD CONSTRAINT outbox_idempotency_pkey PRIMARY KEY (idempotency_key);
 
 -- A dropped column keeps its grants (and its roles' dependencies on them): revoked first.
-REVOKE SELECT (produced_by, size_bytes) ON outbox FROM outbox_operator;
+REVOKE SELECT (produced_by, size_bytes, replay_of) ON outbox FROM outbox_operator;
 GRANT SELECT (lease_token) ON outbox TO outbox_operator;
-ALTER TABLE outbox DROP COLUMN produced_by, DROP COLUMN size_bytes;
+ALTER TABLE outbox DROP COLUMN produced_by, DROP COLUMN size_bytes, DROP COLUMN replay_of;
 REVOKE SELECT (allowed_subject_prefixes) ON outbox_settings FROM outbox_worker;
 ALTER TABLE outbox_settings DROP COLUMN allowed_subject_prefixes, DROP COLUMN max_event_bytes,
     DROP COLUMN max_deliver_delay, DROP COLUMN max_claim_bytes;

@@ -13,9 +13,10 @@ DROP FUNCTION outbox_claim(integer, interval, text);
 DROP FUNCTION outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean);
 
 -- outbox_stats and outbox_health count scheduled events apart from those waiting for a retry (a
--- column more, in the middle). Made again below.
+-- column more, in the middle); outbox_replay_candidates takes include_replays. Made again below.
 DROP VIEW outbox_stats;
 DROP FUNCTION outbox_health_row();
+DROP FUNCTION outbox_replay_candidates(bigint[], text, text, text, timestamptz, timestamptz);
 
 ALTER TABLE outbox_settings
     ADD COLUMN allowed_subject_prefixes text[] NOT NULL DEFAULT '{}'
@@ -49,3 +50,7 @@ REVOKE SELECT (lease_token) ON outbox FROM outbox_operator;
 -- The intake gives the aggregates of the newest events heads ahead of a backlog; this marks how
 -- far it has read them (outbox_take_in).
 ALTER TABLE outbox_intake ADD COLUMN newest_id bigint NOT NULL DEFAULT 0;
+
+-- A replay's copy names the event it copies, so that a replay copies originals only. Nullable
+-- without a default: a change of the catalog alone, no table rewrite.
+ALTER TABLE outbox ADD COLUMN replay_of bigint;

@@ -3,10 +3,13 @@
 The filters are declared once, in ReplayFilters: each field is a flag (``ids``: --id) and the
 argument of the same name of outbox_replay_candidates / outbox_replay (``ids => ...``). The
 command asks outbox_replay_candidates how many events match and which, shows them (``--dry-run``
-stops there), asks for confirmation as ``dead requeue`` does (more than one event: on the
-terminal, or --yes), then replays exactly the ids it showed: an event published meanwhile is not
-added. More matches than --max-events (10,000): refused before anything is copied, as
-outbox_replay itself refuses them (all or nothing), and the dry run says so.
+stops there, listing each event with the msg_id its copy will carry), asks for confirmation as
+``dead requeue`` does (more than one event: on the terminal, or --yes), then replays exactly the
+ids it showed: an event published meanwhile is not added. More matches than --max-events
+(10,000): refused before anything is copied, as outbox_replay itself refuses them (all or
+nothing), and the dry run says so. Copies made by earlier replays are not candidates unless
+--include-replays: replaying an aggregate twice sends its events twice, not its events and the
+first copies.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from outboxpg import statements
 from outboxpg.cli.common import add_dsn, add_yes, confirm, open_outbox, point_in_time
 from outboxpg.cli.errors import EXIT_USAGE, CliError
 from outboxpg.cli.options import add_options, from_args
-from outboxpg.cli.render import counts_by_type, id_list
+from outboxpg.cli.render import counts_by_type, id_list, table
 from outboxpg.option import option
 from outboxpg.replays import DEFAULT_MAX_EVENTS, FILTERS, PARAMETERS, arguments, replay
 from outboxpg.text import first_line
@@ -53,6 +56,9 @@ class ReplayFilters:
                               "while it remembers the original", False, environment=False)
     max_events: int = option("replay at most N events: when more match, nothing is replayed (narrow the filters, or "
                              "raise N)", DEFAULT_MAX_EVENTS, metavar="N", environment=False)
+    include_replays: bool = option("also replay the copies made by earlier replays (by default only the events "
+                                   "producers wrote are replayed, so that replaying twice does not compound)", False,
+                                   environment=False)
 
 
 assert tuple(f.name for f in dataclasses.fields(ReplayFilters)) == tuple(PARAMETERS), "one flag per SQL parameter"
@@ -69,18 +75,19 @@ def register(sub: Any) -> None:
                     "unless --new-msg-id. Asks before replaying more than one event, unless --yes.")
     add_dsn(p)
     add_options(p, ReplayFilters)
-    p.add_argument("--dry-run", action="store_true", help="only show how many and which events would be replayed")
+    p.add_argument("--dry-run", action="store_true",
+                   help="only show how many and which events would be replayed, each with the msg_id it would carry")
     add_yes(p)
     p.set_defaults(func=cmd_replay)
 
 
 def _filters(conn: psycopg.Connection[Any], filters: ReplayFilters) -> dict[str, Any]:
-    """The given filters, since and until as timestamps."""
+    """The given filters, since and until as timestamps, and include_replays."""
     values = {name: getattr(filters, name) for name in FILTERS if getattr(filters, name) is not None}
     for name in _TIMES:
         if name in values:
             values[name] = point_in_time(conn, values[name], f"--{name}")
-    return values
+    return {**values, "include_replays": filters.include_replays}
 
 
 def _candidates(conn: psycopg.Connection[Any], values: dict[str, Any], first: int) -> tuple[int, list[dict[str, Any]]]:
@@ -97,13 +104,22 @@ def _candidates(conn: psycopg.Connection[Any], values: dict[str, Any], first: in
         raise CliError(first_line(exc), EXIT_USAGE) from None
 
 
-def _not_published(conn: psycopg.Connection[Any], given: list[int], rows: list[dict[str, Any]]) -> list[str]:
-    """A note per given id that is not a published event (as ``dead requeue`` notes ids not dead);
-    published ids that the other filters leave out are not noted: the filters combine with AND."""
+def _not_published(conn: psycopg.Connection[Any], given: list[int], rows: list[dict[str, Any]],
+                   include_replays: bool) -> list[str]:
+    """A note per given id that is not a published event (as ``dead requeue`` notes ids not dead),
+    or is a copy made by an earlier replay (without --include-replays); published ids that the
+    other filters leave out are not noted: the filters combine with AND."""
     matched = {r["id"] for r in rows}
     rest = sorted(set(given) - matched)
-    states = dict(conn.execute(statements.STATE_BY_ID, (rest,)).fetchall())
-    return [f"{i} ({states.get(i, 'no such event')})" for i in rest if states.get(i) != "published"]
+    found = {i: (state, of) for i, state, of in conn.execute(statements.REPLAY_STATE_BY_ID, (rest,)).fetchall()}
+    notes = []
+    for i in rest:
+        state, of = found.get(i, ("no such event", None))
+        if state != "published":
+            notes.append(f"{i} ({state})")
+        elif of is not None and not include_replays:
+            notes.append(f"{i} (a copy of {of}: --include-replays)")
+    return notes
 
 
 def _plural(n: int, word: str) -> str:
@@ -118,6 +134,13 @@ def _describe(rows: list[dict[str, Any]]) -> list[str]:
     return [f"  ids {rows[0]['id']}..{rows[-1]['id']}, created {first.isoformat(sep=' ', timespec='seconds')} .. "
             f"{last.isoformat(sep=' ', timespec='seconds')}, {_plural(len(aggregates), 'aggregate')}",
             *counts_by_type(rows)]
+
+
+def _each(rows: list[dict[str, Any]], new_msg_id: bool) -> list[str]:
+    """One line per event, in the order the copies are made: what each copy carries."""
+    return table(["id", "aggregate", "event_type", "msg_id", "copy of"],
+                 [[r["id"], f"{r['aggregate_type']}/{r['aggregate_id']}", r["event_type"],
+                   "(new)" if new_msg_id else r["msg_id"], r["replay_of"]] for r in rows])
 
 
 def _msg_id_note(new_msg_id: bool) -> str:
@@ -144,17 +167,20 @@ def cmd_replay(args: argparse.Namespace) -> int:
                 print(f"Would replay none: {too_many}\n(dry run: nothing changed)")
                 return 1
             raise CliError(f"nothing replayed: {too_many}")
-        notes = _not_published(conn, filters.ids, rows) if filters.ids else []
+        notes = _not_published(conn, filters.ids, rows, filters.include_replays) if filters.ids else []
         if notes:
             print(f"outboxpg: not published, left alone: {', '.join(notes)}", file=sys.stderr)
         if not rows:
             print("no published events match: nothing to replay")
             return 1 if notes else 0
         n = len(rows)
-        details = [f"{'Would replay' if args.dry_run else 'About to replay'} {_plural(n, 'published event')}:",
+        details = [f"{'Would replay' if args.dry_run else 'About to replay'} {_plural(n, 'published event')}"
+                   f"{', including copies made by earlier replays' if filters.include_replays else ''}:",
                    *_describe(rows), _msg_id_note(filters.new_msg_id)]
         if args.dry_run:
-            print("\n".join([*details, "(dry run: nothing changed)"]))
+            # Exactly what would be sent: each event, with the msg_id its copy would carry.
+            print("\n".join([*details[:-1], *_each(rows, filters.new_msg_id), details[-1],
+                             "(dry run: nothing changed)"]))
             return 1 if notes else 0
         if n > 1:
             confirm(f"Replay these {n} published events?", details, f"replay {n} events", args.yes)

@@ -12,6 +12,9 @@ from commands import Result, one_line_error, run, run_all, run_on_tty
 from helpers import claim, complete, fail, insert
 from roles import login_roles
 
+from outboxpg.cli.errors import EXIT_FAILED
+from outboxpg.cli.render import id_list
+
 Conn = psycopg.Connection[Any]
 
 
@@ -62,8 +65,9 @@ def test_dry_run_shows_how_many_and_which_and_changes_nothing(dsn: str, conn: Co
     assert re.fullmatch(rf"  ids {o1[0]}\.\.{o1[2]}, created \S+ \S+ \.\. \S+ \S+, 2 aggregates", lines[1]), lines[1]
     assert [line.split() for line in lines[4:6]] == [["order", "created", "2"], ["order", "paid", "1"]]
     assert [line.split() for line in lines[6:7]] == [["order", "shipped", "1"]]
-    assert lines[7:] == ["the copies keep their msg_id: JetStream drops those whose original is still inside the "
-                         "stream's duplicate window (--new-msg-id delivers them again)", "(dry run: nothing changed)"]
+    assert [line.split()[0] for line in lines[9:13]] == [str(i) for i in sorted(o1 + shop["o-2"])]   # each event
+    assert lines[13:] == ["the copies keep their msg_id: JetStream drops those whose original is still inside the "
+                          "stream's duplicate window (--new-msg-id delivers them again)", "(dry run: nothing changed)"]
     assert new_ids.code == 0 and new_ids.out.splitlines()[0] == "Would replay 1 published event:", new_ids
     assert f"  ids {o1[1]}..{o1[1]}, " in new_ids.out and "1 aggregate\n" in new_ids.out
     assert "each copy gets a new msg_id: JetStream stores it again (a forced redelivery)" in new_ids.out
@@ -203,3 +207,52 @@ def test_the_default_cap_is_ten_thousand(dsn: str, conn: Conn) -> None:
         "outboxpg: nothing replayed: 10001 published events match, more than --max-events (10000)")
     assert max_id(conn) == last
 
+
+
+def test_replaying_twice_copies_the_originals_only(dsn: str, conn: Conn, shop: dict[str, list[int]]) -> None:
+    """`replay --aggregate-id o-1 --new-msg-id --yes` twice copies o-1's published events twice;
+    it used to copy the first replay's copies too (3, then 7). --include-replays asks for them."""
+    o1 = shop["o-1"]
+    args = ("replay", "--dsn", dsn, "--aggregate-id", "o-1", "--new-msg-id", "--yes")
+    first = run(*args)
+    assert first.code == 0 and first.out == f"replayed 3 events as new events (new msg_id): {id_list(o1)}\n"
+    publish_all(conn)                                  # the copies, and o-1's pending event
+    originals = [*o1, shop["not_published"][1]]
+    last = max_id(conn)
+    second = run(*args)
+    assert second.code == 0, second
+    assert second.out == f"replayed 4 events as new events (new msg_id): {id_list(originals)}\n"
+    assert [m[0] for m in copies(conn, last)] == originals
+    publish_all(conn)
+    dry = run("replay", "--dsn", dsn, "--aggregate-id", "o-1", "--include-replays", "--dry-run")
+    assert dry.code == 0, dry
+    assert dry.out.splitlines()[0] == \
+        "Would replay 11 published events, including copies made by earlier replays:", dry.out
+
+
+def test_dry_run_lists_each_event_with_the_msg_id_it_will_carry(dsn: str, conn: Conn,
+                                                                shop: dict[str, list[int]]) -> None:
+    o1 = shop["o-1"]
+    msg_ids = dict(conn.execute("SELECT id, msg_id FROM outbox WHERE id = ANY(%s)", (o1,)).fetchall())
+    same, new = run_all(("replay", "--dsn", dsn, "--aggregate-id", "o-1", "--dry-run"),
+                        ("replay", "--dsn", dsn, "--aggregate-id", "o-1", "--new-msg-id", "--dry-run"))
+    for r, carried in ((same, msg_ids), (new, dict.fromkeys(o1, "(new)"))):
+        assert r.code == 0, r
+        rows = [line.split() for line in r.out.splitlines() if line.split()[:1] in ([str(i)] for i in o1)]
+        assert [(int(row[0]), row[-1]) for row in rows] == [(i, carried[i]) for i in o1], r.out
+        assert [row[1:3] for row in rows] == [["order/o-1", "created"], ["order/o-1", "paid"],
+                                              ["order/o-1", "shipped"]]
+
+
+def test_an_id_of_a_copy_is_left_alone_unless_asked(dsn: str, conn: Conn, shop: dict[str, list[int]]) -> None:
+    paid = shop["o-1"][1]
+    last = max_id(conn)
+    assert run("replay", "--dsn", dsn, "--id", str(paid)).code == 0
+    publish_all(conn)
+    (copy,) = [r[0] for r in conn.execute("SELECT id FROM outbox WHERE replay_of = %s", (paid,)).fetchall()]
+    assert copy > last
+    left, asked = run_all(("replay", "--dsn", dsn, "--id", str(copy)),
+                          ("replay", "--dsn", dsn, "--id", str(copy), "--include-replays"))
+    assert (left.code, left.out) == (EXIT_FAILED, "no published events match: nothing to replay\n"), left
+    assert left.err == f"outboxpg: not published, left alone: {copy} (a copy of {paid}: --include-replays)\n"
+    assert (asked.code, asked.out) == (0, f"replayed 1 event as new events (same msg_id): {copy}\n"), asked

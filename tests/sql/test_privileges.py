@@ -52,7 +52,8 @@ VIEWS = {"outbox_stats": {"outbox_operator"}, "outbox_dead_letters": {"outbox_op
 OUTBOX_COLUMNS = {"id", "created_at", "aggregate_type", "aggregate_id", "event_type", "payload", "headers", "subject",
                   "msg_id", "state", "attempts", "next_attempt_at", "locked_by", "claimed_at", "locked_until",
                   "lease_token", "last_error", "published_at", "dead_at", "discarded_at", "discard_reason",
-                  "in_flow", "unfinished", "deliver_at", "idempotency_key", "expires_at", "produced_by", "size_bytes"}
+                  "in_flow", "unfinished", "deliver_at", "idempotency_key", "expires_at", "produced_by", "size_bytes",
+                  "replay_of"}
 
 
 # --------------------------------------------------------------------------------------------

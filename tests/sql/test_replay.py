@@ -31,7 +31,8 @@ def publish_all(conn: Conn) -> None:
         assert complete(conn, [r["id"] for r in rows], rows[0]["lease_token"]) == len(rows)
 
 
-TYPES = {"ids": "bigint[]", "since": "timestamptz", "until": "timestamptz", "new_msg_id": "boolean"}
+TYPES = {"ids": "bigint[]", "since": "timestamptz", "until": "timestamptz", "new_msg_id": "boolean",
+         "include_replays": "boolean"}
 
 
 def named(filters: dict[str, Any]) -> str:
@@ -245,6 +246,40 @@ def test_bad_arguments_are_refused(conn: Conn) -> None:
         conn.execute("SELECT outbox_replay(since => now(), until => now())")
     with pytest.raises(psycopg.errors.NullValueNotAllowed, match="new_msg_id must not be NULL"):
         conn.execute("SELECT outbox_replay(ids => ARRAY[1], new_msg_id => NULL)")
+
+
+# -- copies of copies -----------------------------------------------------------------------------
+
+def test_replays_copy_originals_only_and_do_not_compound(conn: Conn) -> None:
+    """Replaying an aggregate twice copies its 3 originals twice, not 3 then 6: a copy records the
+    event it copies (replay_of) and is a candidate only with include_replays."""
+    originals = [insert(conn, "order", "o-17", "shipped") for _ in range(3)]
+    insert(conn, "order", "o-18", "shipped")
+    publish_all(conn)
+    assert replay(conn, aggregate_id="o-17") == 3
+    publish_all(conn)
+    assert candidates(conn, aggregate_id="o-17") == originals
+    assert replay(conn, aggregate_id="o-17", new_msg_id=True) == 3
+    publish_all(conn)
+    copies = conn.execute("SELECT id, replay_of, headers->>'Outbox-Replay-Of' FROM outbox "
+                          "WHERE aggregate_id = 'o-17' AND id > %s ORDER BY id", (originals[-1],)).fetchall()
+    assert [c[1] for c in copies] == originals * 2
+    assert all(c[2] == str(c[1]) for c in copies)
+    assert conn.execute("SELECT count(*) FROM outbox WHERE replay_of IS NULL").fetchone() == (4,)
+    # Asked for: the copies too, and a copy of a copy names the copy it was made from.
+    everything = candidates(conn, aggregate_id="o-17", include_replays=True)
+    assert everything == originals + [c[0] for c in copies]
+    assert candidates(conn, ids=[copies[0][0]]) == []
+    last = max_id(conn)
+    assert replay(conn, ids=[copies[0][0]], include_replays=True) == 1
+    assert [c["replay_of"] for c in rows_after(conn, last)] == [copies[0][0]]
+
+
+def test_producers_may_not_write_replay_of(dsn: str, conn: Conn) -> None:
+    with login_roles(dsn, producer="outbox_producer") as logins, logins["producer"].connect() as c:
+        with pytest.raises(Denied, match="permission denied for table outbox"):
+            c.execute("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, replay_of) "
+                      "VALUES ('order', '1', 'created', '{}', 1)")
 
 
 # -- privileges ------------------------------------------------------------------------------
