@@ -57,6 +57,8 @@ class NotInstalled(errors.UndefinedTable):
     psycopg.Error`` (or ``psycopg.ProgrammingError``, ``UndefinedTable``) still catches it; ``diag``
     and ``sqlstate`` (42P01) are the server's."""
 
+    __module__ = "outboxpg"   # where it is imported from (as psycopg's errors say psycopg.errors)
+
 
 @dataclass(frozen=True, slots=True)
 class Event:

@@ -401,6 +401,7 @@ def test_enqueue_many_empty_and_invalid(tx: Conn, conn: Conn) -> None:
 
 def test_package_exports() -> None:
     assert outboxpg.enqueue is enqueue and outboxpg.enqueue_many is enqueue_many and outboxpg.Event is Event
+    assert outboxpg.NotInstalled.__module__ == "outboxpg" and "NotInstalled" in outboxpg.__all__
 
 
 # --------------------------------------------------------------------------------------------
