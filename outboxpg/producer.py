@@ -10,30 +10,60 @@ transaction commits, and vanish with it if it rolls back.
 Trace context: with opentelemetry-api installed (the ``otel`` extra) and a span current, each
 event's headers get that span's W3C ``traceparent`` (and ``tracestate``), unless the caller's
 headers already hold a traceparent (outboxpg.tracecontext).
+
+Payloads: dicts, lists, dataclasses and Pydantic models are written with orjson
+(``PAYLOAD_OPTIONS``, and ``json_default`` for what orjson does not know: a ``Decimal`` becomes a
+JSON string, every digit kept); a ``str`` or ``bytes`` is raw JSON text, stored as PostgreSQL
+parses it. A value none of them can write is refused before anything is sent.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import uuid
 from collections.abc import Awaitable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, overload
+from decimal import Decimal
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, overload
 
 import orjson
-from psycopg import AsyncConnection, Connection, sql
+from psycopg import AsyncConnection, Connection, errors, sql
 
 from outboxpg import statements
 from outboxpg.tracecontext import current_headers, with_current
 
-__all__ = ["Event", "Enqueued", "enqueue", "enqueue_many", "encode_payload"]
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
-Payload = Mapping[str, Any] | list[Any] | bytes | bytearray | memoryview | str
+__all__ = ["Event", "Enqueued", "NotInstalled", "enqueue", "enqueue_many", "encode_payload", "json_default",
+           "PAYLOAD_OPTIONS"]
+
+
+class SupportsModelDump(Protocol):
+    """A Pydantic (v2) model, or anything else with the same ``model_dump(mode="json")``."""
+
+    def model_dump(self, *, mode: str) -> Any: ...
+
+
+Payload: TypeAlias = ("Mapping[Any, Any] | list[Any] | DataclassInstance | SupportsModelDump"
+                      " | bytes | bytearray | memoryview | str")
+
+
+class NotInstalled(errors.UndefinedTable):
+    """The producer helpers' insert found no outbox table: the schema is not installed in this
+    database (or not on the session's search_path). An ``UndefinedTable``, so ``except
+    psycopg.Error`` (or ``psycopg.ProgrammingError``, ``UndefinedTable``) still catches it; ``diag``
+    and ``sqlstate`` (42P01) are the server's."""
+
+    __module__ = "outboxpg"   # where it is imported from (as psycopg's errors say psycopg.errors)
 
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    """One event to write. ``payload`` is a dict/list (serialised with orjson) or raw JSON."""
+    """One event to write. ``payload``: a dict, list, dataclass or Pydantic model (written with
+    orjson, see ``encode_payload``) or raw JSON text (str or bytes)."""
 
     aggregate_type: str
     aggregate_id: str
@@ -68,17 +98,101 @@ class Enqueued(int):
         return f"Enqueued({int(self)}, duplicate={self.duplicate})"
 
 
+#: The orjson options payloads are written with: keys may be ints, floats, bools, None, UUIDs,
+#: dates, times, datetimes and enums too (Python's own json module takes int keys); they become
+#: their JSON text. (dataclasses, datetimes, UUIDs, enums, tuples: orjson writes them natively.)
+PAYLOAD_OPTIONS = orjson.OPT_NON_STR_KEYS
+
+
+def json_default(value: Any) -> Any:
+    """orjson's ``default`` for payloads: what orjson does not write itself.
+
+    - ``Decimal`` (what psycopg returns for ``numeric``): a JSON string, ``str(value)``
+      (``"12.30"``, ``"1E-30"``), so every digit reaches the consumer; as a JSON number it would
+      be read as a binary float by most JSON readers (JavaScript's, orjson's, Go's into
+      ``float64``). ``Decimal(text)`` gives it back.
+    - an object with ``model_dump`` (a Pydantic v2 model): ``value.model_dump(mode="json")``.
+    - any other mapping (``MappingProxyType``, ...): as a dict.
+
+    Anything else raises ``TypeError`` naming the type and what to do.
+    """
+    if isinstance(value, Decimal):
+        return str(value)
+    dump = getattr(value, "model_dump", None)
+    if callable(dump) and not isinstance(value, type):
+        return dump(mode="json")
+    if isinstance(value, Mapping):
+        return dict(value)
+    raise _Unencodable(
+        f"payload holds a value of type {_type_name(value)}, which outboxpg cannot write as JSON: convert it "
+        "to a dict, list, str, number, Decimal, datetime, UUID, enum or dataclass first, or pass the payload "
+        "as raw JSON text (str or bytes)")
+
+
+class _Unencodable(TypeError):
+    """json_default's refusal, told apart from orjson's own errors (integers over 64 bits, ...)."""
+
+
+def _type_name(value: Any) -> str:
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
 def encode_payload(payload: Payload) -> str:
-    """Return the payload as JSON text: dicts and lists through orjson, raw JSON as it is."""
+    """Return the payload as JSON text: raw JSON (str, bytes) as it is; dicts, lists, dataclasses and
+    Pydantic models through orjson (``PAYLOAD_OPTIONS``, ``json_default``). Raises ``TypeError``
+    (one line, naming the type) for what cannot be written, before anything is sent."""
     if isinstance(payload, (bytes, bytearray, memoryview)):
         return bytes(payload).decode("utf-8")
     if isinstance(payload, str):
         return payload
-    if isinstance(payload, (Mapping, list)):
-        return orjson.dumps(payload).decode("utf-8")
+    if (isinstance(payload, (Mapping, list)) or _is_dataclass_instance(payload)
+            or (callable(getattr(payload, "model_dump", None)) and not isinstance(payload, type))):
+        try:
+            return orjson.dumps(payload, default=json_default, option=PAYLOAD_OPTIONS).decode("utf-8")
+        except orjson.JSONEncodeError as exc:
+            if isinstance(exc.__cause__, _Unencodable):
+                raise TypeError(str(exc.__cause__)) from None
+            raise TypeError(f"payload cannot be written as JSON: {exc}") from exc
     raise TypeError(
-        f"payload must be a dict, a list or raw JSON (bytes or str), not {type(payload).__name__}"
-    )
+        "payload must be a dict, a list, a dataclass, a Pydantic model or raw JSON text (str or bytes), "
+        f"not {_type_name(payload)}")
+
+
+def _is_dataclass_instance(value: Any) -> bool:
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
+def _is_raw(payload: Any) -> bool:
+    return isinstance(payload, (str, bytes, bytearray, memoryview))
+
+
+def _where(conn: Connection[Any] | AsyncConnection[Any]) -> str:
+    """'database shop on db:5432' (never the user or the password)."""
+    info = conn.info
+    return f"database {info.dbname} on {info.host}:{info.port}"
+
+
+def _not_installed(conn: Connection[Any] | AsyncConnection[Any], exc: errors.UndefinedTable) -> NotInstalled:
+    said = exc.diag.message_primary or "undefined table"
+    return NotInstalled(f"the outbox schema is not installed in {_where(conn)} ({said}): "
+                        "run outboxpg migrate --dsn ... against it first",
+                        info=exc.pgresult, encoding=conn.info.encoding)
+
+
+_COPY_LINE = re.compile(r"COPY outbox, line (\d+)")
+
+
+def _not_json(conn: Connection[Any] | AsyncConnection[Any],
+              exc: errors.InvalidTextRepresentation) -> errors.InvalidTextRepresentation:
+    """PostgreSQL refused a raw payload as JSON: say so in one line, keeping the server's diag."""
+    line = _COPY_LINE.search(exc.diag.context or "")
+    which = f"event {line.group(1)} of the batch: " if line else ""
+    detail = exc.diag.message_detail or exc.diag.message_primary or "invalid JSON"
+    return errors.InvalidTextRepresentation(
+        f"{which}payload is not JSON ({detail.rstrip('.')}): a str or bytes payload is taken as raw JSON "
+        "text; pass a dict or list, or a str as JSON (orjson.dumps(text))",
+        info=exc.pgresult, encoding=conn.info.encoding)
 
 
 def _key(name: str, value: Any) -> str:
@@ -145,16 +259,31 @@ def enqueue(conn: Connection[Any] | AsyncConnection[Any], aggregate_type: str, a
     params = _one_params(Event(aggregate_type, aggregate_id, event_type, payload, subject, headers, msg_id,
                                deliver_at, idempotency_key, expires_at))
     if isinstance(conn, AsyncConnection):
-        return _enqueue_async(conn, params, idempotency_key)
-    row = conn.execute(statements.INSERT_EVENT, params).fetchone()
+        return _enqueue_async(conn, params, idempotency_key, _is_raw(payload))
+    try:
+        row = conn.execute(statements.INSERT_EVENT, params).fetchone()
+    except errors.UndefinedTable as exc:
+        raise _not_installed(conn, exc) from exc
+    except errors.InvalidTextRepresentation as exc:
+        if not _is_raw(payload):
+            raise
+        raise _not_json(conn, exc) from exc
     if row is not None:
         return Enqueued(row[0])
     held = conn.execute(statements.IDEMPOTENCY_EVENT, (idempotency_key,)).fetchone()
     return _duplicate_of(held, idempotency_key)
 
 
-async def _enqueue_async(conn: AsyncConnection[Any], params: tuple[Any, ...], key: str | None) -> Enqueued:
-    row = await (await conn.execute(statements.INSERT_EVENT, params)).fetchone()
+async def _enqueue_async(conn: AsyncConnection[Any], params: tuple[Any, ...], key: str | None,
+                         raw: bool) -> Enqueued:
+    try:
+        row = await (await conn.execute(statements.INSERT_EVENT, params)).fetchone()
+    except errors.UndefinedTable as exc:
+        raise _not_installed(conn, exc) from exc
+    except errors.InvalidTextRepresentation as exc:
+        if not raw:
+            raise
+        raise _not_json(conn, exc) from exc
     if row is not None:
         return Enqueued(row[0])
     held = await (await conn.execute(statements.IDEMPOTENCY_EVENT, (key,))).fetchone()
@@ -172,10 +301,11 @@ def _as_event(item: Event | Mapping[str, Any]) -> Event:
     return item if isinstance(item, Event) else Event(**item)
 
 
-def _copy_plan(events: Iterable[Event | Mapping[str, Any]]) -> tuple[sql.Composed, list[tuple[Any, ...]]]:
+def _copy_plan(events: Iterable[Event | Mapping[str, Any]]) -> tuple[sql.Composed, list[tuple[Any, ...]], bool]:
     """The COPY statement and its rows. Optional columns nobody filled in are left out, so the
     table's own defaults apply; a msg_id missing beside others' explicit ones is made here,
-    in the same form as the table's default (a random UUID)."""
+    in the same form as the table's default (a random UUID). The flag: whether any payload is raw
+    JSON text (which PostgreSQL may refuse)."""
     batch = [_as_event(e) for e in events]
     trace = current_headers()   # one context for the whole call
     with_subject = any(e.subject is not None for e in batch)
@@ -205,7 +335,7 @@ def _copy_plan(events: Iterable[Event | Mapping[str, Any]]) -> tuple[sql.Compose
             row.append(_moment("expires_at", e.expires_at))
         rows.append(tuple(row))
     stmt = statements.COPY_EVENTS.format(sql.SQL(", ").join(map(sql.Identifier, columns)))
-    return stmt, rows
+    return stmt, rows, any(_is_raw(e.payload) for e in batch)
 
 
 @overload
@@ -222,23 +352,38 @@ def enqueue_many(conn: Connection[Any] | AsyncConnection[Any],
     Events are ``Event`` objects or mappings with the same keys. The insert trigger runs once for
     the whole COPY, so idle workers get at most one wakeup.
     """
-    stmt, rows = _copy_plan(events)
+    stmt, rows, raw = _copy_plan(events)
     if isinstance(conn, AsyncConnection):
-        return _enqueue_many_async(conn, stmt, rows)
+        return _enqueue_many_async(conn, stmt, rows, raw)
     if not rows:
         return 0
-    with conn.cursor() as cur:
-        with cur.copy(stmt) as copy:
-            for row in rows:
-                copy.write_row(row)
-        return cur.rowcount
+    try:
+        with conn.cursor() as cur:
+            with cur.copy(stmt) as copy:
+                for row in rows:
+                    copy.write_row(row)
+            return cur.rowcount
+    except errors.UndefinedTable as exc:
+        raise _not_installed(conn, exc) from exc
+    except errors.InvalidTextRepresentation as exc:
+        if not raw:
+            raise
+        raise _not_json(conn, exc) from exc
 
 
-async def _enqueue_many_async(conn: AsyncConnection[Any], stmt: sql.Composed, rows: list[tuple[Any, ...]]) -> int:
+async def _enqueue_many_async(conn: AsyncConnection[Any], stmt: sql.Composed, rows: list[tuple[Any, ...]],
+                              raw: bool) -> int:
     if not rows:
         return 0
-    async with conn.cursor() as cur:
-        async with cur.copy(stmt) as copy:
-            for row in rows:
-                await copy.write_row(row)
-        return cur.rowcount
+    try:
+        async with conn.cursor() as cur:
+            async with cur.copy(stmt) as copy:
+                for row in rows:
+                    await copy.write_row(row)
+            return cur.rowcount
+    except errors.UndefinedTable as exc:
+        raise _not_installed(conn, exc) from exc
+    except errors.InvalidTextRepresentation as exc:
+        if not raw:
+            raise
+        raise _not_json(conn, exc) from exc

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime, time, timedelta, timezone
+from decimal import Decimal
+from types import MappingProxyType
 from typing import Any
 
 import orjson
@@ -12,6 +16,7 @@ import psycopg
 import pytest
 from helpers import Listener, allow_subjects, claim, connect, event, events
 from psycopg import errors
+from psycopg.conninfo import make_conninfo
 
 import outboxpg
 from outboxpg import Event, enqueue, enqueue_many
@@ -123,9 +128,186 @@ def test_enqueue_rejects_bad_input(tx: Conn) -> None:
     with pytest.raises(errors.CheckViolation, match="outbox_headers_are_string_map"):
         enqueue(tx, "order", "1", "created", {}, headers={"n": 1})  # type: ignore[dict-item]
     tx.rollback()
-    with pytest.raises(errors.InvalidTextRepresentation):
+    with pytest.raises(errors.InvalidTextRepresentation, match="not JSON"):
         enqueue(tx, "order", "1", "created", "{not json")
     tx.rollback()
+
+
+# --------------------------------------------------------------------------------------------
+# payloads: what a Python application has at hand
+# --------------------------------------------------------------------------------------------
+
+class Status(enum.Enum):
+    PAID = "paid"
+
+
+class Priority(enum.IntEnum):
+    HIGH = 1
+
+
+@dataclasses.dataclass
+class Line:
+    sku: str
+    price: Decimal
+    added: date
+
+
+class ModelLike:
+    """Stands in for a Pydantic model: all the helpers use is model_dump(mode="json")."""
+
+    def __init__(self, **fields: Any) -> None:
+        self.fields = fields
+
+    def model_dump(self, *, mode: str = "python") -> dict[str, Any]:
+        assert mode == "json"
+        return {k: str(v) if isinstance(v, Decimal) else v for k, v in self.fields.items()}
+
+
+class Money:
+    """Not JSON in any way the helpers know."""
+
+    def __init__(self, cents: int) -> None:
+        self.cents = cents
+
+
+APP_PAYLOAD: dict[str, Any] = {
+    "total": Decimal("12345678901234567890.12345678901234567890"),
+    "tiny": Decimal("1E-30"),
+    "at": datetime(2024, 5, 1, 12, 30, tzinfo=timezone(timedelta(hours=2))),
+    "day": date(2024, 5, 1),
+    "clock": time(9, 15, 30),
+    "id": uuid.UUID("12345678-1234-5678-1234-567812345678"),
+    "status": Status.PAID,
+    "priority": Priority.HIGH,
+    "lines": [Line("sku-1", Decimal("9.90"), date(2024, 4, 30))],
+    "model": ModelLike(amount=Decimal("0.10"), currency="EUR"),
+    "by_id": {7: "seven", uuid.UUID(int=1): "uuid key"},
+    "view": MappingProxyType({"a": 1}),
+    "pair": (1, "two"),
+}
+APP_JSON: dict[str, Any] = {
+    "total": "12345678901234567890.12345678901234567890",
+    "tiny": "1E-30",
+    "at": "2024-05-01T12:30:00+02:00",
+    "day": "2024-05-01",
+    "clock": "09:15:30",
+    "id": "12345678-1234-5678-1234-567812345678",
+    "status": "paid",
+    "priority": 1,
+    "lines": [{"sku": "sku-1", "price": "9.90", "added": "2024-04-30"}],
+    "model": {"amount": "0.10", "currency": "EUR"},
+    "by_id": {"7": "seven", "00000000-0000-0000-0000-000000000001": "uuid key"},
+    "view": {"a": 1},
+    "pair": [1, "two"],
+}
+
+
+def test_enqueue_encodes_what_a_python_app_has(tx: Conn, conn: Conn) -> None:
+    """Decimal (as a string: every digit kept), date and time, UUID, enums, dataclasses, objects
+    with model_dump (Pydantic), non-str keys; a dataclass or a model as the whole payload."""
+    i = enqueue(tx, "order", "1", "created", APP_PAYLOAD)
+    j = enqueue(tx, "order", "1", "line", Line("sku-2", Decimal("0.1"), date(2024, 1, 2)))  # type: ignore[arg-type]
+    k = enqueue(tx, "order", "1", "priced", ModelLike(amount=Decimal("5")))  # type: ignore[arg-type]
+    tx.commit()
+    assert event(conn, i)["payload"] == APP_JSON
+    assert event(conn, j)["payload"] == {"sku": "sku-2", "price": "0.1", "added": "2024-01-02"}
+    assert event(conn, k)["payload"] == {"amount": "5"}
+
+
+def test_enqueue_many_encodes_what_a_python_app_has(tx: Conn, conn: Conn) -> None:
+    assert enqueue_many(tx, [Event("order", "1", "created", APP_PAYLOAD),
+                             Event("order", "1", "line", Line("s", Decimal("-0.00"), date(2024, 1, 2)))]) == 2
+    tx.commit()
+    assert [e["payload"] for e in events(conn)] == [APP_JSON, {"sku": "s", "price": "-0.00", "added": "2024-01-02"}]
+
+
+def test_enqueue_pydantic_model(tx: Conn, conn: Conn) -> None:
+    pydantic = pytest.importorskip("pydantic")
+
+    class Order(pydantic.BaseModel):  # type: ignore[name-defined,misc]
+        id: uuid.UUID
+        total: Decimal
+        at: datetime
+
+    order = Order(id=uuid.UUID(int=5), total=Decimal("19.99"), at=datetime(2024, 5, 1, tzinfo=UTC))
+    i = enqueue(tx, "order", "1", "created", order)
+    j = enqueue(tx, "order", "1", "wrapped", {"order": order})
+    tx.commit()
+    expected = orjson.loads(order.model_dump_json())
+    assert event(conn, i)["payload"] == expected and event(conn, j)["payload"] == {"order": expected}
+
+
+def test_a_type_still_not_encodable_is_refused_before_anything_is_sent(tx: Conn, conn: Conn) -> None:
+    kept = enqueue(tx, "order", "1", "created", {})
+    with pytest.raises(TypeError) as raised:
+        enqueue(tx, "order", "1", "paid", {"amount": Money(42)})
+    message = str(raised.value)
+    assert "\n" not in message and "Money" in message and "payload" in message
+    assert "convert" in message, message   # says what to do
+    with pytest.raises(TypeError, match="Money"):
+        enqueue_many(tx, [Event("order", "2", "created", {}), Event("order", "2", "paid", [Money(1)])])
+    with pytest.raises(TypeError, match="set"):
+        enqueue(tx, "order", "1", "tagged", {"tags": {"a"}})
+    # The caller's transaction is still usable: nothing was sent, the earlier event is there.
+    assert tx.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+    enqueue(tx, "order", "1", "closed", {})
+    tx.commit()
+    assert [(e["id"] == kept, e["event_type"]) for e in events(conn)] == [(True, "created"), (False, "closed")]
+
+
+def test_a_str_payload_is_raw_json_text(tx: Conn, conn: Conn) -> None:
+    """A str is JSON text, not a JSON string: "hello" is refused in one line that says so."""
+    i = enqueue(tx, "order", "1", "created", '"hello"')
+    tx.commit()
+    assert event(conn, i)["payload"] == "hello"
+    with pytest.raises(errors.InvalidTextRepresentation) as raised:
+        enqueue(tx, "order", "1", "created", "hello")
+    message = str(raised.value)
+    assert "\n" not in message and "raw JSON" in message and "orjson.dumps" in message, message
+    assert raised.value.diag.message_detail == 'Token "hello" is invalid.'    # the server's own, still there
+    tx.rollback()
+    with pytest.raises(errors.InvalidTextRepresentation) as raised:
+        enqueue_many(tx, [Event("order", "1", "created", "{}"), Event("order", "1", "paid", b"paid")])
+    message = str(raised.value)
+    assert "\n" not in message and "event 2 of the batch" in message and "raw JSON" in message, message
+    tx.rollback()
+    assert count(conn) == 1
+
+
+def test_enqueue_before_migrate_names_the_database(empty_dsn: str) -> None:
+    dsn = make_conninfo(empty_dsn, password="s3cret-pw")
+    with psycopg.connect(dsn) as c:
+        for call in (lambda: enqueue(c, "order", "1", "created", {}),
+                     lambda: enqueue_many(c, [Event("order", "1", "created", {})])):
+            with pytest.raises(outboxpg.NotInstalled) as raised:
+                call()
+            c.rollback()
+            e = raised.value
+            assert isinstance(e, errors.UndefinedTable) and isinstance(e, psycopg.Error)
+            message = str(e)
+            assert "\n" not in message and "s3cret" not in message, message
+            assert f"database {c.info.dbname} on {c.info.host}:{c.info.port}" in message, message
+            assert "outboxpg migrate --dsn" in message, message
+
+
+async def test_async_enqueue_before_migrate_names_the_database(empty_dsn: str) -> None:
+    async with await psycopg.AsyncConnection.connect(empty_dsn) as c:
+        with pytest.raises(outboxpg.NotInstalled, match=f"database {c.info.dbname} on .*outboxpg migrate --dsn"):
+            await enqueue(c, "order", "1", "created", {})
+        await c.rollback()
+        with pytest.raises(outboxpg.NotInstalled, match="outboxpg migrate --dsn"):
+            await enqueue_many(c, [Event("order", "1", "created", {})])
+
+
+async def test_async_enqueue_encodes_and_refuses_the_same(atx: psycopg.AsyncConnection[Any], conn: Conn) -> None:
+    i = await enqueue(atx, "order", "1", "created", APP_PAYLOAD)
+    assert await enqueue_many(atx, [Event("order", "2", "created", APP_PAYLOAD)]) == 1
+    with pytest.raises(TypeError, match="Money"):
+        await enqueue(atx, "order", "1", "paid", {"m": Money(1)})
+    await atx.commit()
+    assert [e["payload"] for e in events(conn)] == [APP_JSON, APP_JSON] and events(conn)[0]["id"] == i
+    with pytest.raises(errors.InvalidTextRepresentation, match="raw JSON"):
+        await enqueue(atx, "order", "1", "created", "hello")
 
 
 # --------------------------------------------------------------------------------------------
@@ -219,6 +401,7 @@ def test_enqueue_many_empty_and_invalid(tx: Conn, conn: Conn) -> None:
 
 def test_package_exports() -> None:
     assert outboxpg.enqueue is enqueue and outboxpg.enqueue_many is enqueue_many and outboxpg.Event is Event
+    assert outboxpg.NotInstalled.__module__ == "outboxpg" and "NotInstalled" in outboxpg.__all__
 
 
 # --------------------------------------------------------------------------------------------
