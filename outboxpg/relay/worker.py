@@ -71,6 +71,10 @@ log = logging.getLogger("outboxpg.worker")
 LOOK_AGAIN_LEAST = 0.010
 LOOK_AGAIN_MOST = 0.050
 
+# The first summary comes this long after the first delivery, when that is sooner than
+# summary_interval: a newcomer sees the counts move within seconds, not a minute.
+EARLY_SUMMARY = 5.0
+
 
 class Worker:
     def __init__(self, config: WorkerConfig, publisher: Any, metrics: WorkerMetrics | None = None) -> None:
@@ -451,9 +455,25 @@ class Worker:
     # -- reporting -----------------------------------------------------------------------
 
     async def _summaries(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.summary_interval)
-            self.recorder.log_summary(self.listener.up)
+        """A summary every summary_interval; the first one EARLY_SUMMARY after the first
+        delivery when that comes sooner."""
+        loop = asyncio.get_running_loop()
+        interval = self.cfg.summary_interval
+        due = loop.time() + interval
+        first = asyncio.ensure_future(self.recorder.first_delivered.wait())
+        try:
+            while True:
+                if first.done():
+                    await asyncio.sleep(max(due - loop.time(), 0.0))
+                else:
+                    done, _ = await asyncio.wait({first}, timeout=max(due - loop.time(), 0.0))
+                    if done:
+                        due = min(due, loop.time() + EARLY_SUMMARY)
+                        continue
+                self.recorder.log_summary(self.listener.up)
+                due = loop.time() + interval
+        finally:
+            first.cancel()
 
 
 def application_name(worker_name: str) -> str:

@@ -1,14 +1,16 @@
-"""/healthz and /readyz on the metrics port:
+"""/healthz and /readyz on the metrics port, and what a worker tells at INFO while it delivers:
 
 - a worker process with PostgreSQL stopped under it: /readyz 503 naming PostgreSQL, /healthz
   200, both 200 once PostgreSQL is back; the same with the nats-server (naming the broker);
 - no stream capturing its subjects: not ready, naming the stream;
-- a stuck event loop or a closed publisher fails /healthz.
+- a stuck event loop or a closed publisher fails /healthz;
+- the first delivery is logged at INFO, once, and the first summary comes 5 s after it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import signal
 import subprocess
@@ -32,7 +34,8 @@ from outboxpg import schema
 from outboxpg.embedded import EmbeddedNats, EmbeddedPostgres, free_port
 from outboxpg.events import OutboxEvent
 from outboxpg.relay.metrics import WorkerMetrics
-from outboxpg.relay.worker import Worker, WorkerConfig
+from outboxpg.relay.nats.publisher import NatsPublisher
+from outboxpg.relay.worker import EARLY_SUMMARY, Worker, WorkerConfig
 
 
 def get(port: int, path: str) -> tuple[int, str]:
@@ -208,3 +211,59 @@ async def test_healthz_fails_on_a_stuck_event_loop_or_a_closed_publisher(dsn: st
         server.shutdown()
         server.server_close()
     assert metrics.health.readiness() == "stopping"
+
+
+async def test_the_first_delivery_is_logged_once_and_the_first_summary_comes_early(
+        dsn: str, conn: psycopg.Connection[Any], nats_server: EmbeddedNats, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="outboxpg.worker")
+    stream = await make_stream(nats_server.url)
+    conn.execute("UPDATE outbox_settings SET subject_prefix = %s", (stream.prefix,))
+    running = Running(Worker(WorkerConfig(dsn=dsn, publish_timeout=1, lease=4, maintenance_interval=0,
+                                          summary_interval=60), NatsPublisher(nats_server.url, ack_timeout=1)))
+    try:
+        await wait_until(running.idle, 15, "the worker idle")
+        assert "event=first_delivery" not in caplog.text and "event=summary" not in caplog.text
+        first = insert(conn, "order", "1", "created")
+        await wait_until(lambda: _logged(caplog, "event=first_delivery"), 10, "the first delivery logged")
+        delivered_at = time.monotonic()
+        for i in range(3):
+            insert(conn, "order", str(i), "updated")
+        await wait_until(all_in(dsn, "published", 4), 10, "all delivered")
+        await wait_until(lambda: _logged(caplog, "event=summary "), EARLY_SUMMARY + 5, "the first summary")
+        took = time.monotonic() - delivered_at
+    finally:
+        await running.stop()
+        await stream.nc.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "outboxpg.worker"]
+    firsts = [line for line in lines if line.startswith("event=first_delivery ")]
+    assert firsts == [f"event=first_delivery worker={running.worker.cfg.name} id={first} "
+                      f"subject={stream.prefix}.order.created event_type=created"], lines
+    assert EARLY_SUMMARY - 1 < took < EARLY_SUMMARY + 2, took
+    summary = next(line for line in lines if line.startswith("event=summary "))
+    assert " delivered=4 " in summary, summary
+
+
+async def _logged(caplog: pytest.LogCaptureFixture, text: str) -> bool:
+    return text in caplog.text
+
+
+def test_subprocess_log_says_first_delivery_at_info(dsn: str, conn: psycopg.Connection[Any], tmp_path: Path) -> None:
+    """The command at its default log level: event=start, then event=first_delivery, then an early summary."""
+    module = tmp_path / "quietpub.py"
+    module.write_text("def publish(event):\n    pass\n")
+    log = tmp_path / "worker.log"
+    insert(conn, "order", "1", "created")
+    proc = subprocess.Popen([WORKER, "--dsn", dsn, "--publisher", "quietpub:publish", "--maintenance-interval", "0"],
+                            stdout=subprocess.DEVNULL, stderr=log.open("wb"), cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + EARLY_SUMMARY + 15
+        while "event=summary " not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+    finally:
+        code = stop(proc)
+    text = log.read_text()
+    assert code == 0, text
+    events = re.findall(r"level=INFO logger=outboxpg\.worker event=(\w+)", text)
+    assert events[events.index("start"):][:3] == ["start", "first_delivery", "summary"], text
+    assert re.search(r" event=summary .* delivered=1 ", text), text
