@@ -82,7 +82,8 @@ class CommandOptions:
                                "and content-type headers (NATS only: not with --publisher)", False)
     cloudevents_source: str | None = option("the ce-source of every event with --cloudevents, a URI reference; "
                                             "default: outboxpg/<database name>", None, metavar="URI")
-    metrics_port: int = option("serve Prometheus metrics on this port (1-65535); 0: off", 0)
+    metrics_port: int = option("serve Prometheus metrics (/metrics) and health checks (/healthz, /readyz) on "
+                               "this port (1-65535); 0: off", 0)
     metrics_addr: str = option("address the metrics server binds to", "127.0.0.1")
     metrics_event_types: int = option("distinct event_type label values the metrics keep, the first seen; every "
                                       "other event type counts as 'other'", 100, metavar="N")
@@ -103,11 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _stream_setup(args: argparse.Namespace, publisher: Any, cfg: WorkerConfig, prefix: str,
-                        backoff_cap: timedelta, allowed: list[str], subjects: list[Subject]) -> None:
+                        backoff_cap: timedelta, allowed: list[str], subjects: list[Subject]) -> list[str]:
     """Check (and with --ensure-stream, create) the stream the worker will publish into: one
     capturing <prefix>.> and the explicit subjects of the unfinished events under the allowed
     prefixes. The streams found are the ones whose acks the publisher counts at once. A failure
-    is logged, not fatal: publishes then fail and are retried, as without a stream."""
+    is logged, not fatal: publishes then fail and are retried, as without a stream. Returns the
+    problems logged (none: a stream captures the subjects; /readyz reads that)."""
     from outboxpg.relay.nats.connection import supports_atomic_batch
     from outboxpg.relay.nats.streams import check_stream, ensure_stream
 
@@ -143,6 +145,7 @@ async def _stream_setup(args: argparse.Namespace, publisher: Any, cfg: WorkerCon
         problems = [f"cannot check the JetStream stream for {prefix + '.>'!r}: {describe(exc)}"]
     for problem in problems:
         log.warning("event=stream_check problem=%r", problem)
+    return problems
 
 
 async def _check_database(cfg: WorkerConfig) -> tuple[tuple[str, timedelta, list[str], list[Subject]], str]:
@@ -321,6 +324,8 @@ async def _main(args: argparse.Namespace) -> int:
         servers = parse_servers(args.nats_url)   # ValueError: exit 2 with its one line
     settings, database = await _check_database(cfg)
     metrics = _serve_metrics(args, cfg) if args.metrics_port else None
+    if metrics is not None:
+        metrics.health.checked_schema()   # /readyz: the start-up checks above passed
     if custom is not None:
         publisher = custom
     else:
@@ -334,7 +339,9 @@ async def _main(args: argparse.Namespace) -> int:
             log.info("event=cloudevents mode=binary specversion=%s source=%s", SPEC_VERSION, cloudevents.source)
         publisher = NatsPublisher(servers, ack_timeout=cfg.publish_timeout, cloudevents=cloudevents)
         await publisher.start()
-        await _stream_setup(args, publisher, cfg, *settings)
+        problems = await _stream_setup(args, publisher, cfg, *settings)
+        if metrics is not None:
+            metrics.health.checked_stream(problems)
     worker = Worker(cfg, publisher, metrics)
     if stopping.is_set():
         worker.stop()

@@ -52,6 +52,7 @@ _FAIL = "SELECT outbox_fail(%s, %s, %s, %s)"
 _RELEASE = "SELECT outbox_release(%s::bigint[], %s)"
 _EXTEND = "SELECT outbox_extend(%s::bigint[], %s, %s)"
 _SLEEP_FOR = "SELECT extract(epoch FROM outbox_next_wakeup() - clock_timestamp())::float8"
+_PING = "SELECT 1"
 _MAINTAIN = "SELECT action, partition, detail FROM outbox_maintain()"
 # Keys of finished events forgotten (0022), a batch a run.
 _FORGET_KEYS = "SELECT outbox_idempotency_forget()"
@@ -226,6 +227,12 @@ class Gateway:
                 delay = next_delay(delay)
                 await asyncio.sleep(delay)
         return None
+
+    async def ping(self, timeout: float) -> None:
+        """SELECT 1 on a connection of the pool, waiting at most ``timeout`` for one (the
+        /readyz probe); psycopg.Error or psycopg_pool.PoolTimeout when PostgreSQL is not usable."""
+        async with self.pool.connection(timeout=timeout) as conn:
+            await conn.execute(_PING)
 
     async def seconds_to_next_wakeup(self) -> float | None:
         """Until the next retry or lease expiry (outbox_next_wakeup), None: nothing scheduled."""

@@ -1,4 +1,5 @@
-"""Prometheus metrics of a worker (``outboxpg-worker --metrics-port N``).
+"""Prometheus metrics of a worker (``outboxpg-worker --metrics-port N``), served with its
+/healthz and /readyz (outboxpg.relay.health).
 
 Counters and histograms are updated by the worker as it goes. The gauges that come from the
 database (backlog, scheduled and retrying events, dead letters, oldest pending age) are read only
@@ -24,6 +25,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from outboxpg import statements
+from outboxpg.relay.health import Health
 
 __all__ = ["DEFAULT_EVENT_TYPES", "OTHER_EVENT_TYPES", "WorkerMetrics"]
 
@@ -80,7 +82,8 @@ class _DatabaseGauges(Collector):
 
 
 class WorkerMetrics:
-    """The worker's metrics, in a registry of their own."""
+    """The worker's metrics, in a registry of their own, and its ``health`` (served beside them
+    as /healthz and /readyz, see outboxpg.relay.health)."""
 
     def __init__(self, dsn: str, sample_every: float = 5.0,
                  application_name: str = "outboxpg-worker (metrics)",
@@ -88,6 +91,7 @@ class WorkerMetrics:
         if max_event_types < 0:
             raise ValueError(f"the metrics' event types must be 0 or more, got {max_event_types}")
         self.max_event_types = max_event_types
+        self.health = Health()
         self._event_types: set[str] = set()
         self.registry = CollectorRegistry()
         r = self.registry
@@ -127,5 +131,12 @@ class WorkerMetrics:
         return OTHER_EVENT_TYPES
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> Any:
-        """Serve /metrics on addr:port from a background thread."""
-        return start_http_server(port, addr=addr, registry=self.registry)
+        """Serve /metrics, /healthz and /readyz on addr:port from a background thread:
+        prometheus-client's server, its metrics app wrapped by the health checks. Returns
+        what start_http_server does (the server and its thread)."""
+        served = start_http_server(port, addr=addr, registry=self.registry)
+        server = served[0]
+        app = server.get_app()
+        assert app is not None
+        server.set_app(self.health.wsgi(app))
+        return served

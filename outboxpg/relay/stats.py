@@ -5,6 +5,7 @@ module's business."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
@@ -54,6 +55,8 @@ class Recorder:
         # summary_interval, so that an outage does not write a line per event and attempt.
         self._reasons_seen: set[str] = set()
         self._failures: dict[str, list[Any]] = {}   # reason -> [failures since the last summary, example]
+        # Set once this worker delivered its first event (logged at INFO, once: event=first_delivery).
+        self.first_delivered = asyncio.Event()
 
     def watch_listener(self, up: Callable[[], bool]) -> None:
         """The listener_up gauge reads ``up()`` at each scrape."""
@@ -94,6 +97,11 @@ class Recorder:
         m = self.metrics
         st.delivered += completed
         st.released += handed_back
+        if completed and not self.first_delivered.is_set():
+            self.first_delivered.set()
+            first = delivered[0]
+            log.info("event=first_delivery worker=%s id=%d subject=%s event_type=%s", self.name, first.id,
+                     printable(first.subject), printable(first.event_type))
         if handed_back < released:
             st.lost_leases += released - handed_back
             log.warning("event=lease_lost worker=%s events=%d note=%r", self.name, released - handed_back,

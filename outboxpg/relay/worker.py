@@ -47,6 +47,7 @@ from outboxpg.events import LEASE_TOKEN, OutboxEvent, event_from_row, runs_of
 from outboxpg.relay.backoff import DB_MAX_DELAY, next_delay
 from outboxpg.relay.config import WorkerConfig
 from outboxpg.relay.gateway import Gateway, connection_lost, id_array, lsn_value
+from outboxpg.relay.health import PROBE_TIMEOUT
 from outboxpg.relay.horizon import watch_xmin_every
 from outboxpg.relay.maintenance import maintain_every
 from outboxpg.relay.metrics import WorkerMetrics
@@ -70,12 +71,18 @@ log = logging.getLogger("outboxpg.worker")
 LOOK_AGAIN_LEAST = 0.010
 LOOK_AGAIN_MOST = 0.050
 
+# The first summary comes this long after the first delivery, when that is sooner than
+# summary_interval: a newcomer sees the counts move within seconds, not a minute.
+EARLY_SUMMARY = 5.0
+
 
 class Worker:
     def __init__(self, config: WorkerConfig, publisher: Any, metrics: WorkerMetrics | None = None) -> None:
         config.validate()
         self.cfg = config
         self.metrics = metrics
+        # /healthz and /readyz (served with the metrics): the loop's heartbeat, PostgreSQL, the publisher.
+        self.health = metrics.health if metrics is not None else None
         self.publisher = as_publisher(publisher)
         # Optional: an asyncio.Event the publisher sets while it can publish (NatsPublisher.ready).
         self._publisher_ready: asyncio.Event | None = getattr(self.publisher, "ready", None)
@@ -113,6 +120,8 @@ class Worker:
         if not self._stopping:
             log.info("event=shutdown_requested worker=%s", self.cfg.name)
         self._stopping = True
+        if self.health is not None:
+            self.health.stop()
         self._stop.set()
         self._wake.set()
 
@@ -120,6 +129,8 @@ class Worker:
         cfg = self.cfg
         await self.gateway.open()
         background: list[asyncio.Task[None]] = []
+        if self.health is not None:
+            background.append(asyncio.create_task(self.health.beat_every(), name="outboxpg-heartbeat"))
         if not cfg.poll_only:
             background.append(asyncio.create_task(self.listener.run(), name="outboxpg-listener"))
         background.append(asyncio.create_task(self._summaries(), name="outboxpg-summary"))
@@ -137,6 +148,8 @@ class Worker:
                      "poll_only=%s publish_timeout=%gs standby_flushed=%s run_publishing=%s", cfg.name, cfg.batch_size,
                      cfg.concurrency, cfg.lease, cfg.poll_interval, cfg.poll_only, cfg.publish_timeout,
                      cfg.standby_flushed or "off", getattr(self.publisher, "run_publishing", "publisher-defined"))
+            if self.health is not None:
+                self.health.running(self.publisher, self._ping)
             await self._loop()
         finally:
             for task in background:
@@ -255,7 +268,10 @@ class Worker:
             seconds = await self.gateway.seconds_to_next_wakeup()
         except psycopg.Error as exc:
             log.warning("event=db_error during=next_wakeup error=%r", first_line(exc))
+            self._database_failed(exc)
             return min(self.cfg.poll_interval, 5.0)
+        if self.health is not None:
+            self.health.database_ok()
         if seconds is None:
             return self.cfg.poll_interval
         return min(self.cfg.poll_interval, max(seconds, 0.0) + 0.005)
@@ -308,6 +324,7 @@ class Worker:
             rows = await self.gateway.claim(self.cfg.batch_size, self._lease, self.cfg.name)
         except psycopg.Error as exc:
             log.warning("event=db_error during=claim error=%r", first_line(exc))
+            self._database_failed(exc)
             if connection_lost(exc):
                 # The server went away (a restart, a failover): the pool's other connections
                 # went with it. Replaced now, not one failed claim (and backoff) at a time.
@@ -315,6 +332,8 @@ class Worker:
             await self._db_backoff()
             return []
         self._db_delay = 0.0
+        if self.health is not None:
+            self.health.database_ok()
         self.recorder.claimed(len(rows))
         return rows
 
@@ -420,6 +439,14 @@ class Worker:
         completed, states, handed_back = reported
         self.recorder.reported(events, acked_at, delivered, completed, failed, states, len(released), handed_back)
 
+    def _database_failed(self, exc: BaseException) -> None:
+        if self.health is not None:
+            self.health.database_failed(first_line(exc))
+
+    async def _ping(self) -> None:
+        """The /readyz probe of PostgreSQL, when no statement of the worker's answered lately."""
+        await self.gateway.ping(PROBE_TIMEOUT)
+
     async def _db_backoff(self) -> None:
         self._db_delay = next_delay(self._db_delay, DB_MAX_DELAY)
         with contextlib.suppress(asyncio.TimeoutError):
@@ -428,9 +455,25 @@ class Worker:
     # -- reporting -----------------------------------------------------------------------
 
     async def _summaries(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.summary_interval)
-            self.recorder.log_summary(self.listener.up)
+        """A summary every summary_interval; the first one EARLY_SUMMARY after the first
+        delivery when that comes sooner."""
+        loop = asyncio.get_running_loop()
+        interval = self.cfg.summary_interval
+        due = loop.time() + interval
+        first = asyncio.ensure_future(self.recorder.first_delivered.wait())
+        try:
+            while True:
+                if first.done():
+                    await asyncio.sleep(max(due - loop.time(), 0.0))
+                else:
+                    done, _ = await asyncio.wait({first}, timeout=max(due - loop.time(), 0.0))
+                    if done:
+                        due = min(due, loop.time() + EARLY_SUMMARY)
+                        continue
+                self.recorder.log_summary(self.listener.up)
+                due = loop.time() + interval
+        finally:
+            first.cancel()
 
 
 def application_name(worker_name: str) -> str:

@@ -112,6 +112,27 @@ class NatsConnection:
         if self._replacing is None or self._replacing.done():
             self._replacing = asyncio.ensure_future(self._replace())
 
+    @property
+    def closed(self) -> bool:
+        """close() was called: this connection publishes no more."""
+        return self._closing
+
+    def problem(self) -> str | None:
+        """Why nothing can be published now (not connected, reconnecting, being replaced), or
+        None. Reads state only: safe from another thread (the health server's)."""
+        nc = self.nc
+        if self._closing:
+            return f"NATS {self.url}: closed"
+        if nc is None:
+            return f"NATS {self.url}: not connected yet"
+        if not self.ready.is_set():
+            return f"NATS {self.url}: the client was closed, connecting a new one"
+        if nc.is_reconnecting:
+            return f"NATS {self.url}: reconnecting"
+        if not nc.is_connected:
+            return f"NATS {self.url}: not connected"
+        return None
+
     async def _replace(self) -> None:
         try:
             await self.connect(None)   # retried until it works, a warning per try, as at start

@@ -137,6 +137,15 @@ class NatsPublisher:
         shown = ".".join(map(str, version)) if version else "of unknown version"
         return f"sequential-acks (server {shown} has no atomic batch publish)"
 
+    @property
+    def closed(self) -> bool:
+        """close() was called (the worker's /healthz fails while it runs)."""
+        return self.connection.closed
+
+    def health_problem(self) -> str | None:
+        """Why the broker cannot take publishes now, or None (the worker's /readyz)."""
+        return self.connection.problem()
+
     async def start(self) -> None:
         nc = self.connection.nc
         if nc is not None and not nc.is_closed:
