@@ -137,12 +137,26 @@ def migrate(dsn: str, on_notice: OnNotice | None = None) -> list[str]:
         backend.connection.close()
 
 
-def rollback(dsn: str, count: int = 1, on_notice: OnNotice | None = None) -> list[str]:
-    """Roll back the last ``count`` applied steps; returns their ids, newest first."""
+def to_roll_back(rec: Recorded, count: int) -> list[str]:
+    """The steps ``rollback(dsn, count)`` would roll back, newest first (what the prompt names)."""
+    return [s for s in reversed(step_ids()) if s in rec.applied][:count]
+
+
+class StepsChanged(Exception):
+    """The applied steps changed between the prompt and the rollback (another migrate ran)."""
+
+
+def rollback(dsn: str, count: int = 1, on_notice: OnNotice | None = None,
+             expected: list[str] | None = None) -> list[str]:
+    """Roll back the last ``count`` applied steps; returns their ids, newest first. With
+    ``expected`` (the steps a user agreed to), anything else to roll back raises StepsChanged
+    and nothing is rolled back."""
     backend, steps = _steps(dsn, on_notice)
     try:
         with backend.lock():
             todo = backend.to_rollback(steps)[:count]
+            if expected is not None and [m.id for m in todo] != expected:
+                raise StepsChanged(", ".join(m.id for m in todo) or "none")
             backend.rollback_migrations(todo)
         return [m.id for m in todo]
     finally:

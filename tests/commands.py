@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pty
+import re
 import select
 import signal
 import subprocess
@@ -67,6 +68,17 @@ def run_all(*commands: tuple[str, ...], env: dict[str, str] | None = None) -> li
     """Several invocations at once (they only read, or touch different events)."""
     procs = [start(*c, env=env) for c in commands]
     return [finish(p) for p in procs]
+
+
+# The line a command that writes prints on stderr before it does: what, and in which database.
+TARGET = re.compile(r"outboxpg: [a-z][^\n]* database \S+ on \S+ as \S+\n")
+
+
+def after_target(err: str) -> str:
+    """``err`` without its first line, which must name the database the command writes to."""
+    m = TARGET.match(err)
+    assert m, f"no target line first: {err!r}"
+    return err[m.end():]
 
 
 def one_line_error(r: Result, code: int) -> str:

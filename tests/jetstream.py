@@ -55,6 +55,23 @@ async def stream_subjects(url: str, name: str) -> list[str]:
         await nc.close()
 
 
+async def add_stream(url: str, name: str, subjects: list[str]) -> None:
+    nc = await nats.connect(url)
+    try:
+        await nc.jetstream().add_stream(StreamConfig(name=name, subjects=subjects))
+    finally:
+        await nc.close()
+
+
+def capture_under(url: str, *prefixes: str) -> str:
+    """A stream capturing one subject under each prefix ('<prefix>.elsewhere'), none an event
+    uses: the worker's start check finds the allowed prefixes captured, the events' own subjects
+    not. Returns its name (delete_stream it)."""
+    name = f"U{uuid.uuid4().hex[:10]}"
+    asyncio.run(add_stream(url, name, [f"{p}.elsewhere" for p in prefixes]))
+    return name
+
+
 async def delete_stream(url: str, name: str) -> None:
     nc = await nats.connect(url)
     try:

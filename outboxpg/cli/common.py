@@ -16,7 +16,7 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
 from outboxpg import schema, sql_files, statements
-from outboxpg.cli.errors import EXIT_CONNECT, EXIT_SCHEMA, CliError
+from outboxpg.cli.errors import EXIT_CONNECT, EXIT_SCHEMA, EXIT_USAGE, CliError
 from outboxpg.text import first_line
 
 DSN_HELP = "libpq connection string or URI (default: $OUTBOXPG_DSN, else libpq's PG* variables)"
@@ -101,7 +101,7 @@ def point_in_time(conn: psycopg.Connection[Any], text: str, flag: str) -> Any:
             return row[0]
         except psycopg.errors.SyntaxError:
             continue
-    raise CliError(f"{flag}: neither a timestamp nor an interval: {text!r}")
+    raise CliError(f"{flag}: neither a timestamp nor an interval: {text!r}", EXIT_USAGE)
 
 
 def number_type(kind: Callable[[str], N], not_one: str, ok: Callable[[N], bool],
@@ -126,6 +126,22 @@ def restore_double_dash(args: argparse.Namespace, names: Iterable[str]) -> None:
     for name in names:
         if getattr(args, name, None) == []:
             setattr(args, name, "--")
+
+
+def require_target(args: argparse.Namespace, what: str) -> None:
+    """A command that writes needs its database named, by --dsn or $OUTBOXPG_DSN (an empty
+    string is a name too: libpq's PG* variables, asked for). Without one, libpq would pick a
+    database by itself (the local socket, a database named after the OS user), and the schema or
+    a repair would land where nobody meant it to: a usage error, before connecting."""
+    if getattr(args, "dsn", None) is None and "OUTBOXPG_DSN" not in os.environ:
+        raise CliError(f"{what} writes to a database: name it with --dsn or OUTBOXPG_DSN "
+                       "(--dsn '' takes libpq's PG* variables)", EXIT_USAGE)
+
+
+def announce_target(conn: psycopg.Connection[Any], doing: str) -> None:
+    """'outboxpg: migrating database shop on 127.0.0.1:5432 as alice', on stderr, before a
+    command writes: what it writes to is never a guess (never the password)."""
+    print(f"outboxpg: {doing} {where_text(where_am_i(conn))} as {conn.info.user}", file=sys.stderr, flush=True)
 
 
 def resolve_dsn(args: argparse.Namespace) -> str:
@@ -183,21 +199,21 @@ def describe_connection_error(exc: psycopg.Error) -> str:
 # -- connecting and checking the schema -----------------------------------------------------
 
 def parse_dsn(dsn: str) -> dict[str, Any]:
-    """The DSN's parameters; a string libpq cannot parse is a CliError (exit 2)."""
+    """The DSN's parameters; a string libpq cannot parse is a usage error (exit 2)."""
     try:
         return conninfo_to_dict(dsn)
     except psycopg.Error as exc:
         if _has_password_part(dsn):
             # libpq quotes the part it could not parse, which may be (part of) the password.
-            raise CliError("cannot connect to PostgreSQL: invalid connection string "
+            raise CliError("invalid connection string "
                            "(libpq's message is withheld because the string holds a password)",
-                           EXIT_CONNECT) from None
-        raise CliError(f"cannot connect to PostgreSQL: invalid connection string: {first_line(exc)}",
-                       EXIT_CONNECT) from None
+                           EXIT_USAGE) from None
+        raise CliError(f"invalid connection string: {first_line(exc)}", EXIT_USAGE) from None
 
 
 def connect(dsn: str) -> psycopg.Connection[Any]:
-    """An autocommit connection; a bad DSN or an unreachable server is a CliError (exit 2)."""
+    """An autocommit connection; a malformed DSN is a usage error (exit 2), an unreachable
+    server or a refused login a CliError with exit 3."""
     params = parse_dsn(dsn)
     extra: dict[str, Any] = {}
     if "connect_timeout" not in params and not os.environ.get("PGCONNECT_TIMEOUT"):
@@ -213,7 +229,7 @@ def connect(dsn: str) -> psycopg.Connection[Any]:
 
 
 def require_schema(conn: psycopg.Connection[Any]) -> None:
-    """Refuse (exit 3) a database without the outbox schema, or with an older one than ours."""
+    """Refuse (exit 4) a database without the outbox schema, or with an older one than ours."""
     # yoyo's bookkeeping, when this role may read it (an outbox_operator login may not).
     rec = schema.recorded(conn)
     if not rec.installed:
@@ -296,6 +312,8 @@ def confirm(question: str, details: list[str], what: str, yes: bool) -> None:
         return
     if not sys.stdin.isatty():
         raise CliError(f"refusing to {what} without confirmation: stdin is not a terminal (pass --yes)")
+    if SESSION.get("dbname"):
+        details = [f"Database: {where_text(SESSION)}, as {SESSION.get('user')}", *details]
     for line in details:
         print(line, file=sys.stderr)
     print(f"{question} [y/N] ", end="", file=sys.stderr, flush=True)

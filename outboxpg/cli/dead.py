@@ -20,8 +20,18 @@ from psycopg import sql
 from psycopg.rows import dict_row
 
 from outboxpg import statements
-from outboxpg.cli.common import add_dsn, add_yes, confirm, number_type, open_outbox, point_in_time, print_json
-from outboxpg.cli.errors import CliError
+from outboxpg.cli.common import (
+    add_dsn,
+    add_yes,
+    announce_target,
+    confirm,
+    number_type,
+    open_outbox,
+    point_in_time,
+    print_json,
+    require_target,
+)
+from outboxpg.cli.errors import EXIT_USAGE, CliError
 from outboxpg.cli.render import Lines, counts_by_type, id_list, pairs, table
 from outboxpg.text import clip_first_line, printable
 
@@ -109,7 +119,7 @@ def _where(conn: psycopg.Connection[Any], args: argparse.Namespace) -> tuple[sql
 
 def cmd_list(args: argparse.Namespace) -> int:
     if args.limit < 0:
-        raise CliError("--limit must be 0 (all) or more")
+        raise CliError("--limit must be 0 (all) or more", EXIT_USAGE)
     with open_outbox(args) as conn, conn.cursor(row_factory=dict_row) as cur:
         where, params = _where(conn, args)
         total_row = cur.execute(statements.DEAD_COUNT.format(where), params).fetchone()
@@ -204,16 +214,21 @@ def _cut_payload(row: dict[str, Any], max_bytes: int) -> None:
 
 # -- requeue and discard --------------------------------------------------------------------
 
-def _targets(conn: psycopg.Connection[Any], args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
-    """The dead events to act on, and a note per requested id that is not dead."""
+def _check_selection(args: argparse.Namespace) -> None:
+    """Usage errors of requeue and discard, before connecting."""
     if args.ids and args.all_matching:
-        raise CliError("give event ids or --all-matching, not both")
+        raise CliError("give event ids or --all-matching, not both", EXIT_USAGE)
     if args.ids and _has_filters(args):
         raise CliError("--event-type, --aggregate-type, --aggregate-id and --since select events only with "
-                       "--all-matching")
+                       "--all-matching", EXIT_USAGE)
     if not args.ids and not args.all_matching:
         raise CliError(f"which events? give their ids, or --all-matching with filters "
-                       f"(see outboxpg dead {args.dead_command} --help)")
+                       f"(see outboxpg dead {args.dead_command} --help)", EXIT_USAGE)
+    require_target(args, f"outboxpg dead {args.dead_command}")
+
+
+def _targets(conn: psycopg.Connection[Any], args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
+    """The dead events to act on, and a note per requested id that is not dead."""
     with conn.cursor(row_factory=dict_row) as cur:
         if args.ids:
             ids = sorted(set(args.ids))
@@ -229,6 +244,7 @@ def _targets(conn: psycopg.Connection[Any], args: argparse.Namespace) -> tuple[l
 
 
 def _act(args: argparse.Namespace, verb: str, past: str) -> int:
+    _check_selection(args)
     with open_outbox(args) as conn:
         rows, notes = _targets(conn, args)
         if notes:
@@ -243,6 +259,7 @@ def _act(args: argparse.Namespace, verb: str, past: str) -> int:
                     [f"About to {verb} {len(rows)} dead events:", *counts_by_type(rows)],
                     f"{verb} {len(rows)} events", args.yes)
         ids = [r["id"] for r in rows]
+        announce_target(conn, f"{'requeueing' if verb == 'requeue' else 'discarding'} {len(ids)} in")
         with conn.transaction():
             # Lock the ones still dead: none can be requeued or discarded by someone else meanwhile,
             # so a discard never catches an event that just went back to pending. Locking rows
@@ -270,6 +287,6 @@ def cmd_requeue(args: argparse.Namespace) -> int:
 
 def cmd_discard(args: argparse.Namespace) -> int:
     if not args.reason or not args.reason.strip():
-        raise CliError("--reason must not be blank (it is kept with each discarded event)")
+        raise CliError("--reason must not be blank (it is kept with each discarded event)", EXIT_USAGE)
     return _act(args, "discard", "discarded")
 

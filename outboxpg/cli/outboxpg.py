@@ -8,10 +8,11 @@
   outboxpg replay FILTERS [--dry-run]            re-send published events as new events (outbox_replay)
   outboxpg demo                                  the whole flow on throwaway servers
 
-Every command that talks to a database takes --dsn, else $OUTBOXPG_DSN, else libpq's PG* variables.
-Errors are one line on stderr and a non-zero exit code, never a traceback, and never show a
-password: 1 the command failed or was refused, 2 cannot connect (or bad usage), 3 the outbox
-schema is missing or older than this version.
+Every command that talks to a database takes --dsn, else $OUTBOXPG_DSN; one that only reads
+also falls back on libpq's PG* variables, one that writes needs the database named (--dsn '' asks
+for the PG* variables) and says which it writes to before it does. Errors are one line on stderr
+and an exit code of the table in outboxpg.cli.errors, never a traceback, and never show a
+password.
 """
 
 from __future__ import annotations
@@ -28,20 +29,33 @@ from outboxpg.cli import dead as cli_dead
 from outboxpg.cli import replay as cli_replay
 from outboxpg.cli import status as cli_status
 from outboxpg.cli.common import (
+    SESSION,
     add_dsn,
+    add_yes,
+    announce_target,
+    confirm,
     connect,
     describe_connection_error,
     not_installed,
     package_version,
     permission_hint,
     redact,
+    require_target,
     resolve_dsn,
     restore_double_dash,
     secrets_of,
     where_am_i,
     where_text,
 )
-from outboxpg.cli.errors import EXIT_CONNECT, EXIT_FAILED, EXIT_SCHEMA, EXIT_USAGE, CliError
+from outboxpg.cli.errors import (
+    EXIT_CODES,
+    EXIT_CONNECT,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_SCHEMA,
+    EXIT_USAGE,
+    CliError,
+)
 from outboxpg.cli.options import OneLineParser
 from outboxpg.text import describe, first_line, printable
 
@@ -71,20 +85,29 @@ def _unknown_steps_hint(where: str, steps: list[str]) -> str:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
+    if args.steps < 1:
+        raise CliError(f"--steps must be 1 or more, got {args.steps}", EXIT_USAGE)
+    if args.steps != 1 and not args.rollback:
+        raise CliError("--steps applies to --rollback only", EXIT_USAGE)
+    if not args.status:
+        flag = " --rollback" if args.rollback else " --adopt" if args.adopt else ""
+        require_target(args, f"outboxpg migrate{flag}")
     dsn = resolve_dsn(args)
     with connect(dsn) as conn:     # one-line errors for a bad DSN; what is installed, read only
         where = where_text(where_am_i(conn))
         rec = schema.recorded(conn)
         exposed = conn.execute(statements.UNTRUSTED_CREATORS).fetchone()
+        # Said before writing; not before a refusal that writes nothing (the checks below).
+        if exposed is None and (rec.hand_installed if args.adopt else not (args.status or args.rollback
+                                                                             or rec.unknown or rec.hand_installed)):
+            announce_target(conn, "adopting the schema in" if args.adopt else "migrating")
     if exposed is not None and not (args.rollback or args.status):
         name, who = exposed
         raise CliError(f"{who} may CREATE in schema {name} of {where}, where the outbox's SECURITY DEFINER functions "
                        f"look up names (whoever may create there can run code as the owner): refusing to install; "
-                       f"REVOKE CREATE ON SCHEMA {name} FROM {who}, then migrate again (docs/privileges.md)",
-                       EXIT_USAGE)
+                       f"REVOKE CREATE ON SCHEMA {name} FROM {who}, then migrate again (docs/privileges.md)")
     if args.rollback:
-        done = schema.rollback(dsn, args.steps, on_notice=_print_notice)
-        print("\n".join(f"rolled back {m}" for m in done) if done else "nothing to roll back")
+        return _rollback(dsn, where, rec, args)
     elif args.status:
         if rec.hand_installed:
             print(f"the outbox schema is installed in {where} but yoyo has no record of it (installed with psql?): "
@@ -99,13 +122,33 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         except psycopg.Error as exc:
             if exc.sqlstate == _OTHERS_MAY_CREATE and exc.diag.message_primary:   # a grant made meanwhile
                 raise CliError(f"{exc.diag.message_primary.removeprefix('outboxpg: ')}: "
-                               f"{exc.diag.message_hint or ''}".rstrip(": "), EXIT_USAGE) from None
+                               f"{exc.diag.message_hint or ''}".rstrip(": ")) from None
             raise
         except schema.HandInstalled:
             raise CliError(_hand_installed_hint(where)) from None
         except schema.UnknownSteps as exc:
             raise CliError(_unknown_steps_hint(where, exc.steps), EXIT_SCHEMA) from None
         print("\n".join(f"applied {m}" for m in done) if done else "schema is up to date")
+    return 0
+
+
+def _rollback(dsn: str, where: str, rec: schema.Recorded, args: argparse.Namespace) -> int:
+    """Roll back after naming the database and the steps, and asking (or --yes)."""
+    todo = schema.to_roll_back(rec, args.steps)
+    if not todo:
+        print(f"nothing to roll back in {where}")
+        return 0
+    confirm(f"Roll back {'this step' if len(todo) == 1 else f'these {len(todo)} steps'} in {where}?",
+            [f"About to roll back in {where} (user {SESSION.get('user')}), newest first:",
+             *(f"  {step}" for step in todo),
+             "Its functions, views and columns go back to the step before; events stay."],
+            f"roll back {len(todo)} step{'s' if len(todo) != 1 else ''} of {where}", args.yes)
+    print(f"outboxpg: rolling back {where}", file=sys.stderr, flush=True)
+    try:
+        done = schema.rollback(dsn, args.steps, on_notice=_print_notice, expected=todo)
+    except schema.StepsChanged as exc:
+        raise CliError(f"the applied steps changed meanwhile (now: {exc}): nothing rolled back; run it again") from None
+    print("\n".join(f"rolled back {m}" for m in done) if done else "nothing to roll back")
     return 0
 
 
@@ -143,8 +186,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     # Usage errors are one line (exit 2), in every subcommand too.
     parser = OneLineParser(prog="outboxpg", description="A SQL-first transactional outbox for PostgreSQL.",
-                            epilog="Exit codes: 0 ok, 1 failed or refused, 2 cannot connect or bad usage, "
-                                   "3 outbox schema missing or not up to date.")
+                            epilog=EXIT_CODES)
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=OneLineParser)
 
@@ -158,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="record a schema installed by hand (outboxpg sql | psql) in yoyo's bookkeeping, after "
                         "checking that its objects match the migration files")
     p.add_argument("--steps", type=int, default=1, help="with --rollback: how many steps (default: 1)")
+    add_yes(p)
     p.set_defaults(func=cmd_migrate)
 
     p = sub.add_parser("sql", help="print the whole install as one psql script, for DBAs who apply SQL by hand")
@@ -195,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CliError as exc:
         return _fail(str(exc), exc.code, secrets)
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
     except BrokenPipeError:  # e.g. `outboxpg dead list | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_FAILED

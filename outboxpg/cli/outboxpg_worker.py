@@ -5,13 +5,16 @@ OUTBOXPG_BATCH_SIZE, OUTBOXPG_POLL_ONLY=1). Flags win over the environment. Each
 declared once (outboxpg.option), as a field of WorkerConfig (outboxpg.relay.config) or of
 CommandOptions below; flags, variables and help are built from those (outboxpg.cli.options).
 
-At start it fails fast, with one line on stderr and an exit code, on what no retry can fix:
-2 a bad flag or DSN, PostgreSQL cannot be reached, or roles besides the owners' may create
-objects in the install schema (outbox_untrusted_creators()); 3 the outbox schema is missing or
-too old; 1 the login may not run the worker's functions (or another database error at start).
-What may come right by itself is waited for, with a warning per try and a growing pause:
-an unreachable NATS server at start (then nats-py reconnects on its own). No log line shows
-the DSN's or the NATS URL's password.
+At start it fails fast, with one line on stderr and an exit code of the table in
+outboxpg.cli.errors, on what no retry can fix: 2 a bad flag, a malformed DSN or none given;
+3 PostgreSQL cannot be reached, or --nats-url names a server that is not NATS; 4 the outbox
+schema is missing or too old; 5 JetStream is off, or no stream captures the subject prefix or an
+allowed subject prefix (unless --wait-for-stream); 1 the login may not run the worker's
+functions, roles besides the owners' may create objects in the install schema
+(outbox_untrusted_creators()), or another database error at start. What may come right by
+itself is waited for, with a warning per try and a growing pause: an unreachable NATS server at
+start (then nats-py reconnects on its own). No log line shows the DSN's or the NATS URL's
+password.
 """
 
 from __future__ import annotations
@@ -34,8 +37,8 @@ import psycopg
 
 from outboxpg import sql_api, statements
 from outboxpg.cli.common import (
-    NOT_INSTALLED,
     describe_connection_error,
+    not_installed,
     package_version,
     parse_dsn,
     redact,
@@ -43,11 +46,22 @@ from outboxpg.cli.common import (
     secrets_of,
     untrusted_creators_text,
 )
-from outboxpg.cli.errors import EXIT_CONNECT, EXIT_FAILED, EXIT_SCHEMA, EXIT_USAGE, CliError
+from outboxpg.cli.errors import (
+    EXIT_BROKER,
+    EXIT_CODES,
+    EXIT_CONNECT,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_SCHEMA,
+    EXIT_USAGE,
+    CliError,
+)
 from outboxpg.cli.options import OneLineParser, add_options, from_args
 from outboxpg.cloudevents import SPEC_VERSION, CloudEvents, check_source, default_source
 from outboxpg.option import option
 from outboxpg.relay.backoff import next_delay
+from outboxpg.relay.health import Health
+from outboxpg.relay.nats.readiness import not_nats
 from outboxpg.relay.nats.streams import (
     MAX_SUBJECTS,
     Subject,
@@ -63,13 +77,23 @@ from outboxpg.text import describe, first_line, join_lines, printable
 
 log = logging.getLogger("outboxpg.worker")
 
+# nats-server's own default address: a worker beside its broker needs no flag. A server there
+# that is not NATS, or whose JetStream has no stream for the outbox's subjects, is refused at start.
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+
+# How often --wait-for-stream checks again.
+STREAM_RECHECK_SECONDS = 5.0
+
 
 @dataclass
 class CommandOptions:
     """The options of the command beside WorkerConfig's: where to publish, metrics, logging."""
 
-    nats_url: str = option("NATS server URL, or several separated by commas (nats://, tls://, ws://, wss://)",
-                           "nats://127.0.0.1:4222")
+    nats_url: str = option("NATS server URL, or several separated by commas (nats://, tls://, ws://, wss://); "
+                           "the worker logs the one it uses at start and refuses a server that is not NATS or "
+                           "has no stream for the outbox's subjects", DEFAULT_NATS_URL)
+    wait_for_stream: bool = option("when JetStream is off or no stream captures the outbox's subjects at start, "
+                                   "say so once and check again every 5 s instead of exiting with code 5", False)
     ensure_stream: str | None = option(
         "create or update JetStream stream NAME to capture <subject_prefix>.> and the explicit subjects of "
         "unfinished events under outbox_settings.allowed_subject_prefixes that no stream captures (never any "
@@ -96,38 +120,60 @@ def build_parser() -> argparse.ArgumentParser:
         prog="outboxpg-worker",
         description="Deliver outbox events to NATS JetStream (or to your own publisher). "
                     "Every flag also reads OUTBOXPG_<FLAG> from the environment.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter, epilog=EXIT_CODES)
     add_options(p, WorkerConfig)
     add_options(p, CommandOptions)
+    if "OUTBOXPG_DSN" not in os.environ:
+        p.set_defaults(dsn=None)   # not given: main() asks for it (the worker writes)
     p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     return p
 
 
 async def _stream_setup(args: argparse.Namespace, publisher: Any, cfg: WorkerConfig, prefix: str,
                         backoff_cap: timedelta, allowed: list[str], subjects: list[Subject]) -> list[str]:
-    """Check (and with --ensure-stream, create) the stream the worker will publish into: one
-    capturing <prefix>.> and the explicit subjects of the unfinished events under the allowed
-    prefixes. The streams found are the ones whose acks the publisher counts at once. A failure
-    is logged, not fatal: publishes then fail and are retried, as without a stream. Returns the
-    problems logged (none: a stream captures the subjects; /readyz reads that)."""
+    """Check (and with --ensure-stream, create) the streams the worker will publish into: one
+    capturing <prefix>.>, something under each allowed subject prefix, and the explicit subjects
+    of the unfinished events under the allowed prefixes. Returns what stops delivery altogether
+    (JetStream off, the prefix or an allowed prefix captured by no stream: the caller exits with
+    code 5, or waits); what stops only some events (an explicit subject a producer wrote that no
+    stream captures, a short duplicate window) is logged as a warning. The streams found are the
+    ones whose acks the publisher counts at once."""
     from outboxpg.relay.nats.connection import supports_atomic_batch
+    from outboxpg.relay.nats.readiness import NOT_CAPTURED_HINT, covers_under, jetstream_off, uncaptured_prefixes
     from outboxpg.relay.nats.streams import check_stream, ensure_stream
 
+    off = await jetstream_off(publisher.js, publisher.url)
+    if off:
+        return [off]
     window = timedelta(seconds=cfg.lease) + backoff_cap + timedelta(seconds=60)
     explicit = [s for s in subjects if s.explicit and not under_prefix(s.subject, prefix)]
     if args.ensure_stream:
         try:
             # The subjects the events use: the prefix's, and explicit ones under the allowed
-            # prefixes that no stream has yet (a subject a producer wrote is no reason to widen it).
-            wanted = [f"{prefix}.>"] + await explicit_to_add(publisher.js, prefix, explicit, allowed)
+            # prefixes that no stream has yet (a subject a producer wrote is no reason to widen it
+            # beyond what is allowed); then '<p>.>' for an allowed prefix nothing would capture
+            # anything under even so (a stream may not hold both 'p.>' and 'p.x').
+            wanted = [f"{prefix}.>", *await explicit_to_add(publisher.js, prefix, explicit, allowed)]
+            wanted += [f"{p}.>" for p in await uncaptured_prefixes(publisher.js, allowed)
+                       if not any(covers_under(s, p) for s in wanted)]
             # allow_atomic where the server has atomic batch publish: long runs then go as batches.
             log.info("event=ensure_stream result=%r", await ensure_stream(publisher.js, args.ensure_stream,
                                                                            wanted, window,
                                                                            atomic=supports_atomic_batch(publisher.nc)))
-        except Exception as exc:  # noqa: BLE001 - JetStream off, no permission, a conflicting stream...
+        except Exception as exc:  # noqa: BLE001 - no permission, a conflicting stream...
             log.error("event=ensure_stream_failed stream=%s error=%r", args.ensure_stream, describe(exc))
+    fatal: list[str] = []
     try:
         problems = await check_stream(publisher.js, f"{prefix}.check", timedelta(seconds=cfg.lease) + backoff_cap)
+        if problems and problems[0].startswith("no JetStream stream"):
+            fatal.append(f"no JetStream stream captures {prefix + '.>'!r} on {publisher.url}, where every event "
+                         f"without a subject of its own goes: {NOT_CAPTURED_HINT}")
+            problems = problems[1:]
+        bare = await uncaptured_prefixes(publisher.js, allowed)
+        if bare:
+            fatal.append(f"no JetStream stream captures anything under the allowed subject prefix"
+                         f"{'es' if len(bare) > 1 else ''} {', '.join(map(repr, bare))} "
+                         f"(outbox_settings.allowed_subject_prefixes): {NOT_CAPTURED_HINT}")
         streams = await streams_for(publisher.js, [f"{prefix}.check", *(s.subject for s in explicit)])
         publisher.expect_streams(name for name in streams.values() if name is not None)
         missing = [s for s in explicit if streams[s.subject] is None and under_allowed(s.subject, allowed)]
@@ -141,17 +187,43 @@ async def _stream_setup(args: argparse.Namespace, publisher: Any, cfg: WorkerCon
                             "outbox_settings.allowed_subject_prefixes (written before they were refused at insert, "
                             "or since disallowed): --ensure-stream does not add them; they fail and die after "
                             "max_attempts unless an operator allows their prefix")
-    except Exception as exc:  # noqa: BLE001 - e.g. JetStream not enabled on the server
-        problems = [f"cannot check the JetStream stream for {prefix + '.>'!r}: {describe(exc)}"]
+    except Exception as exc:  # noqa: BLE001 - a JetStream API request that failed
+        return [f"cannot check the JetStream streams on {publisher.url}: {describe(exc)}"]
     for problem in problems:
         log.warning("event=stream_check problem=%r", problem)
-    return problems
+    return fatal
+
+
+async def _broker_ready(args: argparse.Namespace, publisher: Any, cfg: WorkerConfig,
+                        settings: tuple[str, timedelta, list[str], list[Subject]], stopping: asyncio.Event,
+                        health: Health | None) -> bool:
+    """The stream checks at start: fine, or exit 5 with the first problem in one line; with
+    --wait-for-stream, say so once and check again every STREAM_RECHECK_SECONDS (/readyz says
+    why meanwhile). False: stopped (SIGTERM) while waiting."""
+    said = False
+    while not stopping.is_set():
+        fatal = await _stream_setup(args, publisher, cfg, *settings)
+        if health is not None:
+            health.checked_stream(fatal)
+        if not fatal:
+            if said:
+                log.info("event=stream_found")
+            return True
+        if not args.wait_for_stream:
+            raise CliError(f"{fatal[0]}{f' (and {len(fatal) - 1} more)' if len(fatal) > 1 else ''}", EXIT_BROKER)
+        if not said:
+            log.warning("event=waiting_for_stream problem=%r note='--wait-for-stream: checking again every %gs'",
+                        "; ".join(fatal), STREAM_RECHECK_SECONDS)
+            said = True
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stopping.wait(), STREAM_RECHECK_SECONDS)
+    return False
 
 
 async def _check_database(cfg: WorkerConfig) -> tuple[tuple[str, timedelta, list[str], list[Subject]], str]:
-    """Fail fast, in one line, on what no retry can fix: a wrong DSN or an unreachable server
-    (exit 2), a database without the schema or with an older one (3), a login that may not run
-    the worker's functions (1). Returns ((subject_prefix, backoff_cap, allowed_subject_prefixes,
+    """Fail fast, in one line, on what no retry can fix: a malformed DSN (exit 2), an unreachable
+    server or a refused login (3), a database without the schema or with an older one (4), a
+    login that may not run the worker's functions (1). Returns ((subject_prefix, backoff_cap, allowed_subject_prefixes,
     the subjects of the unfinished events) for the stream check, the database's name)."""
     parse_dsn(cfg.dsn)
     try:
@@ -164,7 +236,8 @@ async def _check_database(cfg: WorkerConfig) -> tuple[tuple[str, timedelta, list
                      + (sql_api.XMIN_CALLS if cfg.xmin_check_interval > 0 else ()))
         rows = await (await conn.execute(statements.CHECK_FUNCTIONS, ([f.signature for f in functions],))).fetchall()
         if not rows[0][1]:
-            raise CliError(NOT_INSTALLED, EXIT_SCHEMA)
+            info = conn.info
+            raise CliError(not_installed({"dbname": info.dbname, "host": info.host, "port": info.port}), EXIT_SCHEMA)
         missing = [f for f, exists, _ in rows if not exists]
         if missing:
             raise CliError(f"the outbox schema is not up to date ({missing[0]} is missing): "
@@ -183,7 +256,7 @@ async def _check_database(cfg: WorkerConfig) -> tuple[tuple[str, timedelta, list
         # calls its functions until that is closed (migrate refuses such an install too).
         row = await (await conn.execute(statements.INSTALL_UNTRUSTED_CREATORS)).fetchone()
         if row is not None and row[0] is not None:
-            raise CliError(f"refusing to start: {untrusted_creators_text(row[0], row[1])}", EXIT_USAGE)
+            raise CliError(f"refusing to start: {untrusted_creators_text(row[0], row[1])}", EXIT_FAILED)
         if cfg.standby_flushed:
             # flush_lsn in pg_stat_replication is NULL to other roles: the worker would wait forever.
             row = await (await conn.execute(statements.MAY_READ_ALL_STATS)).fetchone()
@@ -194,7 +267,7 @@ async def _check_database(cfg: WorkerConfig) -> tuple[tuple[str, timedelta, list
         assert settings is not None
         # The LISTEN and the wakeup lock need sessions of their own (see outboxpg/relay/pooler.py).
         if not cfg.poll_only and await behind_transaction_pooler(cfg.dsn):
-            raise CliError(POOLER_HINT, EXIT_CONNECT)
+            raise CliError(POOLER_HINT, EXIT_USAGE)   # the flags do not fit the target: --poll-only
         rows = await (await conn.execute(statements.UNFINISHED_SUBJECTS, (MAX_SUBJECTS,))).fetchall()
         return (settings[0], settings[1], list(settings[2]), [Subject(*row) for row in rows]), database
 
@@ -267,7 +340,8 @@ def _nats_secrets(url: str) -> list[str]:
 
 async def _wait_for_nats(servers: list[str], stopping: asyncio.Event) -> bool:
     """Wait until the NATS server answers, logging each failed try and pausing 0.2 s, 0.4 s, ...
-    up to 5 s in between. nats-py's own connect retries a refused server forever and silently
+    up to 5 s in between; a server that answers but not as NATS is a CliError (exit 3).
+    nats-py's own connect retries a refused server forever and silently
     (every 0.5 s, logged at DEBUG only); this probe connection makes no retries of its own.
     False: stopped (SIGTERM) while waiting."""
     import nats
@@ -284,6 +358,10 @@ async def _wait_for_nats(servers: list[str], stopping: asyncio.Event) -> bool:
                                     reconnect_time_wait=0, error_cb=on_error, name="outboxpg-worker-probe")
         except Exception as exc:  # noqa: BLE001 - refused, unresolvable, TLS, authorization...
             reason = seen[-1] if seen else exc
+            for server in servers:   # a port that answers, but not as NATS: no wait makes it one
+                why = await not_nats(server)
+                if why:
+                    raise CliError(f"--nats-url {server}: not a NATS server: {why}", EXIT_CONNECT) from None
             log.warning("event=nats_connect_failed url=%s error=%r retry_in=%.1fs", ",".join(servers),
                         describe(reason), delay)
             with contextlib.suppress(asyncio.TimeoutError):
@@ -331,6 +409,8 @@ async def _main(args: argparse.Namespace) -> int:
     else:
         from outboxpg.relay.nats.publisher import NatsPublisher
 
+        log.info("event=nats_target url=%s%s", ",".join(servers),
+                 " (the default: --nats-url names another)" if args.nats_url == DEFAULT_NATS_URL else "")
         if not await _wait_for_nats(servers, stopping):
             return 0
         cloudevents = None
@@ -339,9 +419,15 @@ async def _main(args: argparse.Namespace) -> int:
             log.info("event=cloudevents mode=binary specversion=%s source=%s", SPEC_VERSION, cloudevents.source)
         publisher = NatsPublisher(servers, ack_timeout=cfg.publish_timeout, cloudevents=cloudevents)
         await publisher.start()
-        problems = await _stream_setup(args, publisher, cfg, *settings)
-        if metrics is not None:
-            metrics.health.checked_stream(problems)
+        try:
+            ready = await _broker_ready(args, publisher, cfg, settings, stopping,
+                                        metrics.health if metrics is not None else None)
+        except BaseException:
+            await publisher.close()
+            raise
+        if not ready:
+            await publisher.close()
+            return 0
     worker = Worker(cfg, publisher, metrics)
     if stopping.is_set():
         worker.stop()
@@ -385,6 +471,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"outboxpg-worker: {exc}", file=sys.stderr)
         return exc.code
     args = parser.parse_args(argv)
+    if args.dsn is None:
+        # libpq would pick a database by itself (the local socket, one named after the OS user).
+        print("outboxpg-worker: the worker writes to a database: name it with --dsn or OUTBOXPG_DSN "
+              "(--dsn '' takes libpq's PG* variables)", file=sys.stderr)
+        return EXIT_USAGE
     restore_double_dash(args, ("dsn", "nats_url", "ensure_stream", "publisher", "name", "metrics_addr",
                                "cloudevents_source"))
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
@@ -418,7 +509,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except psycopg.Error as exc:
         return fail(f"database error at start: {first_line(exc)}", EXIT_FAILED)
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from outboxpg import statements
-from outboxpg.cli.common import add_dsn, add_yes, confirm, open_outbox, point_in_time
+from outboxpg.cli.common import add_dsn, add_yes, announce_target, confirm, open_outbox, point_in_time, require_target
 from outboxpg.cli.errors import EXIT_USAGE, CliError
 from outboxpg.cli.options import add_options, from_args
 from outboxpg.cli.render import counts_by_type, id_list, table
@@ -156,6 +156,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         raise CliError(NO_FILTER, EXIT_USAGE)
     if filters.max_events < 1:
         raise CliError(f"--max-events must be 1 or more, got {filters.max_events}", EXIT_USAGE)
+    if not args.dry_run:
+        require_target(args, "outboxpg replay")
     with open_outbox(args) as conn:
         values = _filters(conn, filters)
         n, rows = _candidates(conn, values, filters.max_events)
@@ -186,6 +188,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             confirm(f"Replay these {n} published events?", details, f"replay {n} events", args.yes)
         # Exactly the events shown: those published since are not added.
         ids = [r["id"] for r in rows]
+        announce_target(conn, f"replaying {_plural(n, 'event')} in")
         done = replay(conn, **{**values, "ids": ids}, new_msg_id=filters.new_msg_id, max_events=filters.max_events)
     copies = "new msg_id" if filters.new_msg_id else "same msg_id"
     print(f"replayed {_plural(done, 'event')} as new events ({copies}): {id_list(ids)}")

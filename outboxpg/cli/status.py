@@ -15,9 +15,11 @@ from psycopg.rows import dict_row
 from outboxpg import statements
 from outboxpg.cli.common import (
     add_dsn,
+    announce_target,
     number_type,
     open_outbox,
     print_json,
+    require_target,
     untrusted_creators_text,
     where_am_i,
     where_text,
@@ -327,7 +329,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 # -- maintain -------------------------------------------------------------------------------
 
 def cmd_maintain(args: argparse.Namespace) -> int:
+    if not args.dry_run:
+        require_target(args, "outboxpg maintain")
     with open_outbox(args) as conn, conn.cursor(row_factory=dict_row) as cur:
+        if not args.dry_run:
+            announce_target(conn, "maintaining partitions of")
         rows = cur.execute(statements.MAINTAIN, (args.dry_run,)).fetchall()
     if args.json:
         print_json({"dry_run": args.dry_run, "actions": rows})

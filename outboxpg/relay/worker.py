@@ -54,6 +54,7 @@ from outboxpg.relay.metrics import WorkerMetrics
 from outboxpg.relay.publishers import PermanentError, as_publisher
 from outboxpg.relay.standby import StandbyFlush
 from outboxpg.relay.stats import Recorder
+from outboxpg.relay.tasks import cancel_all
 from outboxpg.relay.wakeup import IdleLock, Listener
 from outboxpg.text import describe, first_line
 
@@ -152,11 +153,7 @@ class Worker:
                 self.health.running(self.publisher, self._ping)
             await self._loop()
         finally:
-            for task in background:
-                task.cancel()
-            for task in background:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+            await cancel_all(background)
             await self.idle_lock.close()
             if self.standby is not None:
                 await self.standby.close()

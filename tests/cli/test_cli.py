@@ -13,11 +13,12 @@ from typing import Any
 import orjson
 import psycopg
 import pytest
-from commands import Result, finish, one_line_error, run, run_all, run_on_tty, start
+from commands import Result, after_target, finish, one_line_error, run, run_all, run_on_tty, start
 from dataset import build_dataset, last_claim_at, producing_transaction
 from helpers import claim, insert
 
 from outboxpg import sql_files
+from outboxpg.cli.errors import EXIT_CONNECT, EXIT_SCHEMA, EXIT_USAGE
 
 SECRET = "S3cr3t-pw-do-not-show"
 NOT_INSTALLED = "outboxpg: the outbox schema is not installed in {where}: run outboxpg migrate --dsn ..."
@@ -215,7 +216,7 @@ def test_dead_list_filters(dsn: str, data: dict[str, Any]) -> None:
     assert limited.out.splitlines()[-1].startswith("4 dead letters; showing the newest 2 (--limit)")
     assert len([line for line in limited.out.splitlines() if line.strip()[:1].isdigit()]) == 2 + 1  # rows + footer
     assert text.code == 0 and "payload too large ..." in text.out and "order/o-1" in text.out, text.out
-    assert one_line_error(bad_since, 1) == "outboxpg: --since: neither a timestamp nor an interval: 'next blue moon'"
+    assert one_line_error(bad_since, EXIT_USAGE) == "outboxpg: --since: neither a timestamp nor an interval: 'next blue moon'"
 
 
 def test_dead_show(dsn: str, data: dict[str, Any]) -> None:
@@ -247,14 +248,14 @@ def test_several_events_need_confirmation_and_no_tty_refuses(dsn: str, conn: psy
         "outboxpg: refusing to requeue 4 events without confirmation: stdin is not a terminal (pass --yes)"
     assert one_line_error(two_discard, 1) == \
         "outboxpg: refusing to discard 2 events without confirmation: stdin is not a terminal (pass --yes)"
-    assert "which events?" in one_line_error(no_selection, 1)
-    assert "not both" in one_line_error(both, 1)
+    assert "which events?" in one_line_error(no_selection, EXIT_USAGE)
+    assert "not both" in one_line_error(both, EXIT_USAGE)
     assert dead_ids(conn) == before
 
 
 def test_requeue_one_by_id_needs_no_confirmation(dsn: str, conn: psycopg.Connection[Any], data: dict[str, Any]) -> None:
     r = run("dead", "requeue", "--dsn", dsn, str(data["dead_o2"]))
-    assert (r.code, r.out, r.err) == (0, f"requeued 1 event: {data['dead_o2']}\n", ""), r
+    assert (r.code, r.out, after_target(r.err)) == (0, f"requeued 1 event: {data['dead_o2']}\n", ""), r
     row = conn.execute("SELECT state::text, attempts, last_error FROM outbox WHERE id = %s",
                        (data["dead_o2"],)).fetchone()
     assert row == ("pending", 0, "boom paid")
@@ -266,7 +267,8 @@ def test_requeue_ids_that_are_not_dead_are_reported(dsn: str, conn: psycopg.Conn
     mixed, none_dead = run_all(("dead", "requeue", "--dsn", dsn, str(data["dead_c1"]), str(published), "424242"),
                                ("dead", "requeue", "--dsn", dsn, str(data["pending"])))
     assert mixed.code == 1 and mixed.out == f"requeued 1 event: {data['dead_c1']}\n", mixed
-    assert mixed.err == f"outboxpg: not dead, left alone: {published} (published), 424242 (no such event)\n"
+    assert mixed.err.startswith(f"outboxpg: not dead, left alone: {published} (published), 424242 (no such event)\n")
+    assert after_target(mixed.err.split("\n", 1)[1]) == "", mixed
     assert none_dead.code == 1 and none_dead.err.splitlines()[-1] == \
         "outboxpg: nothing to requeue: none of the given events is dead", none_dead
     assert state_of(conn, data["dead_c1"]) == "pending" and state_of(conn, published) == "published"
@@ -279,7 +281,7 @@ def test_requeue_all_matching_with_yes(dsn: str, conn: psycopg.Connection[Any], 
     assert len(dead_ids(conn)) == 4
 
     r = run("dead", "requeue", "--dsn", dsn, "--all-matching", "--yes", "--event-type", "created")
-    assert r.code == 0 and r.err == "", r
+    assert r.code == 0 and after_target(r.err) == "", r
     assert r.out == f"requeued 2 events: {data['dead_o1']}, {data['dead_c1']}\n"
     assert dead_ids(conn) == {data["dead_o2"], data["dead_inj"]}
 
@@ -289,7 +291,7 @@ def test_discard_all_matching_with_reason(dsn: str, conn: psycopg.Connection[Any
                                       ("dead", "discard", "--dsn", dsn, str(data["dead_o1"]), "--reason", "  "))
     assert one_line_error(no_reason, 2) == ("outboxpg: the following arguments are required: --reason "
                                             "(see outboxpg dead discard --help)")
-    assert one_line_error(blank_reason, 1) == \
+    assert one_line_error(blank_reason, EXIT_USAGE) == \
         "outboxpg: --reason must not be blank (it is kept with each discarded event)"
 
     r = run("dead", "discard", "--dsn", dsn, "--all-matching", "--aggregate-type", "order", "--since", "1 day",
@@ -361,7 +363,7 @@ def test_usage_errors_are_one_line_naming_the_help_to_read() -> None:
         ("sql", "extra"): "unrecognized arguments: extra (see outboxpg sql --help)",
     }
     for r in run_all(*expected):
-        assert one_line_error(r, 2) == f"outboxpg: {expected[r.args]}"
+        assert one_line_error(r, EXIT_USAGE) == f"outboxpg: {expected[r.args]}"
 
 
 def test_cannot_connect(dsn: str) -> None:
@@ -374,15 +376,17 @@ def test_cannot_connect(dsn: str) -> None:
         ("dead", "requeue", "1", "--dsn", "host=127.0.0.1 port=1"),
         ("migrate", "--status", "--dsn", f"host=127.0.0.1 port=1 password={SECRET}"),
     )
-    for r in results:
-        line = one_line_error(r, 2)
-        assert line.startswith("outboxpg: cannot connect to PostgreSQL: "), r
+    for i, r in enumerate(results):
+        if i in (3, 4):   # not a connection string: bad usage
+            assert one_line_error(r, EXIT_USAGE).startswith("outboxpg: invalid connection string"), r
+        else:
+            assert one_line_error(r, EXIT_CONNECT).startswith("outboxpg: cannot connect to PostgreSQL: "), r
         assert SECRET not in r.out + r.err, r
     assert "Connection refused" in results[0].err
     assert "withheld" in results[3].err and "withheld" in results[4].err
     # a password in $OUTBOXPG_DSN or $PGPASSWORD does not show either
     env_dsn = run("status", env={"OUTBOXPG_DSN": f"host=127.0.0.1 port=1 password={SECRET}", "PGPASSWORD": SECRET})
-    assert one_line_error(env_dsn, 2).startswith("outboxpg: cannot connect to PostgreSQL: ")
+    assert one_line_error(env_dsn, EXIT_CONNECT).startswith("outboxpg: cannot connect to PostgreSQL: ")
     assert SECRET not in env_dsn.err
 
 
@@ -392,7 +396,7 @@ def test_database_without_the_schema(empty_dsn: str) -> None:
                      ("dead", "requeue", "--all-matching", "--yes", "--dsn", empty_dsn),
                      ("maintain", "--dry-run", "--dsn", empty_dsn)):
         p = psycopg.conninfo.conninfo_to_dict(empty_dsn)
-        assert one_line_error(r, 3) == NOT_INSTALLED.format(where=f"database {p['dbname']} on {p['host']}:{p['port']}")
+        assert one_line_error(r, EXIT_SCHEMA) == NOT_INSTALLED.format(where=f"database {p['dbname']} on {p['host']}:{p['port']}")
         assert SECRET not in r.err
 
 
@@ -401,14 +405,14 @@ def test_schema_older_than_this_version(empty_dsn: str) -> None:
              if not p.name.endswith(".rollback.sql")]
     migrate = run("migrate", "--dsn", empty_dsn)
     assert migrate.code == 0 and migrate.out.splitlines() == [f"applied {s}" for s in steps], migrate
-    rollback = run("migrate", "--dsn", empty_dsn, "--rollback", "--steps", "2")
+    rollback = run("migrate", "--dsn", empty_dsn, "--rollback", "--steps", "2", "--yes")
     assert rollback.code == 0 and rollback.out.splitlines() == [f"rolled back {s}" for s in steps[:-3:-1]]
 
     status, listing, migrate_status = run_all(("status", "--dsn", empty_dsn), ("dead", "list", "--dsn", empty_dsn),
                                               ("migrate", "--status", "--dsn", empty_dsn))
     expected = "outboxpg: the outbox schema is not up to date (2 steps pending): run outboxpg migrate --dsn ..."
-    assert one_line_error(status, 3) == expected
-    assert one_line_error(listing, 3) == expected
+    assert one_line_error(status, EXIT_SCHEMA) == expected
+    assert one_line_error(listing, EXIT_SCHEMA) == expected
     assert migrate_status.out.splitlines()[-2:] == [f"pending  {s}" for s in steps[-2:]]
 
     assert run("migrate", "--dsn", empty_dsn).code == 0
@@ -418,7 +422,7 @@ def test_schema_older_than_this_version(empty_dsn: str) -> None:
     with psycopg.connect(empty_dsn, autocommit=True) as c:
         c.execute("DROP TABLE _yoyo_migration, _yoyo_log, _yoyo_version, yoyo_lock")
         c.execute("DROP VIEW outbox_health")
-    assert one_line_error(run("status", "--dsn", empty_dsn), 3) == (
+    assert one_line_error(run("status", "--dsn", empty_dsn), EXIT_SCHEMA) == (
         "outboxpg: the outbox schema is not up to date (view outbox_health is missing): run outboxpg migrate "
         "--dsn ... (or apply the newer files of migrations/ with psql)")
 
@@ -479,11 +483,11 @@ def test_a_database_with_steps_this_version_does_not_ship(empty_dsn: str) -> Non
     p = psycopg.conninfo.conninfo_to_dict(empty_dsn)
     where = f"database {p['dbname']} on {p['host']}:{p['port']}"
     migrate = run("migrate", "--dsn", empty_dsn)
-    assert one_line_error(migrate, 3) == (
+    assert one_line_error(migrate, EXIT_SCHEMA) == (
         f"outboxpg: {where} records outbox steps this version does not ship ({', '.join(dev)}): steps of a "
         "release in the making, since squashed into one step; roll them back with the outboxpg that made them "
         "(outboxpg migrate --rollback --steps N), or migrate a new database")
-    assert one_line_error(run("status", "--dsn", empty_dsn), 3) == (
+    assert one_line_error(run("status", "--dsn", empty_dsn), EXIT_SCHEMA) == (
         f"outboxpg: the outbox schema in {where} has steps this version does not ship ({', '.join(dev)}): "
         "outboxpg migrate says what to do")
     with psycopg.connect(empty_dsn) as c:

@@ -17,6 +17,7 @@ from helpers import allow_subjects, claim, fail, fail_times, insert
 from psycopg.conninfo import conninfo_to_dict
 from roles import Login
 
+from outboxpg.cli.errors import EXIT_SCHEMA
 from outboxpg.events import OutboxEvent
 from outboxpg.relay.worker import Worker, WorkerConfig
 
@@ -42,7 +43,7 @@ def test_status_as_a_producer_login_names_the_operator_role(logins: dict[str, Lo
 def test_schema_not_installed_names_the_database(empty_dsn: str) -> None:
     p = conninfo_to_dict(empty_dsn)
     for r in run_all(("status", "--dsn", empty_dsn), ("dead", "list", "--dsn", empty_dsn)):
-        assert one_line_error(r, 3) == (
+        assert one_line_error(r, EXIT_SCHEMA) == (
             f"outboxpg: the outbox schema is not installed in database {p['dbname']} on {p['host']}:{p['port']}: "
             "run outboxpg migrate --dsn ...")
 

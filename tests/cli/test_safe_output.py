@@ -14,7 +14,9 @@ from typing import Any
 import psycopg
 from commands import CLI, Proc, cli_env
 from helpers import claim, fail, insert
+from jetstream import new_stream
 
+from outboxpg.cli.errors import EXIT_USAGE
 from outboxpg.embedded import EmbeddedNats
 
 Conn = psycopg.Connection[Any]
@@ -86,7 +88,7 @@ def test_replay_and_its_errors_escape_them_too(dsn: str, conn: Conn) -> None:
     assert b"Would replay 1 published event" in out, out
     # A bad --since quoting the producer's text back: one line.
     code, out, err = cli("replay", "--dsn", dsn, "--since", HOSTILE_ID)
-    assert code == 1 and out == b"", (out, err)
+    assert code == EXIT_USAGE and out == b"", (out, err)
     assert_clean(err.rstrip(b"\n"))
     assert err.count(b"\n") == 1, err
 
@@ -95,6 +97,8 @@ def test_the_worker_log_keeps_one_line_per_record(dsn: str, conn: Conn, tmp_path
                                                   nats_server: EmbeddedNats) -> None:
     """A dead letter's log line names the aggregate: its CR and escape sequences are escaped (a
     bare CR used to pass the worker's one-line filter and forge a line)."""
+    _, prefix = new_stream(nats_server.url)
+    conn.execute("UPDATE outbox_settings SET subject_prefix = %s", (prefix,))
     i = insert(conn, "order", HOSTILE_ID, "created", "{}", headers='{"X-Note": "a\\nb"}')   # can never be sent
     w = Proc(tmp_path, "--dsn", dsn, "--nats-url", nats_server.url, "--lease", "4", "--publish-timeout", "1")
     try:

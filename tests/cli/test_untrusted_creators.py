@@ -16,6 +16,8 @@ from commands import WORKER, Proc, run
 from psycopg import sql
 from roles import Login, login_roles
 
+from outboxpg.cli.errors import EXIT_FAILED
+
 Conn = psycopg.Connection[Any]
 
 
@@ -46,7 +48,7 @@ def test_the_worker_refuses_and_status_says_so_while_others_may_create(dsn: str,
     advice = (f"{who} may CREATE in schema {schema}, where the outbox's SECURITY DEFINER functions look up names "
               f"(whoever may create there can run code as the owner): REVOKE CREATE ON SCHEMA {schema} FROM {who} "
               "(docs/privileges.md)")
-    assert (refused.returncode, refused.stdout) == (2, ""), refused
+    assert (refused.returncode, refused.stdout) == (EXIT_FAILED, ""), refused
     assert refused.stderr == f"outboxpg-worker: refusing to start: {advice}\n", refused.stderr
     assert status.code == 0, status
     assert f"  ! workers refuse to start: {advice}\n" in status.out, status.out

@@ -24,12 +24,13 @@ from typing import Any
 import psycopg
 import pytest
 from commands import WORKER, Proc
-from jetstream import make_stream
+from jetstream import add_stream, delete_stream, make_stream, new_stream
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 from roles import login_roles
 
 from outboxpg import enqueue
+from outboxpg.cli.errors import EXIT_BROKER, EXIT_CONNECT, EXIT_SCHEMA, EXIT_USAGE
 from outboxpg.embedded import EmbeddedPostgres, find_nats_server, free_port
 
 SECRET = "S3cr3t-pw-never-shown"
@@ -66,13 +67,12 @@ def printer(tmp_path: Path) -> dict[str, str]:
 
 # -- PostgreSQL ---------------------------------------------------------------------------------
 
-def test_wrong_dsns_exit_2_in_one_line_without_the_password(dsn: str) -> None:
+def test_wrong_dsns_exit_3_in_one_line_without_the_password(dsn: str) -> None:
     dbname = psycopg.conninfo.conninfo_to_dict(dsn)["dbname"]
     bad = {
         "refused port": f"host=127.0.0.1 port={free_port()} user=u password={SECRET} dbname=x",
         "unknown user": make_conninfo(dsn, user="outboxpg_no_such_user", password=SECRET),
         "unknown database": make_conninfo(dsn, dbname=f"{dbname}_missing", password=SECRET),
-        "unterminated quote": f"host=127.0.0.1 password='{SECRET}",
         "URI": f"postgresql://u:{SECRET}@127.0.0.1:{free_port()}/x",
         "unresolvable host": f"host=outboxpg-no-such-host.invalid password={SECRET}",
     }
@@ -80,14 +80,18 @@ def test_wrong_dsns_exit_2_in_one_line_without_the_password(dsn: str) -> None:
              for k, v in bad.items()}
     for what, p in procs.items():
         out, err = p.communicate(timeout=60)
-        line = one_line(subprocess.CompletedProcess(p.args, p.returncode, out, err), 2)
+        line = one_line(subprocess.CompletedProcess(p.args, p.returncode, out, err), EXIT_CONNECT)
         assert line.startswith("outboxpg-worker: cannot connect to PostgreSQL: "), (what, line)
-    # "--dsn=--" is taken as the string "--" (argparse would make it an empty list).
-    r = run("--dsn=--")
-    assert "cannot connect to PostgreSQL: invalid connection string" in one_line(r, 2)
+    # Not a connection string: bad usage. "--dsn=--" is taken as the string "--" (argparse would
+    # make it an empty list).
+    assert "invalid connection string" in one_line(run("--dsn=--"), EXIT_USAGE)
+    assert "invalid connection string" in one_line(run("--dsn", f"host=127.0.0.1 password='{SECRET}"), EXIT_USAGE)
+    # None at all: libpq would pick a database by itself.
+    assert one_line(run(), EXIT_USAGE) == ("outboxpg-worker: the worker writes to a database: name it with --dsn or "
+                                           "OUTBOXPG_DSN (--dsn '' takes libpq's PG* variables)")
 
 
-def test_bad_password_exits_2_without_showing_it() -> None:
+def test_bad_password_exits_3_without_showing_it() -> None:
     with EmbeddedPostgres() as pg, psycopg.connect(pg.dsn, autocommit=True) as c:
         c.execute(sql.SQL("ALTER ROLE postgres PASSWORD {}").format(sql.Literal("the-right-one")))
         hba = pg.datadir / "pg_hba.conf"
@@ -95,15 +99,17 @@ def test_bad_password_exits_2_without_showing_it() -> None:
         c.execute("SELECT pg_reload_conf()")
         time.sleep(0.2)
         r = run("--dsn", f"{pg.dsn} password={SECRET}")
-        line = one_line(r, 2)
+        line = one_line(r, EXIT_CONNECT)
         assert 'password authentication failed for user "postgres"' in line, line
         r = run("--dsn", pg.dsn)   # no password at all
-        assert "no password supplied" in one_line(r, 2)
+        assert "no password supplied" in one_line(r, EXIT_CONNECT)
 
 
-def test_database_without_the_schema_exits_3(empty_dsn: str) -> None:
-    assert one_line(run("--dsn", empty_dsn), 3) == \
-        "outboxpg-worker: the outbox schema is not installed in this database: run outboxpg migrate --dsn ..."
+def test_database_without_the_schema_exits_4_naming_it(empty_dsn: str) -> None:
+    p = psycopg.conninfo.conninfo_to_dict(empty_dsn)
+    assert one_line(run("--dsn", empty_dsn), EXIT_SCHEMA) == (
+        f"outboxpg-worker: the outbox schema is not installed in database {p['dbname']} on {p['host']}:{p['port']}: "
+        "run outboxpg migrate --dsn ...")
 
 
 @pytest.fixture
@@ -194,15 +200,55 @@ async def test_nats_coming_up_later_is_used_at_once(dsn: str, conn: Conn, own_na
         assert w.stop() == 0, w.text()
 
 
-def test_no_stream_for_the_subjects_is_a_warning_and_retries_back_off(dsn: str, conn: Conn, nats_server: Any,
-                                                                      tmp_path: Path) -> None:
-    conn.execute("UPDATE outbox_settings SET subject_prefix = 'nostream_hi', backoff_base = '300 ms', "
-                 "backoff_cap = '1 s', max_attempts = 1000")
+def test_no_stream_for_the_prefix_exits_5_in_one_line(dsn: str, conn: Conn, nats_server: Any) -> None:
+    conn.execute("UPDATE outbox_settings SET subject_prefix = 'nostream_hi'")
     i = enqueue(conn, "order", "1", "created", {})
+    r = run("--dsn", dsn, "--nats-url", nats_server.url, "--log-level", "WARNING")
+    assert one_line(r, EXIT_BROKER) == (
+        f"outboxpg-worker: no JetStream stream captures 'nostream_hi.>' on {nats_server.url}, where every event "
+        "without a subject of its own goes: pass --ensure-stream NAME to create one, or add the subjects to a "
+        "stream (nats stream add), or --wait-for-stream to wait for one")
+    # An allowed prefix nothing captures anything under: the same, naming it.
+    name, prefix = new_stream(nats_server.url)
+    conn.execute("UPDATE outbox_settings SET subject_prefix = %s, allowed_subject_prefixes = '{nostream_billing}'",
+                 (prefix,))
+    r = run("--dsn", dsn, "--nats-url", nats_server.url, "--log-level", "WARNING")
+    assert "no JetStream stream captures anything under the allowed subject prefix 'nostream_billing'" in \
+        one_line(r, EXIT_BROKER)
+    assert conn.execute("SELECT state::text, attempts FROM outbox WHERE id = %s", (i,)).fetchone() == ("pending", 0)
+
+
+def test_wait_for_stream_says_so_once_and_starts_when_one_appears(dsn: str, conn: Conn, nats_server: Any,
+                                                                   tmp_path: Path) -> None:
+    conn.execute("UPDATE outbox_settings SET subject_prefix = 'late_hi'")
+    i = enqueue(conn, "order", "1", "created", {})
+    w = Proc(tmp_path, "--dsn", dsn, "--nats-url", nats_server.url, "--wait-for-stream")
+    try:
+        w.wait_for("event=waiting_for_stream", 20)
+        assert w.count("event=waiting_for_stream") == 1 and "event=start " not in w.text()
+        asyncio.run(add_stream(nats_server.url, "LATE_HI", ["late_hi.>"]))
+        w.wait_for("event=stream_found", 20)
+        assert wait_state(conn, i, "published", 20) >= 0
+        assert w.count("event=waiting_for_stream") == 1
+    finally:
+        assert w.stop() == 0, w.text()
+        asyncio.run(delete_stream(nats_server.url, "LATE_HI"))
+    assert "Traceback" not in w.text()
+
+
+def test_an_explicit_subject_no_stream_captures_is_a_warning_and_retries_back_off(
+        dsn: str, conn: Conn, nats_server: Any, tmp_path: Path) -> None:
+    """A subject a producer wrote (under an allowed prefix) that no stream captures stops only its
+    own events: refusing to start over it would let one producer stop every worker's restart."""
+    name, prefix = new_stream(nats_server.url)
+    asyncio.run(add_stream(nats_server.url, "SIDE_HI", ["side_hi.other.>"]))
+    conn.execute("UPDATE outbox_settings SET subject_prefix = %s, allowed_subject_prefixes = '{side_hi}', "
+                 "backoff_base = '300 ms', backoff_cap = '1 s', max_attempts = 1000", (prefix,))
+    i = enqueue(conn, "order", "1", "created", {}, subject="side_hi.x")
     w = Proc(tmp_path, "--dsn", dsn, "--nats-url", nats_server.url, "--lease", "4", "--publish-timeout", "1",
              "--poll-interval", "0.5")
     try:
-        w.wait_for("event=stream_check problem=\"no JetStream stream captures 'nostream_hi.check'", 20)
+        w.wait_for("event=stream_check problem=\"no JetStream stream captures the explicit subject", 20)
         time.sleep(2)
         attempts, error = conn.execute("SELECT attempts, last_error FROM outbox WHERE id = %s", (i,)).fetchone()
         # Retried on the backoff schedule (0.15-0.3 s, 0.3-0.6 s, then 0.5-1 s): at most 6 in 2 s.
@@ -210,24 +256,27 @@ def test_no_stream_for_the_subjects_is_a_warning_and_retries_back_off(dsn: str, 
         assert error == "RuntimeError: no JetStream stream captures this subject (no responders)"
     finally:
         assert w.stop() == 0, w.text()
+        asyncio.run(delete_stream(nats_server.url, "SIDE_HI"))
     assert "Traceback" not in w.text()
 
 
-def test_jetstream_switched_off_is_a_warning_not_a_crash(dsn: str, conn: Conn, tmp_path: Path) -> None:
+def test_jetstream_switched_off_exits_5_and_a_server_that_is_not_nats_exits_3(dsn: str, conn: Conn) -> None:
     port = free_port()
     server = subprocess.Popen([find_nats_server(), "-a", "127.0.0.1", "-p", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        w = Proc(tmp_path, "--dsn", dsn, "--nats-url", f"nats://127.0.0.1:{port}", "--lease", "4",
-                 "--publish-timeout", "1", "--ensure-stream", "HI")
-        try:
-            w.wait_for("event=stream_check", 20)
-            w.wait_for("event=start", 5)
-            assert "event=ensure_stream_failed stream=HI" in w.text()
-            assert "cannot check the JetStream stream for 'outbox.>'" in w.text()
-        finally:
-            assert w.stop() == 0, w.text()
-        assert "Traceback" not in w.text()
+        r = run("--dsn", dsn, "--nats-url", f"nats://127.0.0.1:{port}", "--ensure-stream", "HI",
+                "--log-level", "WARNING")
+        assert one_line(r, EXIT_BROKER) == (
+            f"outboxpg-worker: JetStream is not enabled on nats://127.0.0.1:{port}: start nats-server with -js "
+            "(or a jetstream {} block in its configuration)")
+        assert "event=ensure_stream_failed" not in r.stderr
     finally:
         server.terminate()
         server.wait(10)
+    # PostgreSQL's port: it waits for the client to speak first; NATS greets at once.
+    pg_port = conn.info.port
+    r = run("--dsn", dsn, "--nats-url", f"nats://127.0.0.1:{pg_port}", "--log-level", "WARNING")
+    assert one_line(r, EXIT_CONNECT) == (
+        f"outboxpg-worker: --nats-url nats://127.0.0.1:{pg_port}: not a NATS server: 127.0.0.1:{pg_port} sent "
+        "nothing within 2 s of connecting (a NATS server greets at once)")

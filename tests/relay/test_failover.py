@@ -26,6 +26,7 @@ from jetstream import make_stream, read_stream
 from psycopg import sql
 
 from outboxpg import schema
+from outboxpg.cli.errors import EXIT_CONNECT
 from outboxpg.embedded import EmbeddedPostgres, EmbeddedStandby, free_port
 from outboxpg.relay.nats.publisher import NatsPublisher
 from outboxpg.relay.worker import Worker, WorkerConfig
@@ -230,7 +231,7 @@ def test_a_multi_host_dsn_that_reaches_no_host_says_why_for_each_in_one_line() -
     out = subprocess.run([WORKER, "--dsn", f"postgresql://127.0.0.1:{dead[0]},127.0.0.1:{dead[1]}/app"
                                            "?target_session_attrs=read-write"],
                          capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2
+    assert out.returncode == EXIT_CONNECT
     assert out.stderr == (f'outboxpg-worker: cannot connect to PostgreSQL: connection failed: connection to server at '
                           f'"127.0.0.1", port {dead[0]} failed: Connection refused; connection to server at '
                           f'"127.0.0.1", port {dead[1]} failed: Connection refused\n')

@@ -20,7 +20,7 @@ import psycopg
 import pytest
 from commands import Proc
 from helpers import allow_subjects, insert, set_settings
-from jetstream import delete_stream, new_stream, stream_subjects
+from jetstream import capture_under, delete_stream, new_stream, stream_subjects
 
 from outboxpg.embedded import EmbeddedNats
 
@@ -78,6 +78,7 @@ def test_an_answer_from_a_core_nats_service_is_not_an_ack(dsn: str, conn: Conn, 
     other, _ = new_stream(nats_server.url)         # a real stream that captures neither subject
     set_settings(conn, subject_prefix=prefix, max_attempts=2)
     allow_subjects(conn, f"payments{t}", f"forged{t}")
+    side = capture_under(nats_server.url, f"payments{t}", f"forged{t}")
     good = insert(conn, "order", "o-1", "created")
     core = insert(conn, "payment", "p-1", "captured", subject=f"payments{t}.capture")
     forged = insert(conn, "payment", "p-2", "captured", subject=f"forged{t}.x")
@@ -92,6 +93,7 @@ def test_an_answer_from_a_core_nats_service_is_not_an_ack(dsn: str, conn: Conn, 
             assert w.stop() == 0, w.text()
             asyncio.run(delete_stream(nats_server.url, outbox))
             asyncio.run(delete_stream(nats_server.url, other))
+            asyncio.run(delete_stream(nats_server.url, side))
     assert rows[good][0] == "published"
     assert rows[core][:2] == ("dead", 2), rows[core]
     assert "not a JetStream ack (no stream and seq)" in rows[core][2], rows[core]

@@ -19,7 +19,7 @@ import psycopg
 import pytest
 from commands import Proc, run
 from helpers import allow_subjects, fail_times, insert, set_settings
-from jetstream import delete_stream, new_stream, stream_subjects
+from jetstream import capture_under, delete_stream, new_stream, stream_subjects
 from roles import login_roles
 
 from outboxpg.embedded import EmbeddedNats
@@ -116,6 +116,7 @@ def test_start_check_warns_once_about_explicit_subjects_no_stream_captures(dsn: 
     t = tag()
     set_settings(conn, subject_prefix=prefix, backoff_base="1 s", backoff_cap="1 s")
     allow_subjects(conn, f"billing{t}", f"audit{t}")
+    side = capture_under(nats_server.url, f"billing{t}", f"audit{t}")
     ok = insert(conn, "order", "o-1", "created")
     for n in range(3):
         insert(conn, "invoice", f"i-{n}", "issued", subject=f"billing{t}.invoice.issued")
@@ -127,6 +128,7 @@ def test_start_check_warns_once_about_explicit_subjects_no_stream_captures(dsn: 
     finally:
         assert w.stop() == 0, w.text()
         asyncio.run(delete_stream(nats_server.url, stream))
+        asyncio.run(delete_stream(nats_server.url, side))
     checks = [line for line in w.text().splitlines() if "event=stream_check" in line]
     assert len(checks) == 1, w.text()
     assert "level=WARNING" in checks[0]

@@ -13,8 +13,10 @@ import psycopg
 import pytest
 from commands import WORKER
 from jetstream import StreamHandle, make_stream, read_stream
+from psycopg.conninfo import conninfo_to_dict
 
 from outboxpg import Event, enqueue_many
+from outboxpg.cli.errors import EXIT_CONNECT, EXIT_SCHEMA
 
 
 def spawn(dsn: str, nats_url: str, name: str, *extra: str, log: Path) -> subprocess.Popen[bytes]:
@@ -131,7 +133,7 @@ def run_worker(*args: str, env: dict[str, str] | None = None) -> subprocess.Comp
 
 def test_bad_dsn_is_one_line_without_password():
     r = run_worker("--dsn", "host=127.0.0.1 port=1 user=u password=hunter2 dbname=x")
-    assert r.returncode == 2
+    assert r.returncode == EXIT_CONNECT
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "cannot connect to PostgreSQL" in lines[0], r.stderr
     assert "hunter2" not in r.stderr + r.stdout
@@ -139,9 +141,11 @@ def test_bad_dsn_is_one_line_without_password():
 
 def test_database_without_schema_is_one_line(empty_dsn):
     r = run_worker("--dsn", empty_dsn)
-    assert r.returncode != 0
+    assert r.returncode == EXIT_SCHEMA
+    p = conninfo_to_dict(empty_dsn)
     assert r.stderr.strip().splitlines() == [
-        "outboxpg-worker: the outbox schema is not installed in this database: run outboxpg migrate --dsn ..."]
+        f"outboxpg-worker: the outbox schema is not installed in database {p['dbname']} on {p['host']}:{p['port']}: "
+        "run outboxpg migrate --dsn ..."]
 
 
 def test_flags_come_from_environment_and_are_validated(dsn):

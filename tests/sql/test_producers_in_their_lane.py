@@ -17,6 +17,7 @@ from psycopg import sql
 from roles import Login, denied, login_roles
 
 from outboxpg import enqueue, sql_files
+from outboxpg.cli.errors import EXIT_FAILED
 
 Conn = psycopg.Connection[Any]
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,7 +109,7 @@ def test_an_install_into_a_schema_others_may_create_in_is_refused(empty_dsn: str
         admin.execute("GRANT USAGE, CREATE ON SCHEMA shared TO PUBLIC")
     target = f"{empty_dsn} options='-c search_path=shared'"
     result = outboxpg("migrate", "--dsn", target)
-    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert result.returncode == EXIT_FAILED, (result.stdout, result.stderr)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("outboxpg: PUBLIC may CREATE in schema shared of database ") \
         and "REVOKE CREATE ON SCHEMA shared FROM PUBLIC" in lines[0], result.stderr
