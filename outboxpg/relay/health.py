@@ -145,8 +145,8 @@ class Health:
         """Why the worker is not ready, or None: every problem, in one line."""
         if self.stopping:
             return "stopping"
-        if not self.started:
-            return "starting"
+        if not self.started:   # waiting for a stream (--wait-for-stream) says for what
+            return f"stream: {self.stream_problem}" if self.stream_found is False else "starting"
         problems = []
         if self.schema_checked is False:
             problems.append("schema: the start-up checks did not pass")

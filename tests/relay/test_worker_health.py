@@ -146,16 +146,18 @@ async def test_readyz_follows_postgresql_and_the_nats_server_while_healthz_stays
     assert [m.outbox_id for m in stored] == [first, second]
 
 
-async def test_without_a_stream_for_its_subjects_the_worker_is_alive_but_not_ready(
+async def test_waiting_for_a_stream_the_worker_is_alive_but_not_ready(
         dsn: str, conn: psycopg.Connection[Any], nats_server: EmbeddedNats, tmp_path: Path) -> None:
+    """Without a stream for its subjects the worker exits 5; with --wait-for-stream it waits, alive
+    and not ready, /readyz saying why."""
     conn.execute("UPDATE outbox_settings SET subject_prefix = 'nostream_health'")
     port = free_port()
     log = tmp_path / "worker.log"
-    proc = spawn(dsn, nats_server.url, port, log)
+    proc = spawn(dsn, nats_server.url, port, log, "--wait-for-stream")
     try:
         until_answer(port, "/healthz", 200, 20, proc, log)
         deadline = time.monotonic() + 20
-        while "event=start " not in log.read_text():
+        while "event=waiting_for_stream " not in log.read_text():
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.05)
         status, body = get(port, "/readyz")
