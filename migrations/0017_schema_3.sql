@@ -1148,7 +1148,9 @@ $$;
 -- Every event counted, published ones included: a tool for people, not for a tight loop.
 -- Of the pending events, two kinds wait for a time: scheduled ones (never tried, deliver_at
 -- ahead) and those waiting for a retry (failed at least once, backoff ahead). A scheduled event
--- is not a failure: counted apart, so that a dashboard of retries shows failures only.
+-- is not a failure: counted apart, so that a dashboard of retries shows failures only. Nor is
+-- it late: the oldest undelivered event's age counts from when an event is due
+-- (greatest(created_at, deliver_at)), and a scheduled event not due yet has no age.
 CREATE OR REPLACE VIEW outbox_stats AS
 SELECT count(*) FILTER (WHERE state = 'pending')                                AS pending,
        count(*) FILTER (WHERE state = 'pending' AND attempts = 0 AND next_attempt_at > now()) AS scheduled,
@@ -1157,13 +1159,15 @@ SELECT count(*) FILTER (WHERE state = 'pending')                                
        count(*) FILTER (WHERE state = 'published')                              AS published,
        count(*) FILTER (WHERE state = 'dead')                                   AS dead,
        count(*) FILTER (WHERE state = 'discarded')                              AS discarded,
-       now() - min(created_at) FILTER (WHERE state IN ('pending', 'processing')) AS oldest_pending_age,
+       now() - min(greatest(created_at, deliver_at))
+                 FILTER (WHERE state = 'processing' OR (state = 'pending'
+                               AND NOT (attempts = 0 AND next_attempt_at > now())))   AS oldest_pending_age,
        now() - min(claimed_at) FILTER (WHERE state = 'processing')              AS oldest_lease_age,
        max(claimed_at)                                                          AS last_claim_at
   FROM outbox;
 
 COMMENT ON VIEW outbox_stats IS
-    'One row: events per state (of the pending ones: scheduled, never tried and not due yet; waiting_retry, failed and waiting for their next attempt), oldest undelivered event''s age, oldest running lease''s age, last claim time.';
+    'One row: events per state (of the pending ones: scheduled, never tried and not due yet; waiting_retry, failed and waiting for their next attempt), age of the oldest undelivered event that is due (from its due time), oldest running lease''s age, last claim time.';
 
 CREATE OR REPLACE FUNCTION outbox_health_row()
 RETURNS TABLE (
@@ -1242,7 +1246,10 @@ BEGIN
            count(*) FILTER (WHERE o.state = 'pending' AND o.id > settled
                               AND (o.id > open_below
                                    OR outbox_aggregate_key(o.aggregate_type, o.aggregate_id) = ANY (held_keys))),
-           min(o.created_at) FILTER (WHERE o.state IN ('pending', 'processing'))
+           -- Due time, not creation; a scheduled event not due yet is not late (outbox_stats).
+           min(greatest(o.created_at, o.deliver_at))
+               FILTER (WHERE o.state = 'processing' OR (o.state = 'pending'
+                             AND NOT (o.attempts = 0 AND o.next_attempt_at > now())))
       INTO n_pending, n_processing, n_scheduled, n_waiting, n_dead, n_expired, n_held, oldest
       FROM outbox o
      WHERE o.unfinished;
@@ -1336,7 +1343,7 @@ COMMENT ON COLUMN outbox_health.scheduled IS 'Pending events never tried whose d
 
 COMMENT ON COLUMN outbox_health.waiting_retry IS 'Pending events that failed and wait for their next attempt (backoff).';
 
-COMMENT ON COLUMN outbox_health.oldest_pending_age IS 'now() - created_at of the oldest pending or leased event; NULL when there is none.';
+COMMENT ON COLUMN outbox_health.oldest_pending_age IS 'now() - due time (greatest(created_at, deliver_at)) of the oldest pending or leased event that is due; scheduled events not due yet do not count; NULL when there is none.';
 
 COMMENT ON COLUMN outbox_health.dead IS 'Dead letters: each holds back the later events of its aggregate until requeued or discarded.';
 

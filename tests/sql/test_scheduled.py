@@ -240,3 +240,18 @@ def test_worker_lag_counts_from_when_the_event_was_due():
     recorder.reported([scheduled, plain], acked, [scheduled, plain], 2, [], [], 0, 0)
     assert abs(recorder.stats.lag_max - 0.010) < 1e-6
     assert abs(recorder.stats.lag_sum - 0.020) < 1e-6
+
+
+def test_a_scheduled_event_has_no_age_until_it_is_due(conn):
+    """oldest_pending_age (outbox_stats, outbox_health, the worker's gauge) counts from when an
+    event is due: an event scheduled an hour ahead is not an hour-old backlog, nor is one due a
+    minute ago an event of creation age."""
+    conn.execute("BEGIN")   # one now() for the inserts and the reads
+    insert(conn, "7", "1 hour")
+    for view in ("outbox_stats", "outbox_health"):
+        assert conn.execute(f"SELECT oldest_pending_age FROM {view}").fetchone() == (None,), view
+    conn.execute("UPDATE outbox SET created_at = now() - interval '2 hours', "
+                 "deliver_at = now() - interval '1 minute', next_attempt_at = now() - interval '1 minute'")
+    for view in ("outbox_stats", "outbox_health"):
+        assert conn.execute(f"SELECT oldest_pending_age FROM {view}").fetchone() == (timedelta(minutes=1),), view
+    conn.execute("ROLLBACK")
