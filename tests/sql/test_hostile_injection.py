@@ -20,6 +20,7 @@ from hostile import INJECTIONS
 from psycopg.rows import dict_row
 
 from outboxpg import Event, enqueue, enqueue_many
+from outboxpg.cli.errors import EXIT_USAGE
 from outboxpg.cli.outboxpg import main as outboxpg_main
 
 Conn = psycopg.Connection[Any]
@@ -186,7 +187,7 @@ def test_cli_filters_match_literally(conn: Conn, canary: Conn, dsn: str, capsys:
         if pg_reads_as_time(conn, v):
             assert code == 0, (v, err)
         else:
-            assert code == 1 and err.startswith("outboxpg: --since: neither a timestamp nor an interval"), (v, err)
+            assert code == EXIT_USAGE and err.startswith("outboxpg: --since: neither a timestamp nor an interval"), (v, err)
             assert len(err.splitlines()) == 1 or "\n" in v
     # requeue --all-matching with one value: exactly its event.
     for v in INJECTIONS[:8]:
