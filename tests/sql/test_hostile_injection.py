@@ -200,7 +200,7 @@ def test_cli_filters_match_literally(conn: Conn, canary: Conn, dsn: str, capsys:
     for v in INJECTIONS[8:]:
         code, out, err = run_cli(capsys, "dead", "discard", "--dsn", dsn, str(ids[v]), f"--reason={v}")
         if not v.strip():
-            assert code == 1 and "--reason must not be blank" in err
+            assert code == EXIT_USAGE and "--reason must not be blank" in err
             continue
         assert code == 0, err
         assert conn.execute("SELECT state::text, discard_reason FROM outbox WHERE id = %s", (ids[v],)).fetchone() \
