@@ -252,7 +252,7 @@ def _size_verdict(payload: Any, headers: Any, v: Verdict) -> None:
         text = payload.encode() if isinstance(payload, str) else payload
         parsed = json.loads(text)
     else:
-        text, parsed = orjson.dumps(payload), payload
+        text, parsed = orjson.dumps(payload, option=orjson.OPT_NON_STR_KEYS), payload
     head = orjson.dumps(headers or {})
     if _string_bytes(parsed) + _string_bytes(headers or {}) > MAX_EVENT_BYTES:
         v.refused.append("payload and headers over max_event_bytes")
@@ -266,8 +266,8 @@ def _no_constant(name: str) -> Any:
 
 def payload_verdict(payload: Any, v: Verdict) -> None:
     if isinstance(payload, (dict, list)):
-        try:
-            text = orjson.dumps(payload)
+        try:   # keys that are not strings are written as their JSON text (docs/reference/python.md)
+            text = orjson.dumps(payload, option=orjson.OPT_NON_STR_KEYS)
         except TypeError:
             v.refused.append("payload orjson cannot encode")
             return
