@@ -19,7 +19,7 @@ from outboxpg.errors import HandInstalled
 from outboxpg.sql_files import migrations_dir, step_ids
 
 __all__ = ["HandInstalled", "MigrationStep", "Recorded", "UnknownSteps", "adopt", "describe_steps", "migrate",
-           "pending", "recorded", "rollback", "yoyo_uri"]
+           "migrate_in", "pending", "recorded", "rollback", "rollback_in", "yoyo_uri"]
 
 # Called with each NOTICE or WARNING the server sends while steps are applied or rolled back
 # (0012's rollback says which roles it keeps, and why).
@@ -178,3 +178,92 @@ def adopt(dsn: str) -> tuple[list[str], list[str]]:
         return [m.id for m in todo], check.differences
     finally:
         backend.connection.close()
+
+
+# -- inside an application's own migration (Alembic, Django) ------------------------------------
+
+def _in_transaction_backend(connection: Any) -> Any:
+    """A yoyo backend on ``connection`` (a psycopg 3 or psycopg2 DB-API connection, inside the
+    caller's transaction) that never begins, commits or closes it: yoyo's transactions become
+    savepoints, and a step's work commits or rolls back with the caller's transaction."""
+    from yoyo import internalmigrations
+    from yoyo.backends.core.postgresql import PostgresqlBackend, PostgresqlPsycopgBackend
+    from yoyo.connections import default_migration_table, parse_uri
+
+    driver = type(connection).__module__.split(".")[0]
+    bases = {"psycopg": PostgresqlPsycopgBackend, "psycopg2": PostgresqlBackend}
+    if driver not in bases:
+        raise TypeError(f"not a psycopg or psycopg2 connection: {type(connection).__module__}."
+                        f"{type(connection).__qualname__}")
+
+    class InTransaction(bases[driver]):  # type: ignore[valid-type,misc]
+        def connect(self, dburi: Any) -> Any:
+            return connection
+
+        def copy(self) -> Any:          # yoyo runs each step on a copy: here, on the same connection
+            return self
+
+        def __exit__(self, *exc: object) -> None:   # ... and closes the copy afterwards: not this one
+            pass
+
+        def ensure_internal_schema_updated(self) -> None:
+            # yoyo's own tables, made (or brought to its current version) in a savepoint, not
+            # under its lock with a commit.
+            if internalmigrations.needs_upgrading(self):
+                internalmigrations.upgrade(self)
+
+    backend = InTransaction(parse_uri(f"postgresql:///{quote(connection.info.dbname, safe='')}"),
+                            default_migration_table)
+    backend._in_transaction = True     # every yoyo transaction is a savepoint of the caller's
+    backend.has_transactional_ddl = True
+    # yoyo's lock row, inserted (and deleted) in this transaction: an `outboxpg migrate` that
+    # starts meanwhile waits on it until this transaction ends, and this one on its.
+    backend.create_lock_table()
+    return backend
+
+
+def _recorded_on(backend: Any) -> Recorded:
+    installed, bookkeeping = backend.execute(statements.INSTALLED).fetchone()
+    applied: frozenset[str] = frozenset()
+    if bookkeeping:
+        applied = frozenset(r[0] for r in backend.execute(statements.APPLIED_STEPS).fetchall())
+    return Recorded(installed, bookkeeping, applied)
+
+
+def _known_step(step: str | None) -> None:
+    if step is not None and step not in step_ids():
+        raise ValueError(f"{step!r} is not a step this version of outboxpg ships ({describe_steps(step_ids())})")
+
+
+def migrate_in(connection: Any, through: str | None = None) -> list[str]:
+    """Apply the steps not yet applied (every step this version ships, or those up to and
+    including ``through``) on ``connection``, a psycopg 3 or psycopg2 DB-API connection, in its
+    open transaction: nothing is committed here. Recorded in yoyo's bookkeeping as `outboxpg
+    migrate` records them, so either can take over. Returns the ids applied. Refuses a hand
+    install (HandInstalled) and unknown steps (UnknownSteps), as migrate() does."""
+    _known_step(through)
+    backend = _in_transaction_backend(connection)
+    rec = _recorded_on(backend)
+    if rec.hand_installed:
+        raise HandInstalled("the outbox schema is installed but yoyo has no record of it")
+    if rec.unknown:
+        raise UnknownSteps(rec.unknown)
+    wanted = set(step_ids()[:step_ids().index(through) + 1] if through else step_ids())
+    steps = read_migrations(str(migrations_dir()))
+    with backend.lock():
+        todo = backend.to_apply(steps.__class__([m for m in steps if m.id in wanted], steps.post_apply))
+        backend.apply_migrations(todo)
+    return [m.id for m in todo]
+
+
+def rollback_in(connection: Any, to: str | None = None) -> list[str]:
+    """Roll back, on ``connection`` in its open transaction, every applied step after ``to``
+    (None: every step); returns their ids, newest first."""
+    _known_step(to)
+    backend = _in_transaction_backend(connection)
+    keep = set(step_ids()[:step_ids().index(to) + 1] if to else [])
+    steps = read_migrations(str(migrations_dir()))
+    with backend.lock():
+        todo = backend.to_rollback(steps.__class__([m for m in steps if m.id not in keep], steps.post_apply))
+        backend.rollback_migrations(todo)
+    return [m.id for m in todo]

@@ -91,6 +91,7 @@ class Worker:
         self.stats = self.recorder.stats
         self._wake = asyncio.Event()
         self._stopping = False
+        self._until_idle = False
         self._stop = asyncio.Event()
         self._lease = timedelta(seconds=config.lease)
         # A batch still being published after this long gets its leases extended, and again
@@ -125,6 +126,13 @@ class Worker:
             self.health.stop()
         self._stop.set()
         self._wake.set()
+
+    async def run_until_idle(self) -> None:
+        """Like run(), but return once nothing is claimable and nothing is in flight (every event
+        due now is reported), instead of waiting for more: ``outboxpg.testing.drain``. A database
+        error on a claim is raised, not retried."""
+        self._until_idle = True
+        await self.run()
 
     async def run(self) -> None:
         cfg = self.cfg
@@ -191,6 +199,8 @@ class Worker:
                 if claimed:
                     continue    # its batch is reported already: claim what that made claimable
                 await self._lock_released()
+                if self._until_idle:
+                    break
                 if self.cfg.poll_only:
                     await self._sleep(await self._sleep_seconds())
                     continue
@@ -320,6 +330,8 @@ class Worker:
         try:
             rows = await self.gateway.claim(self.cfg.batch_size, self._lease, self.cfg.name)
         except psycopg.Error as exc:
+            if self._until_idle:
+                raise
             log.warning("event=db_error during=claim error=%r", first_line(exc))
             self._database_failed(exc)
             if connection_lost(exc):
