@@ -16,10 +16,11 @@ from yoyo import get_backend, read_migrations
 from outboxpg import statements
 from outboxpg.adopt import check_install
 from outboxpg.errors import HandInstalled
-from outboxpg.sql_files import migrations_dir, step_ids
+from outboxpg.sql_files import inbox_migrations_dir, inbox_step_ids, migrations_dir, step_ids
 
-__all__ = ["HandInstalled", "MigrationStep", "Recorded", "UnknownSteps", "adopt", "describe_steps", "migrate",
-           "migrate_in", "pending", "recorded", "rollback", "rollback_in", "yoyo_uri"]
+__all__ = ["HandInstalled", "MigrationStep", "Recorded", "UnknownSteps", "adopt", "describe_steps", "inbox_pending",
+           "migrate", "migrate_in", "migrate_inbox", "pending", "recorded", "rollback", "rollback_in", "rollback_inbox",
+           "yoyo_uri"]
 
 # Called with each NOTICE or WARNING the server sends while steps are applied or rolled back
 # (0012's rollback says which roles it keeps, and why).
@@ -45,7 +46,7 @@ def yoyo_uri(dsn: str) -> str:
     return f"postgresql+psycopg:///{quote(dbname, safe='')}" + (f"?{query}" if query else "")
 
 
-def _steps(dsn: str, on_notice: OnNotice | None = None):  # type: ignore[no-untyped-def]
+def _steps(dsn: str, on_notice: OnNotice | None = None, inbox: bool = False):  # type: ignore[no-untyped-def]
     backend = get_backend(yoyo_uri(dsn))
     if on_notice is not None:
         # yoyo runs each step on a copy of the backend, with a connection of its own.
@@ -58,7 +59,7 @@ def _steps(dsn: str, on_notice: OnNotice | None = None):  # type: ignore[no-unty
             return other
 
         backend.copy = copy_with_notices
-    return backend, read_migrations(str(migrations_dir()))
+    return backend, read_migrations(str(inbox_migrations_dir() if inbox else migrations_dir()))
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,38 @@ def migrate(dsn: str, on_notice: OnNotice | None = None) -> list[str]:
         with backend.lock():
             todo = backend.to_apply(steps)
             backend.apply_migrations(todo)
+        return [m.id for m in todo]
+    finally:
+        backend.connection.close()
+
+
+def migrate_inbox(dsn: str, on_notice: OnNotice | None = None) -> list[str]:
+    """Apply every step of the transactional inbox not yet applied (migrations/inbox/); returns their
+    ids. Independent of the outbox: a consumer's database needs none. yoyo records the inbox's steps
+    in the same bookkeeping table, under ids of their own."""
+    backend, steps = _steps(dsn, on_notice, inbox=True)
+    try:
+        with backend.lock():
+            todo = backend.to_apply(steps)
+            backend.apply_migrations(todo)
+        return [m.id for m in todo]
+    finally:
+        backend.connection.close()
+
+
+def inbox_pending(dsn: str) -> list[MigrationStep]:
+    """Every inbox step and whether yoyo recorded it as applied (read only)."""
+    applied = _recorded(dsn).applied
+    return [MigrationStep(s, s in applied) for s in inbox_step_ids()]
+
+
+def rollback_inbox(dsn: str, count: int = 1, on_notice: OnNotice | None = None) -> list[str]:
+    """Roll back the last ``count`` applied inbox steps; returns their ids, newest first."""
+    backend, steps = _steps(dsn, on_notice, inbox=True)
+    try:
+        with backend.lock():
+            todo = backend.to_rollback(steps)[:count]
+            backend.rollback_migrations(todo)
         return [m.id for m in todo]
     finally:
         backend.connection.close()

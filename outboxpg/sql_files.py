@@ -4,6 +4,9 @@
   (``source_paths``). What people read and edit; ``outboxpg sql`` prints it as one script.
 - ``migrations/``: the release steps that yoyo applies (``step_paths``): the frozen steps of each
   release, each produced from ``schema/`` when it was released (tools/schema_step.py).
+- ``schema/inbox/`` and ``migrations/inbox/``: the same two for the transactional inbox, which
+  installs alone into a consumer's database (``inbox_source_paths``, ``inbox_step_paths``,
+  ``inbox_install_sql``; docs/how-to/inbox.md).
 
 ``statements`` splits a file into its statements, each with the comment written above it, the
 line it starts on and the object it defines, so that tools can compare two versions of the
@@ -17,8 +20,10 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-__all__ = ["Release", "Statement", "install_sql", "migrations_dir", "released_steps", "releases", "schema_dir",
-           "source_paths", "statements", "step_ids", "step_paths"]
+__all__ = ["INBOX_FIRST_STEP", "Release", "Statement", "inbox_first_step", "inbox_install_sql",
+           "inbox_migrations_dir", "inbox_source_paths", "inbox_step_ids", "inbox_step_paths", "install_sql",
+           "migrations_dir", "released_steps", "releases", "schema_dir", "source_paths", "statements", "step_ids",
+           "step_paths"]
 
 
 def migrations_dir() -> Path:
@@ -90,6 +95,65 @@ def install_sql() -> str:
         parts.append(path.read_text(encoding="utf-8").rstrip())
     parts.append("COMMIT;")
     return "\n".join(parts) + "\n"
+
+
+# -- the inbox ----------------------------------------------------------------------------------
+
+def inbox_migrations_dir() -> Path:
+    """The inbox's steps, which yoyo applies apart from the outbox's (outboxpg migrate --inbox)."""
+    return migrations_dir() / "inbox"
+
+
+def inbox_source_paths() -> list[Path]:
+    """The files of the inbox's current schema, in the order they are applied."""
+    return sorted((schema_dir() / "inbox").glob("[0-9]*.sql"))
+
+
+def inbox_step_paths() -> list[Path]:
+    return sorted(p for p in inbox_migrations_dir().glob("[0-9]*.sql") if not p.name.endswith(".rollback.sql"))
+
+
+def inbox_step_ids() -> list[str]:
+    return [p.name.removesuffix(".sql") for p in inbox_step_paths()]
+
+
+def inbox_install_sql() -> str:
+    """The inbox as one psql script, in one transaction (outboxpg sql --inbox): schema/inbox/ in order.
+    It needs no outbox in the database."""
+    parts = ["-- outboxpg inbox install script: the files of schema/inbox/ in order, in one transaction.",
+             "\\set ON_ERROR_STOP on", "BEGIN;"]
+    for path in inbox_source_paths():
+        parts.append(f"\n-- ==== schema/inbox/{path.name} ====")
+        parts.append(path.read_text(encoding="utf-8").rstrip())
+    parts.append("COMMIT;")
+    return "\n".join(parts) + "\n"
+
+
+# The inbox's first step, until it is released: the files of schema/inbox/ as they are
+# (tools/inbox_step.py writes it; tests/sql/test_inbox.py checks it is up to date). A later
+# change of schema/inbox/ gets a step of its own, like the outbox's (docs/migrations.md).
+INBOX_FIRST_STEP = "0001_inbox_1"
+_INBOX_ROLLBACK = """\
+-- outboxpg inbox: rolls back its first step (0001_inbox_1.sql). The role outbox_consumer stays:
+-- roles belong to the cluster, and other databases may use it.
+DO $$ BEGIN PERFORM set_config('search_path', format('%I, pg_temp', current_schema()), false); END $$;
+DROP FUNCTION outbox_inbox_maintain(boolean);
+DROP VIEW outbox_inbox_partitions;
+DROP FUNCTION outbox_inbox_receive(text, text);
+DROP TABLE outbox_inbox;
+DROP TABLE outbox_inbox_settings;
+"""
+
+
+def inbox_first_step() -> tuple[str, str]:
+    """What migrations/inbox/0001_inbox_1.sql and its .rollback.sql hold: (upgrade, rollback)."""
+    parts = ["-- outboxpg inbox, step 1: the files of schema/inbox/ in order.",
+             "--",
+             "-- Produced by tools/inbox_step.py from schema/inbox/: do not edit it. Once released, frozen."]
+    for path in inbox_source_paths():
+        parts.append(f"\n-- ==== schema/inbox/{path.name} ====")
+        parts.append(path.read_text(encoding="utf-8").rstrip())
+    return "\n".join(parts) + "\n", _INBOX_ROLLBACK
 
 
 # -- statements ---------------------------------------------------------------------------------

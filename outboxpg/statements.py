@@ -337,6 +337,11 @@ INSERT_EVENT = ("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, p
 IDEMPOTENCY_EVENT = "SELECT outbox_idempotency_event(%s)"
 COPY_EVENTS = sql.SQL("COPY outbox ({}) FROM STDIN")   # {}: the columns given
 
+# -- the transactional inbox (outboxpg.inbox): one statement, in the consumer's transaction ------
+
+INBOX_RECEIVE = "SELECT outbox_inbox_receive(%s, %s)"
+
+
 # -- outboxpg demo (outboxpg.demo): the sample application's own table --------------------------
 
 DEMO_CREATE_ORDERS = "CREATE TABLE orders (id text PRIMARY KEY, status text NOT NULL, amount numeric NOT NULL)"

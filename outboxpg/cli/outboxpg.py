@@ -1,7 +1,8 @@
 """The ``outboxpg`` command line: install the schema, inspect and operate the outbox, run the demo.
 
   outboxpg migrate [--status | --rollback | --adopt]  install or upgrade the schema (yoyo-migrations)
-  outboxpg sql                                   the whole install as one psql script
+  outboxpg migrate --inbox [--status | --rollback]    the transactional inbox alone (a consumer's database)
+  outboxpg sql [--inbox]                         the whole install as one psql script
   outboxpg status [--json] [--watch [S]]         is it healthy? (outbox_health, events per state)
   outboxpg dead list | show | requeue | discard  dead letters
   outboxpg maintain [--dry-run]                  outbox_maintain(): partitions ahead, expired ones dropped
@@ -89,6 +90,8 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         raise CliError(f"--steps must be 1 or more, got {args.steps}", EXIT_USAGE)
     if args.steps != 1 and not args.rollback:
         raise CliError("--steps applies to --rollback only", EXIT_USAGE)
+    if args.inbox:
+        return _migrate_inbox(args)
     if not args.status:
         flag = " --rollback" if args.rollback else " --adopt" if args.adopt else ""
         require_target(args, f"outboxpg migrate{flag}")
@@ -129,6 +132,38 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         except schema.UnknownSteps as exc:
             raise CliError(_unknown_steps_hint(where, exc.steps), EXIT_SCHEMA) from None
         print("\n".join(f"applied {m}" for m in done) if done else "schema is up to date")
+    return 0
+
+
+def _migrate_inbox(args: argparse.Namespace) -> int:
+    """The transactional inbox's own steps (migrations/inbox/), apart from the outbox's."""
+    if args.adopt:
+        raise CliError("--adopt applies to the outbox schema only", EXIT_USAGE)
+    if not args.status:
+        require_target(args, "outboxpg migrate --inbox" + (" --rollback" if args.rollback else ""))
+    dsn = resolve_dsn(args)
+    with connect(dsn) as conn:
+        where = where_text(where_am_i(conn))
+        exposed = conn.execute(statements.UNTRUSTED_CREATORS).fetchone()
+        if exposed is not None and not (args.rollback or args.status):
+            name, who = exposed
+            raise CliError(f"{who} may CREATE in schema {name} of {where}, where outbox_inbox_maintain (SECURITY "
+                           f"DEFINER) looks up names: refusing to install; REVOKE CREATE ON SCHEMA {name} FROM "
+                           f"{who}, then migrate again")
+        if not args.status:
+            announce_target(conn, "rolling back the inbox in" if args.rollback else "migrating the inbox in")
+    if args.status:
+        for step in schema.inbox_pending(dsn):
+            print(f"{'applied' if step.applied else 'pending'}  {step.id}")
+    elif args.rollback:
+        confirm(f"Roll back {args.steps} inbox step(s) in {where}?",
+                [f"About to roll back the inbox in {where}: its table and every id it remembers go."],
+                f"roll back the inbox of {where}", args.yes)
+        done = schema.rollback_inbox(dsn, args.steps, on_notice=_print_notice)
+        print("\n".join(f"rolled back {m}" for m in done) if done else "nothing to roll back")
+    else:
+        done = schema.migrate_inbox(dsn, on_notice=_print_notice)
+        print("\n".join(f"applied {m}" for m in done) if done else "inbox is up to date")
     return 0
 
 
@@ -173,7 +208,7 @@ def _adopt(dsn: str, where: str, rec: schema.Recorded) -> int:
 
 
 def cmd_sql(args: argparse.Namespace) -> int:
-    sys.stdout.write(sql_files.install_sql())
+    sys.stdout.write(sql_files.inbox_install_sql() if args.inbox else sql_files.install_sql())
     return 0
 
 
@@ -200,10 +235,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="record a schema installed by hand (outboxpg sql | psql) in yoyo's bookkeeping, after "
                         "checking that its objects match the migration files")
     p.add_argument("--steps", type=int, default=1, help="with --rollback: how many steps (default: 1)")
+    p.add_argument("--inbox", action="store_true",
+                   help="the transactional inbox instead (docs/how-to/inbox.md): installs alone, no outbox needed")
     add_yes(p)
     p.set_defaults(func=cmd_migrate)
 
     p = sub.add_parser("sql", help="print the whole install as one psql script, for DBAs who apply SQL by hand")
+    p.add_argument("--inbox", action="store_true", help="the transactional inbox's install instead")
     p.set_defaults(func=cmd_sql)
 
     cli_status.register(sub)
