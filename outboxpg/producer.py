@@ -1,4 +1,5 @@
-"""Writing events inside the caller's own transaction (psycopg 3, sync or async).
+"""Writing events inside the caller's own transaction (psycopg 3, psycopg2, asyncpg, SQLAlchemy 2,
+Django; sync or async: outboxpg.drivers).
 
 The helpers never commit: the events become visible exactly when the caller's business
 transaction commits, and vanish with it if it rolls back.
@@ -29,9 +30,9 @@ from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, overload
 
 import orjson
-from psycopg import AsyncConnection, Connection, errors, sql
+from psycopg import AsyncConnection, Connection, errors
 
-from outboxpg import statements
+from outboxpg import drivers, statements
 from outboxpg.tracecontext import current_headers, with_current
 
 if TYPE_CHECKING:
@@ -167,32 +168,38 @@ def _is_raw(payload: Any) -> bool:
     return isinstance(payload, (str, bytes, bytearray, memoryview))
 
 
-def _where(conn: Connection[Any] | AsyncConnection[Any]) -> str:
-    """'database shop on db:5432' (never the user or the password)."""
-    info = conn.info
-    return f"database {info.dbname} on {info.host}:{info.port}"
-
-
-def _not_installed(conn: Connection[Any] | AsyncConnection[Any], exc: errors.UndefinedTable) -> NotInstalled:
-    said = exc.diag.message_primary or "undefined table"
-    return NotInstalled(f"the outbox schema is not installed in {_where(conn)} ({said}): "
-                        "run outboxpg migrate --dsn ... against it first",
-                        info=exc.pgresult, encoding=conn.info.encoding)
+def _not_installed(driver: drivers.Driver | drivers.AsyncDriver, exc: BaseException,
+                   failure: drivers.Failure) -> BaseException:
+    said = failure.primary or "undefined table"
+    return driver.rebuild(exc, NotInstalled, f"the outbox schema is not installed in {driver.where()} ({said}): "
+                          "run outboxpg migrate --dsn ... against it first")
 
 
 _COPY_LINE = re.compile(r"COPY outbox, line (\d+)")
 
 
-def _not_json(conn: Connection[Any] | AsyncConnection[Any],
-              exc: errors.InvalidTextRepresentation) -> errors.InvalidTextRepresentation:
-    """PostgreSQL refused a raw payload as JSON: say so in one line, keeping the server's diag."""
-    line = _COPY_LINE.search(exc.diag.context or "")
+def _not_json(driver: drivers.Driver | drivers.AsyncDriver, exc: BaseException,
+              failure: drivers.Failure) -> BaseException:
+    """PostgreSQL refused a raw payload as JSON: say so in one line, in the driver's own error class
+    (psycopg's InvalidTextRepresentation, psycopg2's, asyncpg's InvalidTextRepresentationError)."""
+    line = _COPY_LINE.search(failure.context or "")
     which = f"event {line.group(1)} of the batch: " if line else ""
-    detail = exc.diag.message_detail or exc.diag.message_primary or "invalid JSON"
-    return errors.InvalidTextRepresentation(
-        f"{which}payload is not JSON ({detail.rstrip('.')}): a str or bytes payload is taken as raw JSON "
-        "text; pass a dict or list, or a str as JSON (orjson.dumps(text))",
-        info=exc.pgresult, encoding=conn.info.encoding)
+    detail = failure.detail or failure.primary or "invalid JSON"
+    return driver.rebuild(exc, type(exc),
+                          f"{which}payload is not JSON ({detail.rstrip('.')}): a str or bytes payload is taken as raw "
+                          "JSON text; pass a dict or list, or a str as JSON (orjson.dumps(text))")
+
+
+def _translated(driver: drivers.Driver | drivers.AsyncDriver, exc: BaseException, raw: bool) -> BaseException | None:
+    """The one-line error to raise instead of ``exc``, or None to let ``exc`` through."""
+    failure = driver.failure(exc)
+    if failure is None:
+        return None
+    if failure.kind == "undefined_table":
+        return _not_installed(driver, exc, failure)
+    if failure.kind == "invalid_text" and raw:
+        return _not_json(driver, exc, failure)
+    return None
 
 
 def _key(name: str, value: Any) -> str:
@@ -231,63 +238,100 @@ def _one_params(event: Event) -> tuple[Any, ...]:
     )
 
 
+#: What the helpers take as ``conn``: a psycopg 3 Connection or AsyncConnection (typed), or any
+#: connection outboxpg.drivers recognises: psycopg2, asyncpg (also from a pool), SQLAlchemy 2
+#: Connection, Session, AsyncConnection, AsyncSession, Django's connection.
+AnyConnection: TypeAlias = Any
+
+
 @overload
 def enqueue(conn: Connection[Any], aggregate_type: str, aggregate_id: str, event_type: str,
             payload: Payload, *, subject: str | None = ..., headers: Mapping[str, str] | None = ...,
             msg_id: str | None = ..., deliver_at: datetime | None = ...,
-            idempotency_key: str | None = ..., expires_at: datetime | None = ...) -> Enqueued: ...
+            idempotency_key: str | None = ..., expires_at: datetime | None = ...,
+            savepoint: bool = ...) -> Enqueued: ...
 @overload
 def enqueue(conn: AsyncConnection[Any], aggregate_type: str, aggregate_id: str, event_type: str,
             payload: Payload, *, subject: str | None = ..., headers: Mapping[str, str] | None = ...,
             msg_id: str | None = ..., deliver_at: datetime | None = ...,
-            idempotency_key: str | None = ..., expires_at: datetime | None = ...) -> Awaitable[Enqueued]: ...
+            idempotency_key: str | None = ..., expires_at: datetime | None = ...,
+            savepoint: bool = ...) -> Awaitable[Enqueued]: ...
+@overload
+def enqueue(conn: AnyConnection, aggregate_type: str, aggregate_id: str, event_type: str,
+            payload: Payload, *, subject: str | None = ..., headers: Mapping[str, str] | None = ...,
+            msg_id: str | None = ..., deliver_at: datetime | None = ...,
+            idempotency_key: str | None = ..., expires_at: datetime | None = ...,
+            savepoint: bool = ...) -> Any: ...
 
 
-def enqueue(conn: Connection[Any] | AsyncConnection[Any], aggregate_type: str, aggregate_id: str,
+def enqueue(conn: AnyConnection, aggregate_type: str, aggregate_id: str,
             event_type: str, payload: Payload, *, subject: str | None = None,
             headers: Mapping[str, str] | None = None, msg_id: str | None = None,
             deliver_at: datetime | None = None, idempotency_key: str | None = None,
-            expires_at: datetime | None = None) -> Enqueued | Awaitable[Enqueued]:
+            expires_at: datetime | None = None, savepoint: bool = False) -> Enqueued | Awaitable[Enqueued]:
     """Write one event in the connection's current transaction; returns its id (an ``Enqueued``).
 
-    ``deliver_at`` (timezone-aware): the event is not handed out before it; later events of its
-    aggregate wait behind it. ``idempotency_key``: while an unfinished event holds the key, no
-    event is written and the id returned is that event's, with ``.duplicate`` true.
-    ``expires_at`` (timezone-aware): not handed out by then, it is discarded instead. On an
-    ``AsyncConnection`` it returns an awaitable: ``await enqueue(aconn, ...)``.
+    ``conn``: a psycopg 3 or psycopg2 connection, an asyncpg connection (also one from a pool), a
+    SQLAlchemy 2 Connection, Session, AsyncConnection or AsyncSession, or a Django connection
+    (outboxpg.drivers). ``deliver_at`` (timezone-aware): the event is not handed out before it;
+    later events of its aggregate wait behind it. ``idempotency_key``: while an unfinished event
+    holds the key, no event is written and the id returned is that event's, with ``.duplicate``
+    true. ``expires_at`` (timezone-aware): not handed out by then, it is discarded instead.
+    ``savepoint``: write it inside a savepoint, so that an error here (the schema missing, a raw
+    payload PostgreSQL refuses) leaves the caller's transaction usable; two more round trips. On
+    an async connection it returns an awaitable: ``await enqueue(aconn, ...)``.
     """
     params = _one_params(Event(aggregate_type, aggregate_id, event_type, payload, subject, headers, msg_id,
                                deliver_at, idempotency_key, expires_at))
-    if isinstance(conn, AsyncConnection):
-        return _enqueue_async(conn, params, idempotency_key, _is_raw(payload))
+    raw = _is_raw(payload)
+    if drivers.is_async(conn):
+        return _enqueue_async(conn, params, idempotency_key, raw, savepoint)
+    driver = drivers.sync_driver(conn)
+    if savepoint:
+        driver.execute(statements.SAVEPOINT)
     try:
-        row = conn.execute(statements.INSERT_EVENT, params).fetchone()
-    except errors.UndefinedTable as exc:
-        raise _not_installed(conn, exc) from exc
-    except errors.InvalidTextRepresentation as exc:
-        if not _is_raw(payload):
+        row = driver.fetch_one(statements.INSERT_EVENT, params)
+        if row is None:
+            row = driver.fetch_one(statements.IDEMPOTENCY_EVENT, (idempotency_key,))
+            result = _duplicate_of(row, idempotency_key)
+        else:
+            result = Enqueued(row[0])
+    except Exception as exc:
+        if savepoint:
+            driver.execute(statements.ROLLBACK_TO_SAVEPOINT)
+            driver.execute(statements.RELEASE_SAVEPOINT)
+        better = _translated(driver, exc, raw)
+        if better is None:
             raise
-        raise _not_json(conn, exc) from exc
-    if row is not None:
-        return Enqueued(row[0])
-    held = conn.execute(statements.IDEMPOTENCY_EVENT, (idempotency_key,)).fetchone()
-    return _duplicate_of(held, idempotency_key)
+        raise better from exc
+    if savepoint:
+        driver.execute(statements.RELEASE_SAVEPOINT)
+    return result
 
 
-async def _enqueue_async(conn: AsyncConnection[Any], params: tuple[Any, ...], key: str | None,
-                         raw: bool) -> Enqueued:
+async def _enqueue_async(conn: AnyConnection, params: tuple[Any, ...], key: str | None, raw: bool,
+                         savepoint: bool) -> Enqueued:
+    driver = await drivers.async_driver(conn)
+    if savepoint:
+        await driver.execute(statements.SAVEPOINT)
     try:
-        row = await (await conn.execute(statements.INSERT_EVENT, params)).fetchone()
-    except errors.UndefinedTable as exc:
-        raise _not_installed(conn, exc) from exc
-    except errors.InvalidTextRepresentation as exc:
-        if not raw:
+        row = await driver.fetch_one(statements.INSERT_EVENT, params)
+        if row is None:
+            row = await driver.fetch_one(statements.IDEMPOTENCY_EVENT, (key,))
+            result = _duplicate_of(row, key)
+        else:
+            result = Enqueued(row[0])
+    except Exception as exc:
+        if savepoint:
+            await driver.execute(statements.ROLLBACK_TO_SAVEPOINT)
+            await driver.execute(statements.RELEASE_SAVEPOINT)
+        better = _translated(driver, exc, raw)
+        if better is None:
             raise
-        raise _not_json(conn, exc) from exc
-    if row is not None:
-        return Enqueued(row[0])
-    held = await (await conn.execute(statements.IDEMPOTENCY_EVENT, (key,))).fetchone()
-    return _duplicate_of(held, key)
+        raise better from exc
+    if savepoint:
+        await driver.execute(statements.RELEASE_SAVEPOINT)
+    return result
 
 
 def _duplicate_of(held: tuple[Any, ...] | None, key: str | None) -> Enqueued:
@@ -301,8 +345,8 @@ def _as_event(item: Event | Mapping[str, Any]) -> Event:
     return item if isinstance(item, Event) else Event(**item)
 
 
-def _copy_plan(events: Iterable[Event | Mapping[str, Any]]) -> tuple[sql.Composed, list[tuple[Any, ...]], bool]:
-    """The COPY statement and its rows. Optional columns nobody filled in are left out, so the
+def _copy_plan(events: Iterable[Event | Mapping[str, Any]]) -> tuple[list[str], list[tuple[Any, ...]], bool]:
+    """The columns and rows to COPY. Optional columns nobody filled in are left out, so the
     table's own defaults apply; a msg_id missing beside others' explicit ones is made here,
     in the same form as the table's default (a random UUID). The flag: whether any payload is raw
     JSON text (which PostgreSQL may refuse)."""
@@ -334,56 +378,70 @@ def _copy_plan(events: Iterable[Event | Mapping[str, Any]]) -> tuple[sql.Compose
         if with_expiry:
             row.append(_moment("expires_at", e.expires_at))
         rows.append(tuple(row))
-    stmt = statements.COPY_EVENTS.format(sql.SQL(", ").join(map(sql.Identifier, columns)))
-    return stmt, rows, any(_is_raw(e.payload) for e in batch)
+    return columns, rows, any(_is_raw(e.payload) for e in batch)
 
 
 @overload
-def enqueue_many(conn: Connection[Any], events: Iterable[Event | Mapping[str, Any]]) -> int: ...
+def enqueue_many(conn: Connection[Any], events: Iterable[Event | Mapping[str, Any]], *,
+                 savepoint: bool = ...) -> int: ...
 @overload
-def enqueue_many(conn: AsyncConnection[Any], events: Iterable[Event | Mapping[str, Any]]) -> Awaitable[int]: ...
+def enqueue_many(conn: AsyncConnection[Any], events: Iterable[Event | Mapping[str, Any]], *,
+                 savepoint: bool = ...) -> Awaitable[int]: ...
+@overload
+def enqueue_many(conn: AnyConnection, events: Iterable[Event | Mapping[str, Any]], *,
+                 savepoint: bool = ...) -> Any: ...
 
 
-def enqueue_many(conn: Connection[Any] | AsyncConnection[Any],
-                 events: Iterable[Event | Mapping[str, Any]]) -> int | Awaitable[int]:
+def enqueue_many(conn: AnyConnection, events: Iterable[Event | Mapping[str, Any]], *,
+                 savepoint: bool = False) -> int | Awaitable[int]:
     """Write many events with one COPY in the connection's current transaction; returns how many
     were written (events whose idempotency_key an unfinished event holds are not).
 
-    Events are ``Event`` objects or mappings with the same keys. The insert trigger runs once for
-    the whole COPY, so idle workers get at most one wakeup.
+    ``conn``: any connection ``enqueue`` takes; the bulk path is the driver's COPY (psycopg's
+    copy, psycopg2's copy_expert, asyncpg's copy_records_to_table). Events are ``Event`` objects
+    or mappings with the same keys. The insert trigger runs once for the whole COPY, so idle
+    workers get at most one wakeup. ``savepoint``: as for ``enqueue``.
     """
-    stmt, rows, raw = _copy_plan(events)
-    if isinstance(conn, AsyncConnection):
-        return _enqueue_many_async(conn, stmt, rows, raw)
+    columns, rows, raw = _copy_plan(events)
+    if drivers.is_async(conn):
+        return _enqueue_many_async(conn, columns, rows, raw, savepoint)
     if not rows:
         return 0
+    driver = drivers.sync_driver(conn)
+    if savepoint:
+        driver.execute(statements.SAVEPOINT)
     try:
-        with conn.cursor() as cur:
-            with cur.copy(stmt) as copy:
-                for row in rows:
-                    copy.write_row(row)
-            return cur.rowcount
-    except errors.UndefinedTable as exc:
-        raise _not_installed(conn, exc) from exc
-    except errors.InvalidTextRepresentation as exc:
-        if not raw:
+        written = driver.copy(columns, rows)
+    except Exception as exc:
+        if savepoint:
+            driver.execute(statements.ROLLBACK_TO_SAVEPOINT)
+            driver.execute(statements.RELEASE_SAVEPOINT)
+        better = _translated(driver, exc, raw)
+        if better is None:
             raise
-        raise _not_json(conn, exc) from exc
+        raise better from exc
+    if savepoint:
+        driver.execute(statements.RELEASE_SAVEPOINT)
+    return written
 
 
-async def _enqueue_many_async(conn: AsyncConnection[Any], stmt: sql.Composed, rows: list[tuple[Any, ...]],
-                              raw: bool) -> int:
+async def _enqueue_many_async(conn: AnyConnection, columns: list[str], rows: list[tuple[Any, ...]], raw: bool,
+                              savepoint: bool) -> int:
     if not rows:
         return 0
+    driver = await drivers.async_driver(conn)
+    if savepoint:
+        await driver.execute(statements.SAVEPOINT)
     try:
-        async with conn.cursor() as cur:
-            async with cur.copy(stmt) as copy:
-                for row in rows:
-                    await copy.write_row(row)
-            return cur.rowcount
-    except errors.UndefinedTable as exc:
-        raise _not_installed(conn, exc) from exc
-    except errors.InvalidTextRepresentation as exc:
-        if not raw:
+        written = await driver.copy(columns, rows)
+    except Exception as exc:
+        if savepoint:
+            await driver.execute(statements.ROLLBACK_TO_SAVEPOINT)
+            await driver.execute(statements.RELEASE_SAVEPOINT)
+        better = _translated(driver, exc, raw)
+        if better is None:
             raise
-        raise _not_json(conn, exc) from exc
+        raise better from exc
+    if savepoint:
+        await driver.execute(statements.RELEASE_SAVEPOINT)
+    return written

@@ -336,6 +336,12 @@ INSERT_EVENT = ("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, p
 # An insert with an idempotency_key that wrote no row: the event that holds the key (0022).
 IDEMPOTENCY_EVENT = "SELECT outbox_idempotency_event(%s)"
 COPY_EVENTS = sql.SQL("COPY outbox ({}) FROM STDIN")   # {}: the columns given
+# savepoint=True: an outbox error rolls back to here, and the caller's transaction goes on.
+SAVEPOINT = "SAVEPOINT outboxpg_enqueue"
+RELEASE_SAVEPOINT = "RELEASE SAVEPOINT outboxpg_enqueue"
+ROLLBACK_TO_SAVEPOINT = "ROLLBACK TO SAVEPOINT outboxpg_enqueue"
+# outboxpg.drivers.sqlalchemy: a statement that makes SQLAlchemy's asyncpg adapter begin its transaction.
+NOTHING = "SELECT 1"
 
 # -- the transactional inbox (outboxpg.inbox): one statement, in the consumer's transaction ------
 
