@@ -41,7 +41,7 @@ Row = tuple[Any, ...]
 class Failure:
     """What a driver's exception says, in the terms the helpers' one-line errors need."""
 
-    kind: str   # "undefined_table" (42P01), "invalid_text" (22P02) or "other"
+    kind: str   # "undefined_table" (42P01), "undefined_function" (42883), "invalid_text" (22P02) or "other"
     primary: str | None
     detail: str | None
     context: str | None

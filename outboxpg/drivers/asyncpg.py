@@ -46,6 +46,7 @@ class AsyncpgDriver:
         if module is None or not isinstance(exc, module.PostgresError):
             return None
         kind = ("undefined_table" if isinstance(exc, module.UndefinedTableError)
+                else "undefined_function" if isinstance(exc, module.UndefinedFunctionError)
                 else "invalid_text" if isinstance(exc, module.InvalidTextRepresentationError) else "other")
         return Failure(kind, getattr(exc, "message", None), getattr(exc, "detail", None),
                        getattr(exc, "context", None))

@@ -62,6 +62,7 @@ class Psycopg2Driver:
             return None
         errors = _loaded("psycopg2.errors")
         kind = ("undefined_table" if errors is not None and isinstance(exc, errors.UndefinedTable)
+                else "undefined_function" if errors is not None and isinstance(exc, errors.UndefinedFunction)
                 else "invalid_text" if errors is not None and isinstance(exc, errors.InvalidTextRepresentation)
                 else "other")
         return Failure(kind, exc.diag.message_primary, exc.diag.message_detail, exc.diag.context)

@@ -20,6 +20,7 @@ def failure(exc: BaseException) -> Failure | None:
     if not isinstance(exc, errors.Error) or exc.diag is None:
         return None
     kind = ("undefined_table" if isinstance(exc, errors.UndefinedTable)
+            else "undefined_function" if isinstance(exc, errors.UndefinedFunction)
             else "invalid_text" if isinstance(exc, errors.InvalidTextRepresentation) else "other")
     return Failure(kind, exc.diag.message_primary, exc.diag.message_detail, exc.diag.context)
 

@@ -26,7 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 
 import outboxpg
-from outboxpg import drivers
+from outboxpg import drivers, inbox, schema
 
 # -- the stacks ---------------------------------------------------------------------------------
 
@@ -346,3 +346,45 @@ async def test_async_not_json_and_savepoint(stack: str, dsn: str, conn: psycopg.
         await outboxpg.enqueue(s.conn, "order", "o-1", "after", {})
         await s.commit()
     assert [r[0] for r in conn.execute("SELECT event_type FROM outbox ORDER BY id")] == ["kept", "after"]
+
+
+# -- the inbox on every stack -------------------------------------------------------------------
+
+@pytest.mark.parametrize("stack", SYNC)
+def test_sync_inbox_receive(stack: str, dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """outboxpg.inbox.receive goes through the same drivers: in the caller's transaction."""
+    schema.migrate_inbox(dsn)
+    with SYNC[stack](dsn) as s:
+        assert inbox.receive(s.conn, "billing", "m-1") is True
+        assert inbox.receive(s.conn, "billing", "m-1") is False
+        s.rollback()
+        assert inbox.receive(s.conn, "billing", "m-1") is True     # the rollback took the first one back
+        s.commit()
+        assert inbox.receive(s.conn, "billing", "m-1") is False
+        s.rollback()
+
+
+@pytest.mark.parametrize("stack", ASYNC)
+async def test_async_inbox_receive(stack: str, dsn: str, conn: psycopg.Connection[Any]) -> None:
+    schema.migrate_inbox(dsn)
+    async with ASYNC[stack](dsn) as s:
+        assert await inbox.receive(s.conn, "billing", "a-1") is True
+        assert await inbox.receive(s.conn, "billing", "a-1") is False
+        await s.rollback()
+    async with ASYNC[stack](dsn) as s:
+        assert await inbox.receive(s.conn, "billing", "a-1") is True
+        await s.commit()
+    async with ASYNC[stack](dsn) as s:
+        assert await inbox.receive(s.conn, "billing", "a-1") is False
+
+
+@pytest.mark.parametrize("stack", ["psycopg2", "asyncpg"])
+async def test_inbox_not_installed_names_the_database(stack: str, dsn: str) -> None:
+    where = f"database {conninfo_to_dict(dsn)['dbname']}"
+    if stack in SYNC:
+        with SYNC[stack](dsn) as s, pytest.raises(inbox.InboxNotInstalled, match=f"not installed in {where}"):
+            inbox.receive(s.conn, "billing", "m-1")
+    else:
+        async with ASYNC[stack](dsn) as s:
+            with pytest.raises(inbox.InboxNotInstalled, match=f"not installed in {where}"):
+                await inbox.receive(s.conn, "billing", "m-1")
