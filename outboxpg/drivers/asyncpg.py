@@ -8,13 +8,13 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from outboxpg.drivers import Failure, Row, _loaded
+from outboxpg.drivers.protocol import Failure, Row, loaded
 
 _PLACEHOLDER = re.compile(r"%s|%%")
 
 
 def accepts(conn: object) -> bool:
-    module = _loaded("asyncpg")
+    module = loaded("asyncpg")
     # A pool's PoolConnectionProxy is an instance of asyncpg.Connection too (asyncpg's metaclass).
     return module is not None and isinstance(conn, module.Connection)
 
@@ -42,7 +42,7 @@ class AsyncpgDriver:
         return int(status.rsplit(" ", 1)[-1])
 
     def failure(self, exc: BaseException) -> Failure | None:
-        module = _loaded("asyncpg")
+        module = loaded("asyncpg")
         if module is None or not isinstance(exc, module.PostgresError):
             return None
         kind = ("undefined_table" if isinstance(exc, module.UndefinedTableError)
@@ -56,7 +56,7 @@ class AsyncpgDriver:
 
     def where(self) -> str:
         params, addr = getattr(self.conn, "_params", None), getattr(self.conn, "_addr", None)
-        if isinstance(self.conn, _loaded("asyncpg").pool.PoolConnectionProxy):
+        if isinstance(self.conn, loaded("asyncpg").pool.PoolConnectionProxy):
             inner = getattr(self.conn, "_con", None)
             params, addr = getattr(inner, "_params", None), getattr(inner, "_addr", None)
         database = getattr(params, "database", "?")

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from outboxpg.drivers import _loaded
+from outboxpg.drivers.protocol import loaded
 
 
 def accepts(conn: object) -> bool:
-    base, proxy = _loaded("django.db.backends.base.base"), _loaded("django.utils.connection")
+    base, proxy = loaded("django.db.backends.base.base"), loaded("django.utils.connection")
     return ((base is not None and isinstance(conn, base.BaseDatabaseWrapper))
             or (proxy is not None and isinstance(conn, proxy.ConnectionProxy)))
 

@@ -11,13 +11,13 @@ from typing import Any
 from psycopg import sql
 
 from outboxpg import statements
-from outboxpg.drivers import Failure, Row, _loaded
+from outboxpg.drivers.protocol import Failure, Row, loaded
 
 _ESCAPES = str.maketrans({"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"})
 
 
 def accepts(conn: object) -> bool:
-    extensions = _loaded("psycopg2.extensions")
+    extensions = loaded("psycopg2.extensions")
     return extensions is not None and isinstance(conn, extensions.connection)
 
 
@@ -57,10 +57,10 @@ class Psycopg2Driver:
             return int(cur.rowcount)
 
     def failure(self, exc: BaseException) -> Failure | None:
-        pg = _loaded("psycopg2")
+        pg = loaded("psycopg2")
         if pg is None or not isinstance(exc, pg.Error) or exc.diag is None:
             return None
-        errors = _loaded("psycopg2.errors")
+        errors = loaded("psycopg2.errors")
         kind = ("undefined_table" if errors is not None and isinstance(exc, errors.UndefinedTable)
                 else "undefined_function" if errors is not None and isinstance(exc, errors.UndefinedFunction)
                 else "invalid_text" if errors is not None and isinstance(exc, errors.InvalidTextRepresentation)

@@ -9,7 +9,7 @@ from psycopg import AsyncConnection, Connection, errors, sql
 from psycopg.rows import tuple_row
 
 from outboxpg import statements
-from outboxpg.drivers import Failure, Row
+from outboxpg.drivers.protocol import Failure, Row
 
 
 def _copy_statement(columns: Sequence[str]) -> sql.Composed:

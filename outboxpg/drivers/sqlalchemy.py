@@ -8,23 +8,23 @@ from __future__ import annotations
 from typing import Any
 
 from outboxpg import statements
-from outboxpg.drivers import _loaded
+from outboxpg.drivers.protocol import loaded
 
 
 def accepts(conn: object) -> bool:
-    engine, orm = _loaded("sqlalchemy.engine"), _loaded("sqlalchemy.orm")
+    engine, orm = loaded("sqlalchemy.engine"), loaded("sqlalchemy.orm")
     return ((engine is not None and isinstance(conn, engine.Connection))
             or (orm is not None and isinstance(conn, orm.Session)))
 
 
 def accepts_async(conn: object) -> bool:
-    ext = _loaded("sqlalchemy.ext.asyncio")
+    ext = loaded("sqlalchemy.ext.asyncio")
     return ext is not None and isinstance(conn, (ext.AsyncConnection, ext.AsyncSession))
 
 
 def driver_connection(conn: Any) -> Any:
     """The DB-API connection under a Connection or Session, in a begun transaction."""
-    orm = _loaded("sqlalchemy.orm")
+    orm = loaded("sqlalchemy.orm")
     if orm is not None and isinstance(conn, orm.Session):
         conn = conn.connection()        # begins the session's transaction if need be
     if not conn.in_transaction():
@@ -37,7 +37,7 @@ async def async_driver_connection(conn: Any) -> Any:
 
     SQLAlchemy's asyncpg adapter starts the asyncpg transaction only with its first statement:
     when it has not yet, it is started here, so the event cannot commit on its own."""
-    ext = _loaded("sqlalchemy.ext.asyncio")
+    ext = loaded("sqlalchemy.ext.asyncio")
     if isinstance(conn, ext.AsyncSession):
         conn = await conn.connection()
     if not conn.in_transaction():
