@@ -254,10 +254,13 @@ def _act(args: argparse.Namespace, verb: str, past: str) -> int:
                 raise CliError(f"nothing to {verb}: none of the given events is dead")
             print("no dead letters match: nothing to do" if _has_filters(args) else "no dead letters: nothing to do")
             return 0
-        if len(rows) > 1:
-            confirm(f"{verb.capitalize()} these {len(rows)} dead events?",
-                    [f"About to {verb} {len(rows)} dead events:", *counts_by_type(rows)],
-                    f"{verb} {len(rows)} events", args.yes)
+        # A discard is never undone (the event is not delivered): asked even for one event. A
+        # requeue sends again what was meant to be sent: asked for several.
+        if len(rows) > 1 or verb == "discard":
+            what = f"{len(rows)} dead event{'s' if len(rows) != 1 else ''}"
+            confirm(f"{verb.capitalize()} {'these ' + what if len(rows) > 1 else 'this dead event'}?",
+                    [f"About to {verb} {what}:", *counts_by_type(rows)],
+                    f"{verb} {len(rows)} event{'s' if len(rows) != 1 else ''}", args.yes)
         ids = [r["id"] for r in rows]
         announce_target(conn, f"{'requeueing' if verb == 'requeue' else 'discarding'} {len(ids)} in")
         with conn.transaction():

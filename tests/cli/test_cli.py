@@ -492,3 +492,16 @@ def test_a_database_with_steps_this_version_does_not_ship(empty_dsn: str) -> Non
         "outboxpg migrate says what to do")
     with psycopg.connect(empty_dsn) as c:
         assert c.execute("SELECT to_regclass('outbox_failing')").fetchone() == (None,)      # nothing applied
+
+
+def test_discarding_even_one_dead_event_asks(dsn: str, conn: psycopg.Connection[Any], data: dict[str, Any]) -> None:
+    """A discard is never undone: asked for one event too (a requeue of one is not: see above)."""
+    refused = run("dead", "discard", "--dsn", dsn, str(data["dead_o1"]), "--reason", "x")
+    assert one_line_error(refused, 1) == \
+        "outboxpg: refusing to discard 1 event without confirmation: stdin is not a terminal (pass --yes)"
+    no = run_on_tty(["dead", "discard", "--dsn", dsn, str(data["dead_o1"]), "--reason", "x"], "n\n")
+    assert no.code == 1 and "Discard this dead event? [y/N]" in no.err and "cancelled: nothing changed" in no.err, no
+    assert state_of(conn, data["dead_o1"]) == "dead"
+    yes = run_on_tty(["dead", "discard", "--dsn", dsn, str(data["dead_o1"]), "--reason", "x"], "y\n")
+    assert (yes.code, yes.out) == (0, f"discarded 1 event: {data['dead_o1']}\n"), yes
+    assert state_of(conn, data["dead_o1"]) == "discarded"

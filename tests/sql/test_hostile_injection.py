@@ -198,7 +198,7 @@ def test_cli_filters_match_literally(conn: Conn, canary: Conn, dsn: str, capsys:
     assert conn.execute("SELECT count(*) FROM outbox WHERE state = 'dead'").fetchone() == (total - 8,)
     # discard with each value as the reason: stored verbatim.
     for v in INJECTIONS[8:]:
-        code, out, err = run_cli(capsys, "dead", "discard", "--dsn", dsn, str(ids[v]), f"--reason={v}")
+        code, out, err = run_cli(capsys, "dead", "discard", "--dsn", dsn, str(ids[v]), f"--reason={v}", "--yes")
         if not v.strip():
             assert code == EXIT_USAGE and "--reason must not be blank" in err
             continue
