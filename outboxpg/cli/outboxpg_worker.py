@@ -375,6 +375,24 @@ async def _wait_for_nats(servers: list[str], stopping: asyncio.Event) -> bool:
 
 
 async def _main(args: argparse.Namespace) -> int:
+    try:
+        return await _start(args)
+    finally:
+        _ignore_late_signals(asyncio.get_running_loop())
+
+
+def _ignore_late_signals(loop: asyncio.AbstractEventLoop) -> None:
+    """Once the worker has stopped, SIGTERM and SIGINT are ignored until the process exits. A
+    second one can come at once: GNU timeout sends its signal to the worker and to its process
+    group. Left to asyncio, one arriving after the loop closed its self-pipe and before it
+    removed its handlers printed "Exception ignored ... OSError: [Errno 9] Bad file descriptor"."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)
+        signal.signal(sig, signal.SIG_IGN)
+
+
+async def _start(args: argparse.Namespace) -> int:
+    """Check, connect and run the worker until it stops (a signal while starting: exit 0)."""
     cfg: WorkerConfig = from_args(WorkerConfig, args)
     cfg.validate()
     # SIGTERM/SIGINT while starting: stop waiting and exit 0; once running: worker.stop().

@@ -269,3 +269,31 @@ def test_the_cli_names_itself_in_pg_stat_activity(dsn: str, conn: Conn) -> None:
     finally:
         p.send_signal(signal.SIGINT)
         p.communicate(timeout=20)
+
+
+def test_a_signal_sent_twice_as_gnu_timeout_does_stops_it_quietly(dsn: str, pubdir: Path, tmp_path: Path) -> None:
+    """`timeout -s INT 5 outboxpg-worker ...` sends SIGINT to the worker and to its process group:
+    the second one, arriving while asyncio closed its loop, printed "Exception ignored ...
+    OSError: [Errno 9] Bad file descriptor". Now: exit 0 and nothing but log lines, every time."""
+    for i in range(8):
+        log = tmp_path / f"w{i}.log"
+        p = subprocess.Popen([WORKER, "--dsn", dsn, "--publisher", "mypub:publish", "--maintenance-interval", "0",
+                              "--summary-interval", "3600"],
+                             stdout=subprocess.DEVNULL, stderr=log.open("w"), text=True, cwd=pubdir, env=_env(),
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        try:
+            end = time.monotonic() + 20
+            while "event=start " not in log.read_text():
+                assert p.poll() is None and time.monotonic() < end, log.read_text()
+                time.sleep(0.02)
+            p.send_signal(signal.SIGINT)
+            while "event=stopped" not in log.read_text() and p.poll() is None:   # the shutdown's last line
+                time.sleep(0.0005)
+            p.send_signal(signal.SIGINT)   # as the loop closes
+            assert p.wait(20) == 0, log.read_text()
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        text = log.read_text()
+        assert all(" level=" in line for line in text.splitlines()), text
