@@ -54,7 +54,7 @@ from outboxpg.relay.metrics import WorkerMetrics
 from outboxpg.relay.publishers import PermanentError, as_publisher
 from outboxpg.relay.standby import StandbyFlush
 from outboxpg.relay.stats import Recorder
-from outboxpg.relay.tasks import cancel_all
+from outboxpg.relay.tasks import cancel_all, say_where_after
 from outboxpg.relay.wakeup import IdleLock, Listener
 from outboxpg.text import describe, first_line
 
@@ -75,6 +75,9 @@ LOOK_AGAIN_MOST = 0.050
 # The first summary comes this long after the first delivery, when that is sooner than
 # summary_interval: a newcomer sees the counts move within seconds, not a minute.
 EARLY_SUMMARY = 5.0
+# A shutdown still under way after this long logs where every task waits (event=shutdown_slow):
+# in-flight batches take up to a lease to finish; anything longer is worth a line.
+SAY_SLOW_STOP_AFTER = 10.0
 
 
 class Worker:
@@ -91,6 +94,7 @@ class Worker:
         self.stats = self.recorder.stats
         self._wake = asyncio.Event()
         self._stopping = False
+        self._slow_stop: asyncio.Task[None] | None = None
         self._until_idle = False
         self._stop = asyncio.Event()
         self._lease = timedelta(seconds=config.lease)
@@ -121,6 +125,9 @@ class Worker:
         """Stop claiming; in-flight batches are finished and reported, then run() returns."""
         if not self._stopping:
             log.info("event=shutdown_requested worker=%s", self.cfg.name)
+            with contextlib.suppress(RuntimeError):   # no running loop: nothing to watch
+                self._slow_stop = asyncio.get_running_loop().create_task(
+                    say_where_after(SAY_SLOW_STOP_AFTER, self.cfg.name), name="outboxpg-shutdown-watch")
         self._stopping = True
         if self.health is not None:
             self.health.stop()
@@ -170,6 +177,8 @@ class Worker:
                     await self.publisher.close()
             await self.gateway.close()
             self.recorder.log_summary(self.listener.up, final=True)
+            if self._slow_stop is not None:
+                self._slow_stop.cancel()
             log.info("event=stopped worker=%s", cfg.name)
 
     # -- the loop ------------------------------------------------------------------------

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
-from outboxpg.relay.tasks import cancel_all
+import pytest
+
+from outboxpg.relay.tasks import cancel_all, say_where_after, where_tasks_wait
 
 
 async def _misses_one_cancel(seen: list[str]) -> None:
@@ -41,3 +44,17 @@ async def test_done_tasks_are_left_as_they_are() -> None:
     await task
     await cancel_all([task])
     assert not task.cancelled()
+
+
+async def test_say_where_after_names_each_waiting_task(caplog: pytest.LogCaptureFixture) -> None:
+    async def stuck_in_here() -> None:
+        await asyncio.sleep(3600)
+
+    task = asyncio.create_task(stuck_in_here(), name="the-stuck-one")
+    await asyncio.sleep(0)
+    assert any(w.startswith("the-stuck-one: stuck_in_here (test_tasks.py:") for w in where_tasks_wait())
+    with caplog.at_level(logging.WARNING, logger="outboxpg.worker"):
+        await say_where_after(0.01, "w1")
+    (record,) = caplog.records
+    assert "event=shutdown_slow worker=w1" in record.getMessage() and "the-stuck-one: stuck_in_here" in record.getMessage()
+    await cancel_all([task])
