@@ -374,9 +374,13 @@ async def _wait_for_nats(servers: list[str], stopping: asyncio.Event) -> bool:
     return False
 
 
-async def _main(args: argparse.Namespace) -> int:
+async def _main(args: argparse.Namespace, finished: list[int]) -> int:
+    """_start(); its exit code is also put in ``finished``, so that main() can tell a late
+    signal after a clean stop from an interruption."""
     try:
-        return await _start(args)
+        code = await _start(args)
+        finished.append(code)
+        return code
     finally:
         _ignore_late_signals(asyncio.get_running_loop())
 
@@ -385,7 +389,9 @@ def _ignore_late_signals(loop: asyncio.AbstractEventLoop) -> None:
     """Once the worker has stopped, SIGTERM and SIGINT are ignored until the process exits. A
     second one can come at once: GNU timeout sends its signal to the worker and to its process
     group. Left to asyncio, one arriving after the loop closed its self-pipe and before it
-    removed its handlers printed "Exception ignored ... OSError: [Errno 9] Bad file descriptor"."""
+    removed its handlers printed "Exception ignored ... OSError: [Errno 9] Bad file descriptor".
+    (Removing asyncio's SIGINT handler restores Python's for an instant: a KeyboardInterrupt
+    that slips through after a clean stop is read as the clean stop it follows, in main().)"""
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.remove_signal_handler(sig)
         signal.signal(sig, signal.SIG_IGN)
@@ -509,13 +515,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(printable(redact(f"outboxpg-worker: {message}", secrets)), file=sys.stderr)
         return code
 
+    finished: list[int] = []   # _main's exit code, once the worker has stopped
     try:
         # The relay allocates a few dozen container objects per event (rows, events, header
         # dicts, nats-py messages), nearly all freed at once by reference counting; the cyclic
         # collector's default gen-0 threshold (700) still ran it every ~30 events, about 1 us of
         # CPU per event (4% of the worker's). A process of our own: tuned here, not in Worker.
         gc.set_threshold(50_000, 20, 100)
-        return asyncio.run(_main(args))
+        return asyncio.run(_main(args, finished))
     except CliError as exc:
         return fail(str(exc), exc.code)
     except ValueError as exc:   # a flag out of range (WorkerConfig.validate)
@@ -527,7 +534,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except psycopg.Error as exc:
         return fail(f"database error at start: {first_line(exc)}", EXIT_FAILED)
     except KeyboardInterrupt:
-        return EXIT_INTERRUPTED
+        return finished[0] if finished else EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":
