@@ -128,21 +128,19 @@ def migrate(dsn: str, on_notice: OnNotice | None = None) -> list[str]:
         raise HandInstalled("the outbox schema is installed but yoyo has no record of it")
     if rec.unknown:
         raise UnknownSteps(rec.unknown)
-    backend, steps = _steps(dsn, on_notice)
-    try:
-        with backend.lock():
-            todo = backend.to_apply(steps)
-            backend.apply_migrations(todo)
-        return [m.id for m in todo]
-    finally:
-        backend.connection.close()
+    return _apply(dsn, on_notice, inbox=False)
 
 
 def migrate_inbox(dsn: str, on_notice: OnNotice | None = None) -> list[str]:
     """Apply every step of the transactional inbox not yet applied (migrations/inbox/); returns their
     ids. Independent of the outbox: a consumer's database needs none. yoyo records the inbox's steps
     in the same bookkeeping table, under ids of their own."""
-    backend, steps = _steps(dsn, on_notice, inbox=True)
+    return _apply(dsn, on_notice, inbox=True)
+
+
+def _apply(dsn: str, on_notice: OnNotice | None, inbox: bool) -> list[str]:
+    """yoyo applies the steps not applied yet (the outbox's or the inbox's), under its lock."""
+    backend, steps = _steps(dsn, on_notice, inbox=inbox)
     try:
         with backend.lock():
             todo = backend.to_apply(steps)
@@ -160,14 +158,7 @@ def inbox_pending(dsn: str) -> list[MigrationStep]:
 
 def rollback_inbox(dsn: str, count: int = 1, on_notice: OnNotice | None = None) -> list[str]:
     """Roll back the last ``count`` applied inbox steps; returns their ids, newest first."""
-    backend, steps = _steps(dsn, on_notice, inbox=True)
-    try:
-        with backend.lock():
-            todo = backend.to_rollback(steps)[:count]
-            backend.rollback_migrations(todo)
-        return [m.id for m in todo]
-    finally:
-        backend.connection.close()
+    return _roll_back(dsn, count, on_notice, None, inbox=True)
 
 
 def to_roll_back(rec: Recorded, count: int) -> list[str]:
@@ -184,7 +175,12 @@ def rollback(dsn: str, count: int = 1, on_notice: OnNotice | None = None,
     """Roll back the last ``count`` applied steps; returns their ids, newest first. With
     ``expected`` (the steps a user agreed to), anything else to roll back raises StepsChanged
     and nothing is rolled back."""
-    backend, steps = _steps(dsn, on_notice)
+    return _roll_back(dsn, count, on_notice, expected, inbox=False)
+
+
+def _roll_back(dsn: str, count: int, on_notice: OnNotice | None, expected: list[str] | None,
+               inbox: bool) -> list[str]:
+    backend, steps = _steps(dsn, on_notice, inbox=inbox)
     try:
         with backend.lock():
             todo = backend.to_rollback(steps)[:count]

@@ -88,10 +88,14 @@ def install_sql() -> str:
     It is the files of schema/ in order. A database installed this way has no yoyo bookkeeping:
     ``outboxpg migrate --adopt`` records it (it is checked against the release steps first).
     """
-    parts = ["-- outboxpg install script: the files of schema/ in order, in one transaction.",
-             "\\set ON_ERROR_STOP on", "BEGIN;"]
-    for path in source_paths():
-        parts.append(f"\n-- ==== schema/{path.name} ====")
+    return _script("outboxpg install script", "schema/", source_paths())
+
+
+def _script(title: str, folder: str, paths: list[Path]) -> str:
+    """The files ``paths`` (of ``folder``) in order, as one psql script in one transaction."""
+    parts = [f"-- {title}: the files of {folder} in order, in one transaction.", "\\set ON_ERROR_STOP on", "BEGIN;"]
+    for path in paths:
+        parts.append(f"\n-- ==== {folder}{path.name} ====")
         parts.append(path.read_text(encoding="utf-8").rstrip())
     parts.append("COMMIT;")
     return "\n".join(parts) + "\n"
@@ -120,13 +124,7 @@ def inbox_step_ids() -> list[str]:
 def inbox_install_sql() -> str:
     """The inbox as one psql script, in one transaction (outboxpg sql --inbox): schema/inbox/ in order.
     It needs no outbox in the database."""
-    parts = ["-- outboxpg inbox install script: the files of schema/inbox/ in order, in one transaction.",
-             "\\set ON_ERROR_STOP on", "BEGIN;"]
-    for path in inbox_source_paths():
-        parts.append(f"\n-- ==== schema/inbox/{path.name} ====")
-        parts.append(path.read_text(encoding="utf-8").rstrip())
-    parts.append("COMMIT;")
-    return "\n".join(parts) + "\n"
+    return _script("outboxpg inbox install script", "schema/inbox/", inbox_source_paths())
 
 
 # The inbox's first step, until it is released: the files of schema/inbox/ as they are

@@ -30,6 +30,7 @@ from typing import Any
 
 import psycopg
 
+from outboxpg.drivers import psycopg3 as pg3
 from outboxpg.drivers.protocol import AsyncDriver, Driver, Failure, Row
 
 __all__ = ["Row", "Failure", "Driver", "AsyncDriver", "is_async", "sync_driver", "async_driver", "fetch_one"]
@@ -47,11 +48,10 @@ def is_async(conn: object) -> bool:
 
 def sync_driver(conn: object) -> Driver:
     """The Driver for a synchronous connection; TypeError naming the type for anything else."""
-    from outboxpg.drivers import django, psycopg2, sqlalchemy
-    from outboxpg.drivers import psycopg3 as pg3
-
-    if isinstance(conn, psycopg.Connection):
+    if isinstance(conn, psycopg.Connection):   # the core one first: every enqueue comes here
         return pg3.PsycopgDriver(conn)
+    from outboxpg.drivers import django, psycopg2, sqlalchemy
+
     if psycopg2.accepts(conn):
         return psycopg2.Psycopg2Driver(conn)
     if sqlalchemy.accepts(conn):
@@ -64,7 +64,6 @@ def sync_driver(conn: object) -> Driver:
 def raw_driver(raw: object, what: str) -> Driver:
     """The Driver for the DB-API connection under a SQLAlchemy or Django one."""
     from outboxpg.drivers import psycopg2
-    from outboxpg.drivers import psycopg3 as pg3
 
     if isinstance(raw, psycopg.Connection):
         return pg3.PsycopgDriver(raw)
@@ -75,11 +74,10 @@ def raw_driver(raw: object, what: str) -> Driver:
 
 async def async_driver(conn: object) -> AsyncDriver:
     """The AsyncDriver for an asynchronous connection (SQLAlchemy's autobegin included)."""
-    from outboxpg.drivers import asyncpg, sqlalchemy
-    from outboxpg.drivers import psycopg3 as pg3
-
     if isinstance(conn, psycopg.AsyncConnection):
         return pg3.AsyncPsycopgDriver(conn)
+    from outboxpg.drivers import asyncpg, sqlalchemy
+
     if asyncpg.accepts(conn):
         return asyncpg.AsyncpgDriver(conn)
     if sqlalchemy.accepts_async(conn):
