@@ -120,6 +120,16 @@ def _stop(proc: subprocess.Popen[bytes] | None, sig: int = signal.SIGTERM, timeo
         proc.wait()
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _children(pid: int) -> list[int]:
     """The PIDs of a process's direct children (from /proc)."""
     out: list[int] = []
@@ -221,12 +231,21 @@ class PatroniNode:
 
     def stop(self) -> None:
         """SIGTERM Patroni (it stops PostgreSQL, fast); whatever PostgreSQL is left is stopped
-        immediate by pg_ctl, as its owner."""
+        immediate by pg_ctl, as its owner. A crashed node's PostgreSQL is started and stopped
+        once, so that it removes the shared memory its killed postmaster left behind."""
         _stop(self.proc, timeout=30)
         self.proc = None
-        if self.postmaster_pid() is not None and (self.datadir / "postmaster.pid").exists():
-            subprocess.run([*self.cluster.run_prefix(), str(self.cluster.bindir / "pg_ctl"), "-D", str(self.datadir),
-                            "-m", "immediate", "-w", "-t", "30", "stop"], capture_output=True, check=False)
+        pid = self.postmaster_pid()
+        if pid is None:
+            return
+        if not _alive(pid):
+            self._pg_ctl("start", "-l", str(self.dir / "cleanup.log"),
+                         "-o", f"-c listen_addresses='' -c port={self.port}")
+        self._pg_ctl("stop", "-m", "immediate")
+
+    def _pg_ctl(self, *args: str) -> None:
+        subprocess.run([*self.cluster.run_prefix(), str(self.cluster.bindir / "pg_ctl"), "-D", str(self.datadir),
+                        "-w", "-t", "30", *args], capture_output=True, check=False, timeout=60)
 
 
 class PatroniCluster:
