@@ -205,10 +205,6 @@ class PatroniNode:
         except (OSError, ValueError, IndexError):
             return None
 
-    def status(self) -> dict[str, Any]:
-        code, body = _http(f"{self.rest}/patroni")
-        return json.loads(body) if code in (200, 503) and body else {}
-
     def is_primary(self) -> bool:
         return _http(f"{self.rest}/primary")[0] == 200
 
