@@ -50,7 +50,7 @@ of its run get ``NotSent``.
 Connection trouble. The connection going down in the middle of a batch (a broker restart, a
 network cut) fails the event of each run that was waiting for its confirm (transient: it may or
 may not be stored, and is published again, with the same message_id), and the rest of each run
-get ``NotSent``. The sink then reconnects in the background (0.1 s, doubling to 5 s between
+get ``NotSent``. The sink then reconnects in the background (0.1 s, doubling to 2 s between
 tries), re-checking (with ``ensure``, re-declaring) the exchange; meanwhile ``ready`` is clear,
 so the worker claims nothing, and ``health_problem()`` says why (the worker's /readyz). A
 channel RabbitMQ closed (an oversized message, an exchange deleted, a permission withdrawn) is
@@ -99,7 +99,7 @@ _OWN_OPTIONS = frozenset({"exchange", "max_message_size"})
 _HEADERS = ("Outbox-Id", "Outbox-Event-Type", "Outbox-Aggregate-Type", "Outbox-Aggregate-Id", "Outbox-Attempt")
 _TAKEN = frozenset(name.lower() for name in _HEADERS)
 _SERVER_MAX = re.compile(r"larger than configured max size (\d+)")
-_RECONNECT_FIRST, _RECONNECT_MAX = 0.1, 5.0
+_RECONNECT_FIRST, _RECONNECT_MAX = 0.1, 2.0
 
 
 def open_sink(settings: SinkSettings) -> RabbitMQSink:
