@@ -215,6 +215,27 @@ async def test_an_unroutable_event_fails_with_the_reason_the_rest_of_its_run_not
         assert [m.message_id for m in await t.read()] == [events[2].msg_id]
 
 
+async def test_the_default_exchange_routes_to_the_queue_named_by_the_subject() -> None:
+    queue = unique("outboxpg-test")
+    connection = await aio_pika.connect(AMQP_URL)
+    try:
+        channel = await connection.channel()
+        await channel.declare_queue(queue, durable=True)
+        sink = open_sink(SinkSettings(url=f"{AMQP_URL}?exchange="))
+        await sink.start()
+        routed, unroutable = event(1, queue), event(2, unique("outboxpg-test-no-such-queue"))
+        outcomes = await sink.publish_batch([routed, unroutable])
+        await sink.close()
+        assert outcomes[0] is None
+        assert isinstance(outcomes[1], Exception) and "exchange '' routes routing key" in str(outcomes[1])
+        got = await (await channel.get_queue(queue, ensure=False)).get(no_ack=True, fail=False)
+        assert got is not None and got.message_id == routed.msg_id
+    finally:
+        channel = await connection.channel()
+        await channel.queue_delete(queue)
+        await connection.close()
+
+
 async def test_too_large_for_the_option_or_for_one_frame_dies_and_the_others_are_stored(target: Target) -> None:
     sink = target.sink(max_message_size="1000")
     await sink.start()
