@@ -145,6 +145,7 @@ class RabbitMQSink:
         self._frame_max = _DEFAULT_FRAME_MAX
         self._channel_lock = asyncio.Lock()
         self._reconnecting: asyncio.Task[None] | None = None
+        self._started = False   # start() succeeded: from then on a lost connection is reconnected
 
     def describe(self) -> str:
         return f"{self._where} exchange {self.exchange_name!r}"
@@ -160,6 +161,7 @@ class RabbitMQSink:
             return
         _quiet_client_logs()
         await self._open()
+        self._started = True
         self.ready.set()
         self._problem = None
 
@@ -189,16 +191,18 @@ class RabbitMQSink:
         except Exception as exc:  # noqa: BLE001 - refused, reset, not AMQP, name not resolved: one line
             raise SinkUnreachable(f"cannot reach RabbitMQ at {self._where}: {self._reason(exc)}") from None
         self._connection = connection
+        connection.close_callbacks.add(self._on_connection_closed)
         try:
             tune = getattr(getattr(connection, "transport", None), "connection", None)
             self._frame_max = int(getattr(getattr(tune, "connection_tune", None), "frame_max", 0)) or _DEFAULT_FRAME_MAX
             await self._check_exchange(connection)
             self._channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
             self._exchange = await self._bind_exchange(self._channel)
+            if connection.is_closed:
+                raise SinkUnreachable(f"RabbitMQ at {self._where} closed the connection at once")
         except BaseException:
             await self._drop()
             raise
-        connection.close_callbacks.add(self._on_connection_closed)
 
     async def _check_exchange(self, connection: AbstractConnection) -> None:
         """The exchange exists (with ``ensure``: declared if missing), on a channel of its own:
@@ -241,15 +245,19 @@ class RabbitMQSink:
                 await asyncio.wait_for(connection.close(), 5)
 
     def _on_connection_closed(self, connection: Any, exc: BaseException | None = None) -> None:
-        if self.closed or connection is not self._connection:
+        if connection is self._connection:
+            self._lost(exc)
+
+    def _lost(self, exc: BaseException | None) -> None:
+        """The connection is gone: not ready, and reconnect in the background (once)."""
+        if self.closed or not self._started or (self._reconnecting is not None and not self._reconnecting.done()):
             return
         self.ready.clear()
         self._problem = f"the connection to RabbitMQ at {self._where} was lost: {self._reason(exc)}" \
             if exc is not None else f"the connection to RabbitMQ at {self._where} was closed"
         log.warning("event=rabbitmq_lost url=%s error=%r", self._where, self._problem)
-        if self._reconnecting is None or self._reconnecting.done():
-            self._reconnecting = asyncio.get_running_loop().create_task(self._reconnect(),
-                                                                        name="outboxpg-rabbitmq-reconnect")
+        self._reconnecting = asyncio.get_running_loop().create_task(self._reconnect(),
+                                                                    name="outboxpg-rabbitmq-reconnect")
 
     async def _reconnect(self) -> None:
         delay = _RECONNECT_FIRST
@@ -279,6 +287,8 @@ class RabbitMQSink:
         async with self._channel_lock:
             connection = self._connection
             if connection is None or connection.is_closed:
+                if self.ready.is_set():
+                    self._lost(None)   # closed without its callback having run: reconnect all the same
                 raise ConnectionError(self._problem or f"not connected to RabbitMQ at {self._where}")
             if self._channel is None or self._channel.is_closed or self._exchange is None:
                 self._channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
