@@ -186,6 +186,12 @@ class RabbitMQSink:
         except aiormq.exceptions.ConnectionNotAllowed as exc:
             raise SinkRefused(f"RabbitMQ at {self._where} does not let this user open vhost {self.vhost!r}: "
                               f"{self._reason(exc)}") from None
+        except aiormq.exceptions.InvalidFrameError as exc:
+            if "Connection.OpenOk" in str(exc) and "Connection.Close" in str(exc):
+                # aiormq keeps only this text of the server's answer to connection.open (530 NOT_ALLOWED).
+                raise SinkRefused(f"RabbitMQ at {self._where} refused to open vhost {self.vhost!r}: it does not exist "
+                                  "or this user has no permission on it") from None
+            raise SinkUnreachable(f"cannot reach RabbitMQ at {self._where}: {self._reason(exc)}") from None
         except TimeoutError:
             raise SinkUnreachable(f"cannot reach RabbitMQ at {self._where}: no answer within {timeout:g}s") from None
         except Exception as exc:  # noqa: BLE001 - refused, reset, not AMQP, name not resolved: one line

@@ -119,6 +119,15 @@ async def test_start_unreachable_and_bad_login_are_unreachable_without_the_passw
     assert "Wr0ng-pa55word" not in str(info.value) and "\n" not in str(info.value)
 
 
+async def test_start_on_a_vhost_that_is_not_there_is_refused_naming_it() -> None:
+    vhost = unique("outboxpg-test-vhost")
+    sink = open_sink(SinkSettings(url=f"{AMQP_URL}{vhost}"))
+    with pytest.raises(SinkRefused, match=f"refused to open vhost {vhost!r}: it does not exist or this user has no "
+                                          "permission on it"):
+        await sink.start()
+    await sink.close()
+
+
 async def test_start_with_a_missing_exchange_is_refused_naming_it_and_the_flag() -> None:
     name = unique("outboxpg-test-missing")
     sink = open_sink(SinkSettings(url=f"{AMQP_URL}?exchange={name}"))
