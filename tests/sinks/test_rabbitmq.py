@@ -224,6 +224,26 @@ async def test_an_unroutable_event_fails_with_the_reason_the_rest_of_its_run_not
         assert [m.message_id for m in await t.read()] == [events[2].msg_id]
 
 
+async def test_a_nack_from_a_full_queue_is_a_transient_failure_the_rest_of_its_run_not_sent(target: Target) -> None:
+    queue = unique("outboxpg-test-full")
+    channel = target.channel
+    full = await channel.declare_queue(queue, durable=True, arguments={"x-max-length": 1, "x-overflow": "reject-publish"})
+    try:
+        await full.bind(target.exchange, "outbox.full.#")
+        sink = target.sink()
+        await sink.start()
+        first = await sink.publish_batch([event(1, "outbox.full.a", aggregate_id="a")])
+        outcomes = await sink.publish_batch([event(2, "outbox.full.a", aggregate_id="a"),
+                                             event(3, "outbox.full.a", aggregate_id="a")])
+        await sink.close()
+        assert first == [None]
+        assert isinstance(outcomes[0], Exception) and not isinstance(outcomes[0], PermanentError | NotSent)
+        assert "basic.nack" in str(outcomes[0])
+        assert isinstance(outcomes[1], NotSent)
+    finally:
+        await channel.queue_delete(queue)
+
+
 async def test_the_default_exchange_routes_to_the_queue_named_by_the_subject() -> None:
     queue = unique("outboxpg-test")
     connection = await aio_pika.connect(AMQP_URL)
