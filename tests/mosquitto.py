@@ -174,12 +174,17 @@ class Subscriber:
         with self._lock:
             return list(self.received)
 
+    def distinct(self) -> int:
+        """How many different Outbox-Msg-Id values were received."""
+        return len({m.property("Outbox-Msg-Id") for m in self.messages()})
+
     async def wait_for(self, n: int, timeout: float = 10.0) -> list[Received]:
-        """At least ``n`` messages received (fails after ``timeout``), and what came in 0.1 s more."""
+        """Every message once the subscriber has ``n`` different ones (fails after ``timeout``),
+        and what came in 0.1 s more (duplicates included)."""
         deadline = time.monotonic() + timeout
-        while len(self.messages()) < n:
+        while self.distinct() < n:
             if time.monotonic() > deadline:
-                raise AssertionError(f"the subscriber received {len(self.messages())} of {n} messages in {timeout}s")
+                raise AssertionError(f"the subscriber received {self.distinct()} of {n} messages in {timeout}s")
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.1)
         return self.messages()

@@ -36,7 +36,10 @@ interval), before the worker starts, and the broker is configured for it.
 A PUBACK of 0x80 or more: 0x87 not authorized, 0x90 topic name invalid, 0x95 packet too large
 and 0x99 payload format invalid are a PermanentError (dead-lettered at once, with the code and
 the broker's reason string); any other (0x80 unspecified, 0x83 implementation specific, 0x97
-quota exceeded, ...) is retried with backoff.
+quota exceeded, ...) is retried with backoff. Mosquitto 2.0 closes the connection right after a
+0x87 (a topic its access list denies): the events in flight beside it fail as a lost connection
+and are retried, and when PUBLISHes it had not read yet turn that close into a reset, the
+PUBACK itself can be lost, and the denied event is retried until a PUBACK says 0x87.
 
 Never sendable (PermanentError, checked before anything is sent): an empty subject, a topic
 with ``+`` or ``#`` or starting with ``$``, a topic or a user property longer than 65535 bytes or
@@ -72,8 +75,9 @@ Options (the URL's query, or --sink-option): ``qos`` (1, the only one: QoS 0 has
 acknowledgement, and paho-mqtt ignores the reason code of a QoS 2 PUBREC, so a refused QoS 2
 message would count as published), ``client_id``, ``keepalive`` (seconds, 30),
 ``max_packet_size`` (bytes), ``ca_file`` (mqtts://: a PEM file of the CAs to trust instead of
-the system's). ``start()``: SinkUnreachable (exit 3) for a broker that cannot be reached, is not
-an MQTT broker, or refuses the login.
+the system's). ``--ensure-sink`` has nothing to declare: a topic exists by being published to.
+``start()``: SinkUnreachable (exit 3) for a broker that cannot be reached, is not an MQTT broker,
+or refuses the login (mosquitto 2.0 answers a wrong password with 0x87 not authorized).
 """
 
 from __future__ import annotations
@@ -157,7 +161,7 @@ class MqttSink:
         self._closed = False
 
     def describe(self) -> str:
-        return f"{without_credentials(self.url)} (MQTT 5, QoS 1)"
+        return without_credentials(self.url)
 
     @property
     def closed(self) -> bool:

@@ -71,6 +71,7 @@ class MqttConnection:
         self.receive_maximum = 65535
         self.max_packet = MQTT_MAX_PACKET
         self.lost: ConnectionLost | None = None   # set once the connection has ended
+        self.peak_in_flight = 0   # the most PUBLISHes awaiting their PUBACK at once
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self._connack: asyncio.Future[tuple[ReasonCode, Properties | None]] = self._loop.create_future()
@@ -161,6 +162,8 @@ class MqttConnection:
             raise self.lost or ConnectionLost(f"cannot publish to the MQTT broker: {paho.error_string(info.rc)}")
         future: asyncio.Future[PubAck] = self._loop.create_future()
         self._inflight[info.mid] = future
+        if len(self._inflight) > self.peak_in_flight:
+            self.peak_in_flight = len(self._inflight)
         return future
 
     async def close(self) -> None:
