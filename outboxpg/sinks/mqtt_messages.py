@@ -15,14 +15,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from outboxpg.events import OutboxEvent
 from outboxpg.relay.publishers import PermanentError
 
-__all__ = ["MQTT_MAX_PACKET", "MSG_ID", "OUTBOX_PROPERTIES", "Message", "message_of", "puback_outcome",
-           "publish_packet_bytes", "subject_of", "topic_of"]
+__all__ = ["MQTT_MAX_PACKET", "MSG_ID", "OUTBOX_PROPERTIES", "Message", "PublishProperties", "message_of",
+           "puback_outcome", "publish_packet_bytes", "subject_of", "topic_of"]
 
 # The user property that carries the event's msg_id (MQTT has no message id of its own that
 # outlives a connection): a consumer deduplicates on it.
@@ -59,7 +58,7 @@ NO_MATCHING_SUBSCRIBERS = 0x10
 @dataclass(frozen=True, slots=True)
 class Message:
     topic: str
-    properties: Properties
+    properties: PublishProperties
 
 
 def topic_of(subject: str) -> str:
@@ -102,27 +101,71 @@ def message_of(event: OutboxEvent, max_packet: int) -> Message | PermanentError:
     strings = [topic, event.msg_id, event.event_type, event.aggregate_type, event.aggregate_id]
     if row_headers:
         strings.extend(k + str(v) for k, v in row_headers.items())
-    text = "".join(strings)
-    if _BAD_CHARS.search(text):
+    if _BAD_CHARS.search("".join(strings)):
         return PermanentError(_bad_string(topic, pairs))
-    # Each string at most 65535 bytes: a bound first (UTF-8 takes at most 4 bytes a character).
-    if len(text) * 4 > _MAX_STRING:
-        too_long = _too_long(topic, pairs)
-        if too_long is not None:
-            return PermanentError(too_long)
-    properties = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call] # paho-mqtt types its client, not this
-    properties.ContentType = CONTENT_TYPE
-    properties.UserProperty = pairs
-    # The packet's size: a bound without encoding anything first, exact only near the limit.
-    payload_bytes = len(event.payload)
-    bound = 5 + 2 + 4 * len(topic) + 2 + 4 + 3 + len(CONTENT_TYPE) + payload_bytes \
-        + sum(5 + 4 * (len(k) + len(v)) for k, v in pairs)
-    if bound > max_packet:
-        size = publish_packet_bytes(topic, properties, payload_bytes)
-        if size > max_packet:
-            return PermanentError(f"MQTT PUBLISH of {size} bytes (payload {payload_bytes}) exceeds the broker's "
-                                  f"maximum packet size of {max_packet} bytes")
+    try:
+        properties = PublishProperties(pairs)
+    except StringTooLong as exc:
+        return PermanentError(str(exc))
+    topic_bytes = len(topic.encode())
+    if topic_bytes > _MAX_STRING:
+        return PermanentError(f"the topic is {topic_bytes} bytes long; an MQTT string holds at most {_MAX_STRING}")
+    size = publish_packet_bytes(topic, properties, len(event.payload))
+    if size > max_packet:
+        return PermanentError(f"MQTT PUBLISH of {size} bytes (payload {len(event.payload)}) exceeds the broker's "
+                              f"maximum packet size of {max_packet} bytes")
     return Message(topic, properties)
+
+
+class StringTooLong(ValueError):
+    pass
+
+
+class PublishProperties(Properties):
+    """The properties of the sink's PUBLISH: Content Type and the User Property pairs, encoded once.
+
+    paho-mqtt's Properties builds its tables of every property anew for each instance and packs
+    by looking each of them up: most of the CPU of a publish. paho only calls ``pack()`` on the
+    properties it is given, so this subclass keeps the packed bytes and nothing else (it does not
+    call Properties.__init__; read its pairs from ``pairs``). StringTooLong for a name or value
+    over 65535 bytes."""
+
+    def __init__(self, pairs: list[tuple[str, str]]) -> None:
+        body = bytearray(_CONTENT_TYPE_PROPERTY)
+        for name, value in pairs:
+            name_bytes, value_bytes = name.encode(), value.encode()
+            if len(name_bytes) > _MAX_STRING or len(value_bytes) > _MAX_STRING:
+                what = f"the name of user property {name[:40]!r}" if len(name_bytes) > _MAX_STRING \
+                    else f"user property {name[:40]!r}"
+                size = max(len(name_bytes), len(value_bytes))
+                raise StringTooLong(f"{what} is {size} bytes long; an MQTT string holds at most {_MAX_STRING}")
+            body += _USER_PROPERTY
+            body += len(name_bytes).to_bytes(2, "big")
+            body += name_bytes
+            body += len(value_bytes).to_bytes(2, "big")
+            body += value_bytes
+        object.__setattr__(self, "pairs", pairs)
+        object.__setattr__(self, "_packed", _variable_int(len(body)) + bytes(body))
+
+    def pack(self) -> bytes:
+        packed: bytes = object.__getattribute__(self, "_packed")
+        return packed
+
+    def __str__(self) -> str:
+        return f"[ContentType : {CONTENT_TYPE}, UserProperty : {object.__getattribute__(self, 'pairs')}]"
+
+
+_USER_PROPERTY = b"\x26"   # the property identifier of a User Property (a UTF-8 string pair)
+_CONTENT_TYPE_PROPERTY = b"\x03" + len(CONTENT_TYPE).to_bytes(2, "big") + CONTENT_TYPE.encode()
+
+
+def _variable_int(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        n, digit = divmod(n, 128)
+        out.append(digit | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
 
 
 def _bad_string(topic: str, pairs: list[tuple[str, str]]) -> str:
@@ -134,20 +177,10 @@ def _bad_string(topic: str, pairs: list[tuple[str, str]]) -> str:
     return "a string holds a character MQTT brokers refuse"   # not reached: the joined text had one
 
 
-def _too_long(topic: str, pairs: list[tuple[str, str]]) -> str | None:
-    strings = [("the topic", topic), *((f"the name of user property {k[:40]!r}", k) for k, _ in pairs),
-               *((f"user property {k[:40]!r}", v) for k, v in pairs)]
-    for what, s in strings:
-        size = len(s.encode())
-        if size > _MAX_STRING:
-            return f"{what} is {size} bytes long; an MQTT string holds at most {_MAX_STRING}"
-    return None
-
-
-def publish_packet_bytes(topic: str, properties: Properties, payload_bytes: int) -> int:
+def publish_packet_bytes(topic: str, properties: PublishProperties, payload_bytes: int) -> int:
     """The size of a QoS 1 PUBLISH on the wire, as the broker compares it with its maximum packet
     size: fixed header, topic, packet identifier, properties, payload."""
-    remaining = 2 + len(topic.encode()) + 2 + len(properties.pack()) + payload_bytes  # type: ignore[no-untyped-call]
+    remaining = 2 + len(topic.encode()) + 2 + len(properties.pack()) + payload_bytes
     length_bytes = 1 if remaining < 128 else 2 if remaining < 16384 else 3 if remaining < 2097152 else 4
     return 1 + length_bytes + remaining
 
