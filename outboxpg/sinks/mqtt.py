@@ -63,13 +63,15 @@ their members and keep no order between them.
 Connection. One connection, clean start and no session, with a client id of ``?client_id=``
 (default ``outboxpg-<random>``: each worker needs its own; a second client with the same id
 makes the broker close the first). When it drops, every event waiting for its PUBACK fails (an
-ordinary failure, retried with backoff), the rest of their runs are ``NotSent``, and the next
-batch connects again. A message whose PUBACK was lost may have reached the broker: the retry
-publishes it again, so a consumer can see an event twice, in order (k, k, k+1: never k+1
-before k), each copy with the same ``Outbox-Msg-Id``; it drops the second by that id. A
-consumer with a persistent session can also get a message again after its own reconnect
-(MQTT's DUP redelivery), the same way. A batch waits at most ``publish_timeout`` seconds: an
-event whose PUBACK has not come by then fails with a TimeoutError.
+ordinary failure, retried with backoff), the rest of their runs are ``NotSent``, and the sink
+connects again, in the background (every 0.5 s doubling to 5 s) or for the next batch, whichever
+comes first; meanwhile ``health_problem()`` (the worker's /readyz) says why it is not connected.
+A message whose PUBACK was lost may have reached the broker: the retry publishes it again, so a
+consumer can see an event twice, in order (k, k, k+1: never k+1 before k), each copy with the
+same ``Outbox-Msg-Id``; it drops the second by that id. A consumer with a persistent session can
+also get a message again after its own reconnect (MQTT's DUP redelivery), the same way. A batch
+waits at most ``publish_timeout`` seconds: an event whose PUBACK has not come by then fails with
+a TimeoutError.
 
 Options (the URL's query, or --sink-option): ``qos`` (1, the only one: QoS 0 has no
 acknowledgement, and paho-mqtt ignores the reason code of a QoS 2 PUBREC, so a refused QoS 2
@@ -159,6 +161,8 @@ class MqttSink:
         self._unheard: set[str] = set()
         self._connecting = asyncio.Lock()
         self._closed = False
+        self._reconnecting: asyncio.Task[None] | None = None
+        self._last_failure = ""
 
     def describe(self) -> str:
         return without_credentials(self.url)
@@ -177,11 +181,43 @@ class MqttSink:
         except MqttRefused as exc:
             raise SinkRefused(str(exc)) from None
 
+    def health_problem(self) -> str | None:
+        """Why the sink cannot publish now, or None (the worker's /readyz; read from another thread)."""
+        connection = self.connection
+        if connection is not None and connection.lost is None:
+            return None
+        if self._closed:
+            return "the MQTT sink is closed"
+        why = self._last_failure or (str(connection.lost) if connection is not None else "not connected")
+        return f"no connection to the MQTT broker at {self.host}:{self.port} ({why}); connecting again"
+
     async def close(self) -> None:
         self._closed = True
+        if self._reconnecting is not None:
+            self._reconnecting.cancel()
         connection, self.connection = self.connection, None
         if connection is not None:
             await connection.close()
+
+    def _lost(self, lost: ConnectionLost) -> None:
+        """The connection ended: connect again in the background (a batch may do it first), so that
+        an idle worker is ready again as soon as the broker is."""
+        if self._closed:
+            return
+        log.warning("event=mqtt_connection_lost broker=%s:%d reason=%r", self.host, self.port, str(lost))
+        if self._reconnecting is None or self._reconnecting.done():
+            self._reconnecting = asyncio.get_running_loop().create_task(self._reconnect())
+
+    async def _reconnect(self) -> None:
+        delay = 0.5
+        while not self._closed:
+            await asyncio.sleep(delay)
+            try:
+                await self._connect()
+                return
+            except (MqttUnreachable, MqttRefused, ConnectionLost) as exc:
+                self._last_failure = str(exc)
+                delay = min(delay * 2, 5.0)
 
     async def _connect(self) -> MqttConnection:
         """The connection, opened again if it dropped (one opening at a time)."""
@@ -193,7 +229,13 @@ class MqttSink:
                 raise ConnectionLost("the MQTT sink is closed")
             connection = MqttConnection(self.host, self.port, username=self.username, password=self.password,
                                         tls=self.tls, client_id=self.client_id, keepalive=self.keepalive)
-            await connection.connect(self.timeout)
+            try:
+                await connection.connect(self.timeout)
+            except (MqttUnreachable, MqttRefused) as exc:
+                self._last_failure = str(exc)
+                raise
+            self._last_failure = ""
+            connection.on_lost = self._lost
             self.connection = connection
             self.connections += 1
             log.info("event=mqtt_connected broker=%s client_id=%s receive_maximum=%d maximum_packet_size=%d",

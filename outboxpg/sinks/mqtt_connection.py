@@ -72,6 +72,7 @@ class MqttConnection:
         self.max_packet = MQTT_MAX_PACKET
         self.lost: ConnectionLost | None = None   # set once the connection has ended
         self.peak_in_flight = 0   # the most PUBLISHes awaiting their PUBACK at once
+        self.on_lost: Callable[[ConnectionLost], None] | None = None   # called once, when the connection ends
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self._connack: asyncio.Future[tuple[ReasonCode, Properties | None]] = self._loop.create_future()
@@ -215,6 +216,8 @@ class MqttConnection:
         """The connection is over: fail the CONNACK's wait and every PUBLISH still waiting."""
         if self.lost is None:
             self.lost = lost
+            if self.on_lost is not None:
+                self.on_lost(lost)
         if not self._connack.done():
             self._connack.set_exception(self.lost)
             self._connack.exception()   # retrieved: connect() may have stopped waiting

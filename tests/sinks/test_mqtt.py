@@ -300,6 +300,31 @@ async def test_a_connection_lost_mid_batch_fails_what_waits_and_the_next_batch_r
         assert firsts == sorted(firsts), aggregate
 
 
+async def test_an_idle_sink_connects_again_by_itself_and_says_why_not_meanwhile(broker: Mosquitto) -> None:
+    s = sink(broker.url, timeout=2)
+    await s.start()
+    try:
+        assert s.health_problem() is None
+        await asyncio.to_thread(broker.stop)
+        for _ in range(100):
+            if s.health_problem() is not None:
+                break
+            await asyncio.sleep(0.02)
+        assert f"no connection to the MQTT broker at 127.0.0.1:{broker.port} (" in (s.health_problem() or "")
+        await asyncio.sleep(1.0)   # attempts against the stopped broker
+        assert "Connection refused" in (s.health_problem() or ""), s.health_problem()
+        await asyncio.to_thread(broker.start)
+        for _ in range(400):   # the next attempt within 2 s (0.5 s doubling, at most 5 s)
+            if s.health_problem() is None:
+                break
+            await asyncio.sleep(0.02)
+        assert s.health_problem() is None and s.connections == 2   # no batch asked for it
+        assert await s.publish_batch([ev(1, "a")]) == [None]
+    finally:
+        await s.close()
+    assert s.health_problem() == "the MQTT sink is closed"
+
+
 async def test_a_puback_later_than_the_publish_timeout_is_a_timeout_and_the_rest_not_sent(broker: Mosquitto) -> None:
     proxy = TcpProxy("127.0.0.1", broker.port)
     await proxy.start()
