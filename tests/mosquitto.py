@@ -128,6 +128,7 @@ class Received:
     properties: list[tuple[str, str]]   # the user properties, in order
     content_type: str | None
     dup: bool
+    mid: int = 0
 
     def property(self, name: str) -> str | None:
         return next((v for k, v in self.properties if k == name), None)
@@ -140,6 +141,7 @@ class Subscriber:
         self.port = port
         self.topic = topic
         self.received: list[Received] = []
+        self.disconnects: list[str] = []   # why the connection ended, each time
         self._lock = threading.Lock()
         self._subscribed = threading.Event()
         self.client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=client_id or f"sub-{free_port()}",
@@ -148,6 +150,8 @@ class Subscriber:
         self.client.on_connect = self._on_connect
         self.client.on_subscribe = lambda *a: self._subscribed.set()
         self.client.on_message = self._on_message
+        self.client.on_disconnect = lambda client, userdata, flags, reason, properties: self.disconnects.append(
+            str(reason))
 
     def start(self) -> Subscriber:
         properties = Properties(paho.PacketTypes.CONNECT)
@@ -166,7 +170,7 @@ class Subscriber:
     def _on_message(self, client: paho.Client, userdata: object, msg: paho.MQTTMessage) -> None:
         props = msg.properties
         item = Received(msg.topic, bytes(msg.payload), list(getattr(props, "UserProperty", [])),
-                        getattr(props, "ContentType", None), bool(msg.dup))
+                        getattr(props, "ContentType", None), bool(msg.dup), msg.mid)
         with self._lock:
             self.received.append(item)
 

@@ -55,7 +55,8 @@ Order per aggregate: an aggregate's events are published one after another, each
 broker acknowledged the one before it (at most one unacknowledged message of an aggregate in
 flight); different aggregates go concurrently, up to the broker's Receive Maximum (its CONNACK's;
 mosquitto's default is 20) unacknowledged PUBLISHes on the connection, all the worker's batches
-together. So event k+1 reaches the broker only after the broker took k, whatever happens to the
+together, a free slot going to the run with the most events left (it sets how long its batch
+takes: one round trip per event). So event k+1 reaches the broker only after the broker took k, whatever happens to the
 connection, and a subscriber whose one subscription matches an aggregate's topics (``outbox/#``)
 receives them in order. Shared subscriptions (``$share/...``) spread one topic's messages over
 their members and keep no order between them.
@@ -280,7 +281,9 @@ class MqttSink:
                     outcome = message
                 else:
                     try:
-                        ack = await connection.send(message.topic, event.payload, message.properties)
+                        # The run with the most events left first: it is the batch's critical path.
+                        ack = await connection.send(message.topic, event.payload, message.properties,
+                                                    priority=len(run) - n)
                     except ValueError as exc:   # paho-mqtt refuses what the checks above let through
                         outcome = PermanentError(f"paho-mqtt refused the message: {describe(exc)}")
                     else:

@@ -9,15 +9,19 @@ a new one, with a new paho client (clean start, no session: nothing is re-sent b
 the sink's back; see outboxpg.sinks.mqtt on what a consumer sees).
 
 In flight: at most the broker's Receive Maximum (CONNACK; 65535 when it names none) PUBLISHes
-without their PUBACK, counted by a semaphore whose slot is freed only by the PUBACK or by the
-connection's end, never by a caller that stopped waiting: a broker that sees more closes the
-connection (0x93, receive maximum exceeded).
+without their PUBACK (Slots), a slot freed only by the PUBACK or by the connection's end, never
+by a caller that stopped waiting: a broker that sees more closes the connection (0x93, receive
+maximum exceeded). A free slot goes to the waiting PUBLISH with the highest priority (the sink
+gives the number of events its run still has to send: the longest run is a batch's critical
+path, one round trip per event), first come first served among equals.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
+import itertools
 import logging
 import socket
 import ssl
@@ -58,6 +62,36 @@ class ConnectionLost(ConnectionError):
     """The connection dropped (or was closed) before the PUBACK came."""
 
 
+class Slots:
+    """A counting semaphore whose waiters are served by priority (highest first), then in order."""
+
+    def __init__(self, n: int) -> None:
+        self.free = n
+        self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._order = itertools.count()
+
+    async def acquire(self, priority: int = 0) -> None:
+        if self.free > 0 and not self._waiting:
+            self.free -= 1
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiting, (-priority, next(self._order), future))
+        try:
+            await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                self.release()   # handed a slot, but cancelled before taking it: pass it on
+            raise
+
+    def release(self) -> None:
+        while self._waiting:
+            _, _, future = heapq.heappop(self._waiting)
+            if not future.done():   # a waiter cancelled meanwhile is skipped
+                future.set_result(None)
+                return
+        self.free += 1
+
+
 class MqttConnection:
     """One connection; ``await connect(timeout)``, then ``send`` as often as wanted, ``close()``.
 
@@ -77,7 +111,7 @@ class MqttConnection:
         self._loop_thread = threading.get_ident()
         self._connack: asyncio.Future[tuple[ReasonCode, Properties | None]] = self._loop.create_future()
         self._inflight: dict[int, asyncio.Future[PubAck]] = {}
-        self._slots = asyncio.Semaphore(self.receive_maximum)
+        self._slots = Slots(self.receive_maximum)
         self._sock: Any = None
         self._misc: asyncio.Task[None] | None = None
         client = paho.Client(CallbackAPIVersion.VERSION2, client_id=self.client_id,
@@ -143,13 +177,15 @@ class MqttConnection:
                 await self.close()
                 raise MqttRefused(f"the MQTT broker at {self.target} takes QoS 0 messages only (CONNACK "
                                   "Maximum QoS 0): nothing would say a message was received")
-        self._slots = asyncio.Semaphore(self.receive_maximum)
+        self._slots = Slots(self.receive_maximum)
 
-    async def send(self, topic: str, payload: bytes, properties: Properties) -> asyncio.Future[PubAck]:
-        """Send a QoS 1 PUBLISH once a slot of the broker's Receive Maximum is free; the future
-        of its PUBACK. ConnectionLost when the connection is gone. Cancelling the future stops
-        waiting, nothing more (the slot stays taken until the PUBACK or the connection's end)."""
-        await self._slots.acquire()
+    async def send(self, topic: str, payload: bytes, properties: Properties,
+                   priority: int = 0) -> asyncio.Future[PubAck]:
+        """Send a QoS 1 PUBLISH once a slot of the broker's Receive Maximum is free (``priority``:
+        see Slots); the future of its PUBACK. ConnectionLost when the connection is gone.
+        Cancelling the future stops waiting, nothing more (the slot stays taken until the PUBACK
+        or the connection's end)."""
+        await self._slots.acquire(priority)
         if self.lost is not None:
             self._slots.release()
             raise self.lost

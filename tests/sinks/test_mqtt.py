@@ -21,7 +21,7 @@ from outboxpg.relay.publishers import NotSent, PermanentError
 from outboxpg.sinks import open_sink
 from outboxpg.sinks.base import SinkSettings, SinkUnreachable
 from outboxpg.sinks.mqtt import MqttSink
-from outboxpg.sinks.mqtt_connection import ConnectionLost, MqttConnection
+from outboxpg.sinks.mqtt_connection import ConnectionLost, MqttConnection, Slots
 from outboxpg.sinks.mqtt_messages import MQTT_MAX_PACKET, MSG_ID, message_of, publish_packet_bytes
 
 Outcomes = Sequence[BaseException | None]
@@ -258,6 +258,29 @@ async def test_in_flight_stays_within_the_brokers_receive_maximum(mosquitto_bina
         finally:
             await s.close()
     assert all(o is None for batch in outcomes for o in batch)
+
+
+async def test_a_free_slot_goes_to_the_run_with_most_events_left_then_in_order() -> None:
+    slots = Slots(1)
+    await slots.acquire()
+    order: list[str] = []
+
+    async def want(name: str, priority: int) -> None:
+        await slots.acquire(priority)
+        order.append(name)
+
+    waiters = [asyncio.ensure_future(want(name, p)) for name, p in (("a", 1), ("b", 5), ("c", 5), ("d", 2))]
+    gone = asyncio.ensure_future(want("gone", 9))
+    await asyncio.sleep(0)
+    gone.cancel()             # a waiter that stopped waiting is passed over
+    for _ in range(4):
+        slots.release()
+        await asyncio.sleep(0)
+    await asyncio.gather(*waiters)
+    assert order == ["b", "c", "d", "a"]
+    assert gone.cancelled() and slots.free == 0
+    slots.release()
+    assert slots.free == 1
 
 
 async def test_a_connection_lost_mid_batch_fails_what_waits_and_the_next_batch_reconnects(broker: Mosquitto) -> None:
