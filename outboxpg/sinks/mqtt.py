@@ -16,7 +16,7 @@ Each event is one QoS 1 PUBLISH, not retained:
 
 MQTT 5 only. The broker must speak MQTT 5 (mosquitto 2 does): MQTT 3.1.1 has no user properties
 to carry the msg_id and headers, and no reason code in its PUBACK, so a broker that drops a
-message it refuses (mosquitto does, over its message_size_limit) would still acknowledge it.
+message it refuses would still acknowledge it (mosquitto 2.0 does, over its message_size_limit).
 ``start()`` fails with SinkRefused (exit 5) for a broker that answers the MQTT 5 CONNECT with
 "unsupported protocol version", or that takes no QoS 1 message (CONNACK Maximum QoS 0).
 
