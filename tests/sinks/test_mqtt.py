@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import subprocess
 from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -227,6 +229,28 @@ async def test_start_unreachable_not_mqtt_or_bad_login_is_sink_unreachable(mosqu
         s = sink(f"mqtt://relay:right-secret@127.0.0.1:{b.port}")
         await s.start()
         assert await s.publish_batch([ev(1, "a")]) == [None]
+        await s.close()
+
+
+async def test_mqtts_trusts_the_ca_file_given_and_refuses_an_unknown_certificate(mosquitto_binary: str,
+                                                                                 tmp_path: Path) -> None:
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl is not installed: no certificate for a TLS broker")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run([openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    with Mosquitto(mosquitto_binary, f"certfile {cert}\nkeyfile {key}") as b:
+        s = sink(f"mqtts://127.0.0.1:{b.port}?ca_file={cert}")
+        await s.start()
+        try:
+            assert await s.publish_batch([ev(1, "a")]) == [None]
+        finally:
+            await s.close()
+        s = sink(f"mqtts://127.0.0.1:{b.port}", timeout=3)   # the system's CAs: not this certificate
+        with pytest.raises(SinkUnreachable, match="certificate verify failed"):
+            await s.start()
         await s.close()
 
 
