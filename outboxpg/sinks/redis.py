@@ -234,14 +234,13 @@ class RedisSink:
         self.client = redis.asyncio.from_url(
             self.url, protocol=2, socket_timeout=timeout, socket_connect_timeout=min(timeout, 10.0),
             retry=Retry(NoBackoff(), 1), **self.client_options)
-        target = without_credentials(self.url)
         try:
             async with asyncio.timeout(timeout + 1):
                 await self.client.ping()
         except redis.exceptions.NoPermissionError:
             pass   # reached and logged in; PING itself is not allowed to this login
         except (redis.exceptions.RedisError, OSError, TimeoutError) as exc:
-            raise SinkUnreachable(f"redis sink {target}: {self._unreachable(exc)}") from None
+            raise SinkUnreachable(f"{self._unreachable(exc)}") from None
         if self.max_bulk_len_option is None:
             with contextlib.suppress(redis.exceptions.RedisError):
                 found: dict[Any, Any] = await self.client.config_get("proto-max-bulk-len")
@@ -254,17 +253,17 @@ class RedisSink:
         except redis.exceptions.ResponseError as exc:
             first = str(exc).split(" ", 1)[0].upper()
             if first in _CLUSTER_REPLIES or isinstance(exc, redis.exceptions.ClusterError):
-                raise SinkRefused(f"redis sink {target}: Redis Cluster is not supported (the server "
+                raise SinkRefused(f"Redis Cluster is not supported (the server "
                                   f"answered {self._text(exc)})") from None
             if isinstance(exc, redis.exceptions.NoPermissionError) and "key" in str(exc):
-                raise SinkRefused(f"redis sink {target}: the login may not use the key {stream_key!r} or the keys "
+                raise SinkRefused(f"the login may not use the key {stream_key!r} or the keys "
                                   f"{self.dedupe_prefix}*: {self._text(exc)}") from None
-            raise SinkRefused(f"redis sink {target}: the login may not run the sink's scripts: "
+            raise SinkRefused(f"the login may not run the sink's scripts: "
                               f"{self._text(exc)}") from None
         except (redis.exceptions.RedisError, OSError, TimeoutError) as exc:
-            raise SinkUnreachable(f"redis sink {target}: {self._unreachable(exc)}") from None
+            raise SinkUnreachable(f"{self._unreachable(exc)}") from None
         if isinstance(denied, bytes):
-            raise SinkRefused(f"redis sink {target}: the login may not {denied.decode(errors='replace')} "
+            raise SinkRefused(f"the login may not {denied.decode(errors='replace')} "
                               "(the Redis ACL; the sink needs XADD, GET, SET, EXPIRE, EVALSHA, SCRIPT LOAD)")
 
     def _unreachable(self, exc: BaseException) -> str:
