@@ -30,7 +30,7 @@ WORKER_ARGS: list[str] = []
 
 
 def _client(url: str) -> redis.asyncio.Redis:
-    return redis.asyncio.from_url(url.split("?", 1)[0], protocol=2)
+    return redis.asyncio.from_url(url.split("?", 1)[0], protocol=2, socket_timeout=60)
 
 
 async def _streams(client: redis.asyncio.Redis, prefix: str) -> list[bytes]:
@@ -54,7 +54,7 @@ async def cleanup(url: str, prefix: str, dedupe_prefix: str = DEFAULT_DEDUPE_PRE
     try:
         for key in await _streams(client, prefix):
             last = b"-"
-            while entries := await client.xrange(key, min=last, count=5000):
+            while entries := await client.xrange(key, min=last, count=1000):
                 msg_ids = [fields[b"msg_id"] for _id, fields in entries]
                 await client.delete(*(dedupe_prefix.encode() + m for m in msg_ids))
                 last = b"(" + entries[-1][0]

@@ -229,42 +229,51 @@ class RedisSink:
 
     async def start(self) -> None:
         if self.client is not None:
-            return
+            return   # started already
         timeout = self.publish_timeout
-        self.client = redis.asyncio.from_url(
+        client = redis.asyncio.from_url(
             self.url, protocol=2, socket_timeout=timeout, socket_connect_timeout=min(timeout, 10.0),
             retry=Retry(NoBackoff(), 1), **self.client_options)
         try:
-            async with asyncio.timeout(timeout + 1):
-                await self.client.ping()
+            self.sha = await self._check(client)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await client.aclose()
+            raise
+        self.client = client
+
+    async def _check(self, client: redis.asyncio.Redis) -> str:
+        """Reach the server, read its limit, check what the login may do; the script's SHA1."""
+        try:
+            async with asyncio.timeout(self.publish_timeout + 1):
+                await client.ping()
         except redis.exceptions.NoPermissionError:
             pass   # reached and logged in; PING itself is not allowed to this login
         except (redis.exceptions.RedisError, OSError, TimeoutError) as exc:
-            raise SinkUnreachable(f"{self._unreachable(exc)}") from None
+            raise SinkUnreachable(self._unreachable(exc)) from None
         if self.max_bulk_len_option is None:
             with contextlib.suppress(redis.exceptions.RedisError):
-                found: dict[Any, Any] = await self.client.config_get("proto-max-bulk-len")
+                found: dict[Any, Any] = await client.config_get("proto-max-bulk-len")
                 for value in found.values():
                     self.max_bulk_len = int(value)
         stream_key = self.stream or f"{self.dedupe_prefix}check"
         try:
-            denied = await self.client.eval(_CHECK_SCRIPT, 2, stream_key, f"{self.dedupe_prefix}check")
-            self.sha = str(await self.client.script_load(ADD_SCRIPT))
+            denied = await client.eval(_CHECK_SCRIPT, 2, stream_key, f"{self.dedupe_prefix}check")
+            sha = str(await client.script_load(ADD_SCRIPT))
         except redis.exceptions.ResponseError as exc:
             first = str(exc).split(" ", 1)[0].upper()
             if first in _CLUSTER_REPLIES or isinstance(exc, redis.exceptions.ClusterError):
-                raise SinkRefused(f"Redis Cluster is not supported (the server "
-                                  f"answered {self._text(exc)})") from None
+                raise SinkRefused(f"Redis Cluster is not supported (the server answered {self._text(exc)})") from None
             if isinstance(exc, redis.exceptions.NoPermissionError) and "key" in str(exc):
                 raise SinkRefused(f"the login may not use the key {stream_key!r} or the keys "
                                   f"{self.dedupe_prefix}*: {self._text(exc)}") from None
-            raise SinkRefused(f"the login may not run the sink's scripts: "
-                              f"{self._text(exc)}") from None
+            raise SinkRefused(f"the login may not run the sink's scripts: {self._text(exc)}") from None
         except (redis.exceptions.RedisError, OSError, TimeoutError) as exc:
-            raise SinkUnreachable(f"{self._unreachable(exc)}") from None
+            raise SinkUnreachable(self._unreachable(exc)) from None
         if isinstance(denied, bytes):
             raise SinkRefused(f"the login may not {denied.decode(errors='replace')} "
                               "(the Redis ACL; the sink needs XADD, GET, SET, EXPIRE, EVALSHA, SCRIPT LOAD)")
+        return sha
 
     def _unreachable(self, exc: BaseException) -> str:
         if isinstance(exc, redis.exceptions.AuthenticationError | redis.exceptions.AuthorizationError):
