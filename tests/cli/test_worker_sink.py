@@ -12,6 +12,8 @@ import os
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +67,10 @@ class FileSink:
 
     async def close(self):
         pass
+
+    def health_problem(self):
+        down = self.options.get("down")
+        return "the test sink is down" if down and __import__("os").path.exists(down) else None
 
     def describe(self):
         return f"file sink {without_credentials(self.settings.url)} -> {self.options.get('out')}"
@@ -201,12 +207,23 @@ def test_an_unreachable_sink_exits_3_and_a_refusing_one_5_without_the_secrets(ds
     assert not out.exists()
 
 
+def readyz(port: int) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+    except OSError:
+        return 0, "not listening yet"
+
+
 def test_a_started_sink_delivers_through_the_worker_once_started(dsn: str, conn: psycopg.Connection[Any],
                                                                  tmp_path: Path) -> None:
     """The registry's path end to end: options from the URL and the flags (a flag wins), --ensure-sink
-    and the secret file in SinkSettings, start() called once, the sink's events delivered."""
+    and the secret file in SinkSettings, start() called once, the sink's events delivered; /readyz
+    asks the sink's health_problem()."""
     (tmp_path / "test_file_sink.py").write_text(TEST_SINK)
-    out = tmp_path / "out.txt"
+    out, down, metrics = tmp_path / "out.txt", tmp_path / "down", free_port()
     secret_file = tmp_path / "secret"
     secret_file.write_text(SECRET + "\n")
     port = psycopg.conninfo.conninfo_to_dict(dsn)["port"]
@@ -215,9 +232,10 @@ def test_a_started_sink_delivers_through_the_worker_once_started(dsn: str, conn:
                      "VALUES ('order', 'o1', 'paid', %s)", (f'{{"i": {i}}}',))
     log = tmp_path / "worker.log"
     p = subprocess.Popen([sys.executable, "-c", RUN_WITH_TEST_SINK, "--dsn", dsn, "--sink",
-                          f"amqp://guest:{PASSWORD}@127.0.0.1:{port}/?out={out}&exchange=fromurl",
+                          f"amqp://guest:{PASSWORD}@127.0.0.1:{port}/?out={out}&exchange=fromurl&down={down}",
                           "--sink-option", "exchange=fromflag", "--ensure-sink", "--webhook-secret-file",
-                          str(secret_file), "--poll-interval", "1", "--maintenance-interval", "0"],
+                          str(secret_file), "--poll-interval", "1", "--maintenance-interval", "0",
+                          "--metrics-port", str(metrics)],
                          stdout=subprocess.DEVNULL, stderr=log.open("wb"), env=clean_env(tmp_path))
     try:
         deadline = time.monotonic() + 30
@@ -225,6 +243,9 @@ def test_a_started_sink_delivers_through_the_worker_once_started(dsn: str, conn:
             assert p.poll() is None, log.read_text()
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.05)
+        assert readyz(metrics) == (200, "ok\n")
+        down.touch()
+        assert readyz(metrics)[0] == 503 and "the test sink is down" in readyz(metrics)[1]
     finally:
         p.terminate()
         assert p.wait(20) == 0, log.read_text()
