@@ -35,10 +35,12 @@ script call per run, for up to 64 events or 1 MiB at a time; a run longer than t
 chunks, each sent only once the one before was answered. The script adds the chunk's events in
 order and stops at the first that fails, so Redis can never hold an event without the ones
 before it: a script runs atomically (nothing else runs between its commands), and with AOF its
-writes are replicated and persisted as one MULTI/EXEC. The runs of a batch go in one pipeline
-per round (one round trip for a batch of 500 one-event runs). An answer lost with the connection
-leaves the chunk's first event failed and the rest NotSent; the retry finds the stored ones by
-their msg_id and stores the rest.
+writes are replicated and persisted as one MULTI/EXEC. The script calls of a round (one per run
+still going) are written at once on one pooled connection and their answers read in order: one
+round trip for a batch of 500 one-event runs. Answers lost with the connection: the round is
+sent once more on a new connection (the script finds what the first sending stored); lost again,
+each run's event in flight fails and the rest of its run is NotSent, and the worker's retry finds
+the stored ones by their msg_id and stores the rest.
 
 Outcomes. Stored (or found stored): None. ``WRONGTYPE`` (the stream's key, or a dedupe key,
 holds another type): PermanentError with Redis' reply, dead-lettered at once. An event with a
@@ -46,7 +48,8 @@ value larger than the server's ``proto-max-bulk-len`` (read with CONFIG GET at s
 the login may not; or the ``max_bulk_len`` option): PermanentError naming the sizes, never sent
 (the server would close the connection). Any other error reply (OOM, READONLY on a replica,
 NOPERM, BUSY, LOADING), a connection error or no answer within ``publish_timeout`` (the whole
-batch): an ordinary failure, retried with backoff.
+batch): an ordinary failure, retried with backoff. ``health_problem()`` (the worker's /readyz)
+is the last round's failure to reach Redis, until a round is answered again.
 
 Start. PING (unreachable, refused login, a server that does not speak Redis: SinkUnreachable,
 exit 3); CONFIG GET proto-max-bulk-len (if allowed); a check script: the login may run scripts
@@ -212,6 +215,7 @@ class RedisSink:
         self.sha: str | None = None
         self.duplicates = 0
         self.closed = False
+        self.problem: str | None = None   # the last round's failure to reach Redis, until one is answered
         self._maxlen_arg = b"" if self.maxlen is None else str(self.maxlen).encode()
         self._window_arg = str(self.dedupe_window).encode()
 
@@ -219,6 +223,11 @@ class RedisSink:
         where = f"stream {self.stream!r}" if self.stream else "a stream per subject"
         trim = f" maxlen~{self.maxlen}" if self.maxlen else ""
         return f"{without_credentials(self.url)} ({where}{trim}, dedupe window {self.dedupe_window}s)"
+
+    def health_problem(self) -> str | None:
+        """Why Redis cannot take publishes now, or None (the worker's /readyz): the last round of
+        script calls that could not reach it, until one is answered again."""
+        return self.problem
 
     def _text(self, exc: BaseException) -> str:
         """An exception as one line, never with the URL's password."""
@@ -387,9 +396,11 @@ class RedisSink:
                 replies = await self._exchange(commands)
             except (redis.exceptions.RedisError, OSError) as exc:
                 error = RuntimeError(f"Redis: {self._text(exc)}")
+                self.problem = str(error)
                 for run, _chunk in pending:
                     self._fail(events, run, error, outcomes)
                 return
+            self.problem = None
             reload: list[tuple[_Run, _Chunk]] = []
             for (run, chunk), reply in zip(pending, replies):
                 if isinstance(reply, redis.exceptions.NoScriptError):

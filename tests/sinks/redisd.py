@@ -34,16 +34,26 @@ class RedisServer:
     ("--proto-max-bulk-len", "1mb")). Persistence: an AOF fsynced on every write, so that
     stop() and start() keep what it stored."""
 
-    def __init__(self, directory: Path, args: Sequence[str] = ()) -> None:
+    def __init__(self, directory: Path, args: Sequence[str] = (), *, tls: bool = False) -> None:
+        """``tls``: TLS only, on ``port``, with a certificate for 127.0.0.1 signed by a CA of its
+        own (``ca_file``), made with openssl in ``directory``."""
         self.directory = directory
         self.directory.mkdir(parents=True, exist_ok=True)
         self.args = list(args)
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
+        self.ca_file = directory / "ca.pem"
+        if tls:
+            self.args = ["--port", "0", "--tls-port", str(self.port), "--tls-auth-clients", "no",
+                         *make_certificates(directory), *self.args]
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}"
+
+    @property
+    def tls(self) -> bool:
+        return "--tls-port" in self.args
 
     def client(self, **kw: object) -> redis.asyncio.Redis:
         return redis.asyncio.Redis(host="127.0.0.1", port=self.port, protocol=2, **kw)  # type: ignore[arg-type]
@@ -60,6 +70,13 @@ class RedisServer:
             if self.proc.poll() is not None:
                 log = (self.directory / "redis.log").read_text(errors="replace")[-2000:]
                 raise AssertionError(f"redis-server exited with {self.proc.returncode}: {log}")
+            if self.tls:
+                with contextlib.suppress(OSError):
+                    _, writer = await asyncio.open_connection("127.0.0.1", self.port)
+                    writer.close()
+                    await asyncio.sleep(0.1)
+                    if self.proc.poll() is None:
+                        return
             with contextlib.suppress(OSError):
                 reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
                 writer.write(b"PING\r\n")
@@ -81,6 +98,24 @@ class RedisServer:
         except subprocess.TimeoutExpired:
             proc.kill()
             await asyncio.to_thread(proc.wait, 10)
+
+
+def make_certificates(directory: Path) -> list[str]:
+    """A CA (ca.pem) and a server certificate for IP 127.0.0.1 signed by it; redis-server's flags."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl is not installed on this machine (the TLS test makes its certificates with it)")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    d = str(directory)
+    (directory / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    for cmd in ([openssl, "req", "-x509", *ec, "-keyout", f"{d}/ca.key", "-out", f"{d}/ca.pem", "-days", "2",
+                 "-subj", "/CN=outboxpg test CA"],
+                [openssl, "req", *ec, "-keyout", f"{d}/server.key", "-out", f"{d}/server.csr", "-subj", "/CN=127.0.0.1"],
+                [openssl, "x509", "-req", "-in", f"{d}/server.csr", "-CA", f"{d}/ca.pem", "-CAkey", f"{d}/ca.key",
+                 "-CAcreateserial", "-out", f"{d}/server.pem", "-days", "2", "-extfile", f"{d}/san.ext"]):
+        subprocess.run(cmd, check=True, capture_output=True)
+    return ["--tls-cert-file", f"{d}/server.pem", "--tls-key-file", f"{d}/server.key", "--tls-ca-cert-file",
+            f"{d}/ca.pem"]
 
 
 class ReplyLoser:

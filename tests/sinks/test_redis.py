@@ -154,6 +154,7 @@ async def test_the_same_batch_published_again_stores_nothing_twice(server: Redis
     try:
         batch = run_of("a", 3) + [event(10, "outbox.order.updated", aggregate_id="b")]
         assert list(await sink.publish_batch(batch)) == [None] * 4
+        await db.script_flush()   # as a restart without persistence does: NOSCRIPT, then loaded again
         assert list(await sink.publish_batch(batch[1:])) == [None] * 3
         assert sink.duplicates == 3
     finally:
@@ -187,6 +188,26 @@ async def test_a_publish_retried_after_its_answer_was_lost_stores_nothing_twice(
         await sink.close()
         await proxy.close()
     assert [e["msg_id"].decode() for e in await entries(db, "outbox.order.updated")] == [e.msg_id for e in batch + more]
+
+
+async def test_a_server_down_fails_each_runs_first_event_and_is_the_sinks_health_problem_until_back(
+        server: RedisServer, db: redis.asyncio.Redis) -> None:
+    sink = await opened(server.url)
+    try:
+        assert list(await sink.publish_batch(run_of("a", 2))) == [None, None]
+        assert sink.health_problem() is None
+        await server.stop()
+        batch = run_of("a", 2, 10) + [event(20, "outbox.order.updated", aggregate_id="b")]
+        outcomes = await sink.publish_batch(batch)
+        assert [type(o) for o in outcomes] == [RuntimeError, NotSent, RuntimeError], outcomes
+        assert str(outcomes[0]).startswith("Redis: ConnectionError: Error 111 connecting")
+        assert sink.health_problem() == str(outcomes[0])
+        await server.start()   # the AOF kept the entries; the script cache is empty again
+        assert list(await sink.publish_batch(batch)) == [None] * 3
+        assert sink.health_problem() is None
+    finally:
+        await sink.close()
+    assert [e["Outbox-Id"] for e in await entries(db, "outbox.order.updated")] == [b"1", b"2", b"10", b"11", b"20"]
 
 
 # -- what is permanent ---------------------------------------------------------------------------
@@ -333,3 +354,25 @@ async def test_a_worker_delivers_through_the_sink_once_each_in_order_despite_los
         assert e["subject"] == f"{prefix}.order.updated".encode()
         per.setdefault(e["Outbox-Aggregate-Id"], []).append(int(e["Outbox-Id"]))
     assert len(per) == 8 and all(ids == sorted(ids) for ids in per.values())
+
+
+async def test_rediss_checks_the_servers_certificate(tmp_path: Path) -> None:
+    srv = RedisServer(tmp_path / "tls", tls=True)
+    await srv.start()
+    try:
+        url = f"rediss://127.0.0.1:{srv.port}"
+        sink = await opened(url, ssl_ca_certs=str(srv.ca_file))
+        try:
+            assert list(await sink.publish_batch([event(1, "outbox.order.created")])) == [None]
+        finally:
+            await sink.close()
+        for wrong, says in [(url, "certificate verify failed"), (srv.url, "Connection (reset|closed)")]:   # no CA given; no TLS at all
+            other = open_sink(SinkSettings(url=wrong, publish_timeout=2.0))
+            try:
+                with pytest.raises(SinkUnreachable, match=says) as info:
+                    await other.start()
+                assert "\n" not in str(info.value)
+            finally:
+                await other.close()
+    finally:
+        await srv.stop()
