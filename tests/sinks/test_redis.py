@@ -126,6 +126,20 @@ async def test_one_stream_for_every_subject_keeps_each_aggregates_order_across_c
     assert per[b"long"] == list(range(1, 151)) and per[b"short"] == list(range(1000, 1005))
 
 
+async def test_the_urls_database_number_is_where_the_entries_go(server: RedisServer, db: redis.asyncio.Redis) -> None:
+    for url, options in [(f"{server.url}/3", {}), (server.url, {"db": "5"})]:
+        sink = await opened(url, **options)
+        try:
+            assert list(await sink.publish_batch([event(1, "outbox.order.created")])) == [None]
+        finally:
+            await sink.close()
+    assert await db.exists("outbox.order.created") == 0
+    for n in (3, 5):
+        other = server.client(db=n)
+        assert await other.xlen("outbox.order.created") == 1
+        await other.aclose()
+
+
 async def test_maxlen_trims_each_stream_approximately(tmp_path: Path) -> None:
     srv = RedisServer(tmp_path / "redis", ["--stream-node-max-entries", "10"])
     await srv.start()
