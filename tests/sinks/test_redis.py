@@ -244,6 +244,23 @@ async def test_a_stream_key_of_another_type_dead_letters_that_event_and_the_othe
     assert await db.exists(f"outboxpg:dedupe:{batch[1].msg_id}") == 0
 
 
+async def test_redis_out_of_memory_is_retried_not_dead_lettered(server: RedisServer, db: redis.asyncio.Redis) -> None:
+    sink = await opened(server.url)
+    try:
+        await db.config_set("maxmemory", "1")   # noeviction (the default): every write refused
+        batch = run_of("a", 2) + [event(10, "outbox.order.updated", aggregate_id="b")]
+        outcomes = await sink.publish_batch(batch)
+        assert [type(o) for o in outcomes] == [RuntimeError, NotSent, RuntimeError], outcomes
+        assert "OOM" in str(outcomes[0]) and not isinstance(outcomes[0], PermanentError)
+        assert sink.health_problem() is None   # Redis answered: it is reachable
+        await db.config_set("maxmemory", "0")
+        assert list(await sink.publish_batch(batch)) == [None] * 3
+    finally:
+        await db.config_set("maxmemory", "0")
+        await sink.close()
+    assert [e["Outbox-Id"] for e in await entries(db, "outbox.order.updated")] == [b"1", b"2", b"10"]
+
+
 async def test_an_event_over_proto_max_bulk_len_is_permanent_and_never_sent(tmp_path: Path) -> None:
     srv = RedisServer(tmp_path / "redis", ["--proto-max-bulk-len", "1mb"])
     await srv.start()
