@@ -72,7 +72,7 @@ import asyncio
 import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import redis.asyncio
 import redis.exceptions
@@ -181,7 +181,7 @@ class RedisSink:
         try:
             port = parts.port
         except ValueError:
-            raise ValueError(f"--sink {without_credentials(settings.url)!r}: the port is not a number") from None
+            raise ValueError(f"--sink {parts.scheme}://{parts.hostname}:...: the port is not a number") from None
         if not parts.hostname:
             raise ValueError(f"--sink {parts.scheme}://...: the URL names no host")
         options = url_options(settings.url, settings.options)
@@ -208,7 +208,8 @@ class RedisSink:
             client_options["ssl_check_hostname"] = client_options["ssl_check_hostname"].lower() in ("1", "true", "yes")
         self.client_options = client_options
         self.url = urlunsplit((parts.scheme.lower(), parts.netloc, parts.path, "", ""))   # credentials kept
-        self.password = parts.password
+        password = parts.password or ""
+        self.secrets = sorted({password, unquote(password)} - {""}, key=len, reverse=True)   # never shown
         self.port = port
         self.publish_timeout = settings.publish_timeout
         self.client: redis.asyncio.Redis | None = None
@@ -231,9 +232,11 @@ class RedisSink:
 
     def _text(self, exc: BaseException) -> str:
         """An exception as one line, never with the URL's password."""
-        text = describe(exc)
-        if self.password:
-            text = text.replace(self.password, "***")
+        return self._scrub(describe(exc))
+
+    def _scrub(self, text: str) -> str:
+        for secret in self.secrets:
+            text = text.replace(secret, "***")
         return text
 
     async def start(self) -> None:
@@ -476,10 +479,7 @@ class RedisSink:
         return RuntimeError(text)
 
     def _reply_error(self, exc: BaseException, event: OutboxEvent) -> BaseException:
-        text = str(exc).strip() or type(exc).__name__
-        if self.password:
-            text = text.replace(self.password, "***")
-        return self._event_error(text, event)
+        return self._event_error(self._scrub(str(exc).strip() or type(exc).__name__), event)
 
     def _fail(self, events: Sequence[OutboxEvent], run: _Run, outcome: BaseException,
               outcomes: list[BaseException | None]) -> None:

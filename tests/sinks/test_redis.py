@@ -66,7 +66,7 @@ def test_options_are_checked_when_the_sink_is_opened_and_the_password_never_show
     assert isinstance(flags, RedisSink) and (flags.maxlen, flags.dedupe_window, flags.stream) == (7, 900, None)
     for url, wrong in [("redis://h?maxlen=0", "maxlen='0'"), ("redis://h?maxlen=many", "maxlen='many'"),
                        ("redis://h?dedupe_window=-1", "dedupe_window"), ("redis://h?stream=", "empty stream"),
-                       ("redis://h?streams=x", "unknown option 'streams'"), ("redis://h:port", "port"),
+                       ("redis://h?streams=x", "unknown option 'streams'"), ("redis://u:pw@h:port", "redis://h:...: the port is not a number"),
                        ("redis://:pw@/", "no host"), ("redis://h?db=x", "db='x'")]:
         with pytest.raises(ValueError, match=wrong) as info:
             open_sink(SinkSettings(url=url))
