@@ -50,6 +50,9 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def _parse(kind: type, text: str, where: str, choices: tuple[str, ...] | None) -> Any:
+    if typing.get_origin(kind) is list:   # a list from the environment: comma-separated, as the flag takes it
+        (item,) = typing.get_args(kind)
+        return [_parse(item, part, where, choices) for part in text.split(",")] if text else None
     if kind is bool:
         if text.strip().lower() in _TRUE:
             return True

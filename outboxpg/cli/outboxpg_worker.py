@@ -57,6 +57,15 @@ from outboxpg.cli.errors import (
     CliError,
 )
 from outboxpg.cli.options import OneLineParser, add_options, from_args
+from outboxpg.cli.worker_sink import (
+    check_sink_flags,
+    is_nats,
+    open_configured,
+    sink_secrets,
+    sink_settings,
+    start_sink,
+    webhook_secret,
+)
 from outboxpg.cloudevents import SPEC_VERSION, CloudEvents, check_source, default_source
 from outboxpg.option import option
 from outboxpg.relay.backoff import next_delay
@@ -73,6 +82,8 @@ from outboxpg.relay.nats.streams import (
 )
 from outboxpg.relay.pooler import POOLER_HINT, behind_transaction_pooler
 from outboxpg.relay.worker import Worker, WorkerConfig, application_name
+from outboxpg.sinks import scheme_of
+from outboxpg.sinks.base import without_credentials
 from outboxpg.text import describe, first_line, join_lines, printable
 
 log = logging.getLogger("outboxpg.worker")
@@ -99,6 +110,17 @@ class CommandOptions:
         "unfinished events under outbox_settings.allowed_subject_prefixes that no stream captures (never any "
         "other), with a duplicate window covering lease + backoff cap, and allow_atomic (atomic batch publish) "
         "on nats-server 2.12+", None, metavar="NAME")
+    sink: str | None = option("where to publish, a URL whose scheme picks the sink: nats:// or tls:// (NATS "
+                              "JetStream, as --nats-url), amqp:// amqps:// (RabbitMQ), redis:// rediss:// (Redis "
+                              "Streams), mqtt:// mqtts:// (MQTT), http:// https:// (signed webhooks); its options in "
+                              "the query (docs/reference/sinks.md); default: --nats-url", None, metavar="URL")
+    sink_option: list[str] | None = option("an option of the --sink, over the URL's query: KEY=VALUE (repeat the "
+                                           "flag, or separate with commas)", None, metavar="KEY=VALUE")
+    ensure_sink: bool = option("declare what the --sink publishes into when it is missing (the RabbitMQ exchange, "
+                               "...); NATS: --ensure-stream", False)
+    webhook_secret_file: str | None = option("file holding the secret that signs each webhook request (http:// and "
+                                             "https:// sinks), or the secret itself in $OUTBOXPG_WEBHOOK_SECRET; "
+                                             "never in the URL", None, metavar="PATH")
     publisher: str | None = option("publish with your own callable (fn(event), sync or async) or object with "
                                    "publish_batch(); default: NATS JetStream", None, metavar="MODULE:CALLABLE")
     cloudevents: bool = option("publish in CloudEvents 1.0 binary content mode: ce-specversion, ce-id (msg_id), "
@@ -118,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     """Every option of WorkerConfig and CommandOptions, each also read from OUTBOXPG_<NAME>."""
     p = OneLineParser(
         prog="outboxpg-worker",
-        description="Deliver outbox events to NATS JetStream (or to your own publisher). "
+        description="Deliver outbox events to NATS JetStream, RabbitMQ, Redis Streams, MQTT or signed webhooks "
+                    "(--sink), or to your own publisher. "
                     "Every flag also reads OUTBOXPG_<FLAG> from the environment.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter, epilog=EXIT_CODES)
     add_options(p, WorkerConfig)
@@ -299,6 +322,8 @@ def _check_cloudevents(args: argparse.Namespace) -> None:
     if args.cloudevents and args.publisher:
         raise CliError("--cloudevents applies to the NATS publisher only, not with --publisher: a publisher of your "
                        "own can call outboxpg.cloudevents.CloudEvents(source).headers(event)", EXIT_USAGE)
+    if args.cloudevents and args.sink and not is_nats(args.sink):
+        raise CliError(f"--cloudevents applies to NATS only, not to a {scheme_of(args.sink)}:// --sink", EXIT_USAGE)
     if args.cloudevents_source is not None and not args.cloudevents:
         raise CliError("--cloudevents-source needs --cloudevents", EXIT_USAGE)
     if args.cloudevents_source is not None:
@@ -417,10 +442,19 @@ async def _start(args: argparse.Namespace) -> int:
         raise CliError(f"--metrics-port must be 0 (off) or a port from 1 to 65535, got {args.metrics_port}", EXIT_USAGE)
     if args.metrics_event_types < 0:
         raise CliError(f"--metrics-event-types must be 0 or more, got {args.metrics_event_types}", EXIT_USAGE)
+    check_sink_flags(args)
     _check_cloudevents(args)
+    sink = None
+    if args.sink and is_nats(args.sink):
+        if args.nats_url != DEFAULT_NATS_URL:
+            raise CliError("--sink and --nats-url both name the NATS server: keep one", EXIT_USAGE)
+        args.nats_url = args.sink   # the NATS path, exactly as --nats-url
+    elif args.sink:
+        # Checked (URL, options, client library) before anything else is set up; connected later.
+        sink = open_configured(sink_settings(args, cfg.publish_timeout, args.webhook_secret))
     # Your own publisher first: a misspelt one is reported before anything else is set up.
     custom = _load_publisher(args.publisher, cfg) if args.publisher else None
-    if custom is None:
+    if custom is None and sink is None:
         from outboxpg.relay.nats.connection import parse_servers
 
         servers = parse_servers(args.nats_url)   # ValueError: exit 2 with its one line
@@ -430,11 +464,15 @@ async def _start(args: argparse.Namespace) -> int:
         metrics.health.checked_schema()   # /readyz: the start-up checks above passed
     if custom is not None:
         publisher = custom
+    elif sink is not None:
+        log.info("event=sink_target url=%s sink=%r", without_credentials(args.sink), sink.describe())
+        publisher = await start_sink(sink)
     else:
         from outboxpg.relay.nats.publisher import NatsPublisher
 
         log.info("event=nats_target url=%s%s", ",".join(servers),
-                 " (the default: --nats-url names another)" if args.nats_url == DEFAULT_NATS_URL else "")
+                 " (the default: --sink or --nats-url names another)"
+                 if args.nats_url == DEFAULT_NATS_URL and not args.sink else "")
         if not await _wait_for_nats(servers, stopping):
             return 0
         cloudevents = None
@@ -501,11 +539,18 @@ def main(argv: Sequence[str] | None = None) -> int:
               "(--dsn '' takes libpq's PG* variables)", file=sys.stderr)
         return EXIT_USAGE
     restore_double_dash(args, ("dsn", "nats_url", "ensure_stream", "publisher", "name", "metrics_addr",
-                               "cloudevents_source"))
+                               "cloudevents_source", "sink", "webhook_secret_file"))
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s")
     nats_secrets = _nats_secrets(args.nats_url)
-    secrets = sorted({*secrets_of(args.dsn), *nats_secrets, *map(unquote, nats_secrets)} - {""}, key=len, reverse=True)
+    try:
+        # Read before any line is logged: the secret is redacted from them all.
+        args.webhook_secret = webhook_secret(args)
+    except CliError as exc:
+        print(f"outboxpg-worker: {exc}", file=sys.stderr)
+        return exc.code
+    secrets = sorted({*secrets_of(args.dsn), *nats_secrets, *map(unquote, nats_secrets), *sink_secrets(args)} - {""},
+                     key=len, reverse=True)
     for handler in logging.getLogger().handlers:
         handler.addFilter(_OneLine())
         if secrets:
