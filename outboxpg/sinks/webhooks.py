@@ -35,17 +35,23 @@ A 3xx is not followed (a redirect could send the signed body to another host) an
 as a failure, naming where it points: the URL needs fixing, the events do not.
 
 Retry-After (seconds or an HTTP date, on any status that is retried) is honoured inside the
-batch: every request to that host waits until then, and the refused event is sent again, as
-long as that falls within the publish timeout (the batch's time, which the lease outlasts);
-beyond it, the event fails as any retry does, with the delay in the error, and waits the
-outbox's backoff (outbox_fail has no delay argument). The wait asked is held for at most
-MAX_HOLD seconds, so that a wrong header cannot stop a host's deliveries for long.
+batch: every request to that host waits until then, and the refused event is sent again, when
+the wait is at most the publish timeout (the worker extends the batch's leases meanwhile); a
+longer one fails the event as any retry does, with the delay in the error (``retry_after``),
+and it waits the outbox's backoff, since outbox_fail takes no delay. Requests to that host are
+held back for the delay asked, at most MAX_HOLD seconds (a wrong header cannot stop a host for
+long): one that would wait longer than the publish timeout fails without being sent.
 
 Order. The events of one aggregate are posted one after another, each once the one before has
 its 2xx, and a run stops at its first failure (the rest ``NotSent``); different aggregates are
-posted in parallel, at most ``connections`` at a time per host (one httpx client per host). The
-whole batch is bounded by the publish timeout: a request still unanswered then fails with a
-timeout, the events not started get ``NotSent``.
+posted in parallel, at most ``connections`` at a time per host (one httpx client per host).
+
+Time. Each request has the publish timeout for each of its steps (connect, send, the answer);
+the batch as a whole has no deadline of its own: a batch of many runs queues for the host's
+connections, in this process, and must not fail for that (the worker extends its leases while
+it runs). Once a request to a host of the batch fails without an answer (a timeout, a
+connection refused or cut), the batch's requests to that host not yet sent fail at once, without
+being sent: a host that is down costs a batch one publish timeout, not one per event.
 
 Start. ``start()`` opens the clients and tries a TCP connection to each host; one that cannot be
 reached is logged (``event=webhook_unreachable``), not an exit: a receiver being down, or not
@@ -72,7 +78,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 import httpx
 
 from outboxpg.events import OutboxEvent, runs_of
-from outboxpg.relay.publishers import NotSent, PermanentError, not_sent_after
+from outboxpg.relay.publishers import PermanentError, not_sent_after
 from outboxpg.sinks.base import SinkSettings, without_credentials
 from outboxpg.sinks.webhook_signing import request_headers, signing_key
 from outboxpg.text import printable
@@ -167,7 +173,12 @@ def open_sink(settings: SinkSettings) -> WebhookSink:
     if settings.secret is None or not settings.secret.strip():
         raise ValueError(f"the {endpoint.origin[0]}:// sink signs every request: give the signing secret in "
                          "$OUTBOXPG_WEBHOOK_SECRET or --webhook-secret-file")
-    return WebhookSink(endpoint, routes, signing_key(settings.secret), settings.publish_timeout, limit)
+    hmac_key = signing_key(settings.secret)
+    # httpx logs every request at INFO, its URL with the query (which may hold a token): one line
+    # per event is the worker's summaries' job. Unless logging was set up for httpx on purpose.
+    if logging.getLogger("httpx").level == logging.NOTSET:
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+    return WebhookSink(endpoint, routes, hmac_key, settings.publish_timeout, limit)
 
 
 def _shown(url: str) -> str:
@@ -241,7 +252,7 @@ class WebhookSink:
         self._key = key
         self.timeout = timeout
         self.connections = connections
-        self._clients: dict[tuple[str, str, int], httpx.AsyncClient] = {}
+        self._clients: dict[tuple[str, str, int], tuple[httpx.AsyncClient, asyncio.Semaphore]] = {}
         self._holds: dict[tuple[str, str, int], float] = {}    # origin -> loop time its requests wait for
         self._route_of: dict[str, Endpoint] = {}               # subject -> endpoint, as looked up
 
@@ -273,17 +284,21 @@ class WebhookSink:
 
     async def close(self) -> None:
         clients, self._clients = list(self._clients.values()), {}
-        for client in clients:
+        for client, _ in clients:
             with contextlib.suppress(Exception):
                 await client.aclose()
 
-    def _client(self, endpoint: Endpoint) -> httpx.AsyncClient:
-        client = self._clients.get(endpoint.origin)
-        if client is None:
+    def _client(self, endpoint: Endpoint) -> tuple[httpx.AsyncClient, asyncio.Semaphore]:
+        """The host's client, and its ``connections`` slots: a request takes one before it is
+        sent (the client's pool never makes one wait), so that it can look at the batch's
+        failures once it is its turn."""
+        found = self._clients.get(endpoint.origin)
+        if found is None:
             limits = httpx.Limits(max_connections=self.connections, max_keepalive_connections=self.connections)
+            # Each step of a request (connect, send, each read) within the publish timeout.
             client = httpx.AsyncClient(limits=limits, follow_redirects=False, timeout=self.timeout)
-            self._clients[endpoint.origin] = client
-        return client
+            found = self._clients[endpoint.origin] = (client, asyncio.Semaphore(self.connections))
+        return found
 
     def endpoint_for(self, subject: str) -> Endpoint:
         """The endpoint of the longest routed prefix ``subject`` starts with (whole tokens), else
@@ -301,67 +316,64 @@ class WebhookSink:
 
     async def publish_batch(self, events: Sequence[OutboxEvent]) -> Sequence[BaseException | None]:
         outcomes: list[BaseException | None] = [None] * len(events)
-        deadline = asyncio.get_running_loop().time() + self.timeout
-        await asyncio.gather(*(self._run(events, run, outcomes, deadline) for run in runs_of(events)))
+        down: dict[tuple[str, str, int], str] = {}   # hosts this batch could not reach, and why
+        await asyncio.gather(*(self._run(events, run, outcomes, down) for run in runs_of(events)))
         return outcomes
 
     async def _run(self, events: Sequence[OutboxEvent], run: list[int], outcomes: list[BaseException | None],
-                   deadline: float) -> None:
-        loop = asyncio.get_running_loop()
+                   down: dict[tuple[str, str, int], str]) -> None:
         for n, i in enumerate(run):
-            if loop.time() >= deadline:
-                outcomes[i] = NotSent("not sent: the batch ran out of time first")
-                not_sent_after(events, run[n + 1:], events[i].id, outcomes)
-                return
-            outcome = await self._deliver(events[i], deadline)
+            outcome = await self._deliver(events[i], down)
             if outcome is not None:
                 outcomes[i] = outcome
                 not_sent_after(events, run[n + 1:], events[i].id, outcomes)
                 return
 
-    async def _deliver(self, event: OutboxEvent, deadline: float) -> BaseException | None:
-        """Post one event, sent again after a Retry-After that fits the batch's time."""
+    async def _deliver(self, event: OutboxEvent, down: dict[tuple[str, str, int], str]) -> BaseException | None:
+        """Post one event, sent again after a Retry-After within the publish timeout."""
         loop = asyncio.get_running_loop()
         endpoint = self.endpoint_for(event.subject)
+        origin = endpoint.origin
         resends = 0
         while True:
-            wait = self._holds.get(endpoint.origin, 0.0) - loop.time()
+            wait = self._holds.get(origin, 0.0) - loop.time()
             if wait > 0:
-                if loop.time() + wait >= deadline:
+                if wait > self.timeout:
                     return WebhookFailed(f"POST {endpoint.shown}: not sent, the endpoint asked to wait {wait:.1f}s "
-                                         "more (Retry-After), past this batch's time", retry_after=wait)
+                                         f"more (Retry-After), over the publish timeout of {self.timeout:g}s",
+                                         retry_after=wait)
                 await asyncio.sleep(wait)
-            outcome = await self._post(event, endpoint, deadline)
+            outcome = await self._post(event, endpoint, down)
             if not isinstance(outcome, WebhookFailed) or outcome.retry_after is None:
                 return outcome
             delay = min(outcome.retry_after, MAX_HOLD)
-            until = loop.time() + delay
-            self._holds[endpoint.origin] = max(self._holds.get(endpoint.origin, 0.0), until)
-            if resends >= RESENDS or until >= deadline:
+            self._holds[origin] = max(self._holds.get(origin, 0.0), loop.time() + delay)
+            if resends >= RESENDS or delay > self.timeout:
                 return outcome
             resends += 1
 
-    async def _post(self, event: OutboxEvent, endpoint: Endpoint, deadline: float) -> BaseException | None:
-        headers = request_headers(event, self._key, int(time.time()))
-        if isinstance(headers, PermanentError):
-            return headers
-        remaining = deadline - asyncio.get_running_loop().time()
-        if remaining <= 0:
-            return NotSent("not sent: the batch ran out of time first")
-        client = self._client(endpoint)
-        try:
-            # The whole exchange within the batch's time (httpx's timeout bounds each step).
-            async with asyncio.timeout_at(deadline):
-                async with client.stream("POST", endpoint.url, content=event.payload, headers=headers,
-                                         timeout=remaining) as response:
+    async def _post(self, event: OutboxEvent, endpoint: Endpoint,
+                    down: dict[tuple[str, str, int], str]) -> BaseException | None:
+        client, slots = self._client(endpoint)
+        async with slots:
+            # Looked at again once a connection is free: the request that held it may have failed.
+            if endpoint.origin in down:
+                return WebhookFailed(f"POST {endpoint.shown}: not sent, an earlier request of this batch to this "
+                                     f"host failed: {down[endpoint.origin]}")
+            headers = request_headers(event, self._key, int(time.time()))
+            if isinstance(headers, PermanentError):
+                return headers
+            try:
+                async with client.stream("POST", endpoint.url, content=event.payload, headers=headers) as response:
                     body = await _read_some(response)
-        except (httpx.TimeoutException, TimeoutError) as exc:
-            what = ("no connection" if isinstance(exc, httpx.ConnectTimeout) else
-                    "no free connection" if isinstance(exc, httpx.PoolTimeout) else "no answer")
-            return WebhookFailed(f"POST {endpoint.shown}: {what} within the publish timeout of {self.timeout:g}s")
-        except httpx.HTTPError as exc:
-            return WebhookFailed(f"POST {endpoint.shown}: {type(exc).__name__}: "
-                                 f"{endpoint.redact(printable(str(exc).strip())) or 'failed'}")
+            except httpx.TimeoutException as exc:
+                what = "no connection" if isinstance(exc, httpx.ConnectTimeout) else "no answer"
+                down[endpoint.origin] = f"{what} within {self.timeout:g}s"
+                return WebhookFailed(f"POST {endpoint.shown}: {what} within the publish timeout of {self.timeout:g}s")
+            except httpx.HTTPError as exc:
+                why = f"{type(exc).__name__}: {endpoint.redact(printable(str(exc).strip())) or 'failed'}"
+                down[endpoint.origin] = why
+                return WebhookFailed(f"POST {endpoint.shown}: {why}")
         return _outcome(endpoint, response, body)
 
 

@@ -94,6 +94,10 @@ class HttpReceiver:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            # Each answer in one segment, sent at once: with Nagle's algorithm on and the body
+            # written after the headers, every answer waited for the client's delayed ACK (40 ms).
+            disable_nagle_algorithm = True
+            wbufsize = 65536
 
             def setup(self) -> None:
                 super().setup()
@@ -141,6 +145,7 @@ class HttpReceiver:
         class Server(ThreadingHTTPServer):
             allow_reuse_address = True
             daemon_threads = True
+            request_queue_size = 128   # not 5: the sink opens 16 connections at once
 
         self._stopped.clear()
         self._server = Server(("127.0.0.1", self.port), Handler)

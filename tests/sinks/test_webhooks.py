@@ -7,6 +7,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import os
+import subprocess
+import sys
 import time
 import uuid
 from collections import defaultdict
@@ -232,21 +235,27 @@ async def test_retry_after_within_the_batch_is_waited_for_beyond_it_holds_the_ho
         t1 = time.monotonic()
         (held,) = await sink.publish_batch([event(4, "outbox.a.b")])
         assert time.monotonic() - t1 < 0.5
-        assert isinstance(held, WebhookFailed) and "asked to wait" in str(held)
+        assert isinstance(held, WebhookFailed) and "asked to wait" in str(held) and "over the publish timeout" in str(held)
         assert held.retry_after is not None and MAX_HOLD - 5 < held.retry_after <= MAX_HOLD
         assert len(receiver.requests) == sent                   # held back: not sent
     finally:
         await sink.close()
 
 
-async def test_no_answer_within_the_publish_timeout(receiver: HttpReceiver) -> None:
+async def test_no_answer_within_the_publish_timeout_costs_the_batch_one_timeout(receiver: HttpReceiver) -> None:
     receiver.answer = lambda req: Answer(200, delay=5)
+    events = [event(1, "outbox.a.b", aggregate_id="x"), event(2, "outbox.a.b", aggregate_id="x"),
+              *(event(i, "outbox.a.b", aggregate_id=f"y{i}") for i in range(3, 8))]
     t0 = time.monotonic()
-    outcomes = await publish(sink_for(receiver.url, timeout=0.5),
-                             [event(1, "outbox.a.b", aggregate_id="x"), event(2, "outbox.a.b", aggregate_id="x")])
+    outcomes = await publish(sink_for(receiver.url, timeout=0.5, connections="1"), events)
     assert time.monotonic() - t0 < 2
     assert isinstance(outcomes[0], WebhookFailed) and "no answer within the publish timeout of 0.5s" in str(outcomes[0])
     assert isinstance(outcomes[1], NotSent)
+    # One connection: the other runs waited for it, and were not sent once the host had failed.
+    for outcome in outcomes[2:]:
+        assert isinstance(outcome, WebhookFailed)
+        assert "not sent, an earlier request of this batch to this host failed: no answer within 0.5s" in str(outcome)
+    assert len(receiver.requests) == 1
 
 
 async def test_down_at_start_is_logged_not_fatal_and_delivery_resumes(caplog: pytest.LogCaptureFixture) -> None:
@@ -329,3 +338,46 @@ async def test_a_request_that_is_not_signed_right_is_refused_by_the_receiver(rec
         assert isinstance(ok, dict)
         assert (await client.post(receiver.url, content=b'{"i": 2}', headers=ok)).status_code == 401   # too old
     assert receiver.accepted() == []
+
+
+# -- the example receiver ------------------------------------------------------------------------
+
+RECEIVER = Path(__file__).resolve().parents[2] / "examples" / "webhook_receiver.py"
+
+
+async def test_the_example_receiver_verifies_handles_each_event_once_and_refuses_forgeries() -> None:
+    """examples/webhook_receiver.py, run as its docstring says, with a raw (not whsec_) secret."""
+    raw = b"a raw secret, not whsec_"
+    p = subprocess.Popen([sys.executable, str(RECEIVER), "--port", "0", "--max-body", "1000"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "WEBHOOK_SECRET": raw.decode()})
+    try:
+        assert p.stdout is not None
+        line = (await asyncio.to_thread(p.stdout.readline)).decode()
+        assert line.startswith("listening on http://127.0.0.1:"), line
+        url = line.split()[-1] + "hooks"
+        sink = sink_for(url, secret=raw)
+        first = event(1, "outbox.order.paid", aggregate_id="o 17\n", payload=b'{"amount": 42}')
+        big = event(3, "outbox.order.paid", aggregate_id="o-3", payload=b'{"x": "' + b"x" * 1000 + b'"}')
+        second = event(2, "outbox.order.paid", aggregate_id="o-2")
+        outcomes = await publish(sink, [first, second, big])
+        assert outcomes[:2] == [None, None]
+        assert isinstance(outcomes[2], WebhookRefused) and outcomes[2].status == 413
+        assert await publish(sink_for(url, secret=raw), [first]) == [None]                    # again: a duplicate
+        (forged,) = await publish(sink_for(url, secret=b"another secret"), [first])
+        assert isinstance(forged, WebhookRefused) and forged.status == 401
+        assert "signature not verified: No matching signature found" in str(forged)
+        async with httpx.AsyncClient() as client:
+            headers = request_headers(event(9, "outbox.a.b"), raw, int(time.time()))
+            assert isinstance(headers, dict)
+            tampered = await client.post(url, content=b'{"i": 10}', headers=headers)
+            assert tampered.status_code == 401
+    finally:
+        p.terminate()
+        out, err = await asyncio.to_thread(p.communicate, timeout=10)
+    assert p.returncode == 0, err
+    lines = out.decode().splitlines()
+    handled = f"{first.msg_id} outbox.order.paid order/'o 17\\n' id=1 attempt=0 {{\"amount\": 42}}"
+    assert sorted(lines[:2]) == sorted([f"event {handled}",
+                                         f"event {second.msg_id} outbox.order.paid order/o-2 id=2 attempt=0 {{\"i\": 2}}"])
+    assert lines[2:] == [f"duplicate {handled}"]
+    assert err == b""
