@@ -45,13 +45,14 @@ def scheme_of(url: str) -> str:
 
 def open_sink(settings: SinkSettings) -> Sink:
     """The sink for ``settings.url`` (not started). ValueError for a URL or an option that is not
-    valid; SinkUnavailable when the sink's client library is not installed."""
+    valid; SinkUnavailable when the sink's client library is not installed (an ImportError while
+    its module is imported or while its open_sink runs)."""
     scheme = scheme_of(settings.url)
     module_name, extra = SCHEMES[scheme]
     try:
-        module = importlib.import_module(module_name)
+        # The client library is imported by the module, or by its open_sink (either is fine).
+        sink: Sink = importlib.import_module(module_name).open_sink(settings)
     except ImportError as exc:
         raise SinkUnavailable(f"the {scheme}:// sink needs {exc.name or 'its client library'}: "
                               f"pip install 'outboxpg[{extra}]'") from None
-    sink: Sink = module.open_sink(settings)
     return sink
