@@ -21,6 +21,7 @@ from urllib.parse import unquote
 
 import httpx
 import pytest
+from commands import WORKER
 from http_receiver import Answer, HttpReceiver, Request
 from standardwebhooks import Webhook
 from workers import count_in, equals, event, start, wait_until
@@ -381,3 +382,13 @@ async def test_the_example_receiver_verifies_handles_each_event_once_and_refuses
                                          f"event {second.msg_id} outbox.order.paid order/o-2 id=2 attempt=0 {{\"i\": 2}}"])
     assert lines[2:] == [f"duplicate {handled}"]
     assert err == b""
+
+
+def test_the_worker_without_a_secret_exits_2_in_one_line() -> None:
+    """outboxpg-worker --sink http://... and no secret: open_sink's usage error, before any connection."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PG", "OUTBOXPG_"))}
+    r = subprocess.run([WORKER, "--dsn", "host=127.0.0.1 port=1 dbname=nowhere", "--sink", "http://u:pw@127.0.0.1:1/h"],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert (r.returncode, r.stdout, r.stderr.splitlines()) == (2, "", [
+        "outboxpg-worker: the http:// sink signs every request: give the signing secret in $OUTBOXPG_WEBHOOK_SECRET "
+        "or --webhook-secret-file"]), r.stderr
