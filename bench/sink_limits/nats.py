@@ -1,9 +1,10 @@
 """NATS JetStream (nats://, tls://) for bench/sink_drain.py.
 
 ``run``: the nats-py client alone, no database: ``count`` messages of ``payload`` with the headers
-the worker sends (Nats-Msg-Id and the Outbox-* ids), each awaiting its PubAck (the stream stored
-it: the worker's acknowledgement level), INFLIGHT publishes at once (as many aggregates' runs
-in flight), into a stream of its own (deleted after). ``prepare``/``stored``/``cleanup``: the stream
+the worker sends (Nats-Msg-Id and the Outbox-* ids), each counted once its PubAck came (the
+stream stored it: the worker's acknowledgement level), through the client's own pipelined API
+(``js.publish_async``, up to PENDING unacknowledged at once), into a stream of its own (deleted
+after). ``prepare``/``stored``/``cleanup``: the stream
 the worker publishes into (as ``--ensure-stream`` makes it) and how many messages it holds.
 """
 
@@ -20,7 +21,7 @@ from nats.aio.client import Client
 from outboxpg.relay.nats.connection import supports_atomic_batch
 from outboxpg.relay.nats.streams import ensure_stream
 
-INFLIGHT = 200
+PENDING = 4000   # nats-py's default publish_async_max_pending
 WORKER_ARGS: list[str] = []
 
 _clients: dict[str, Client] = {}
@@ -62,21 +63,17 @@ async def run(url: str, count: int, payload: bytes) -> float:
     prefix = f"lim{uuid.uuid4().hex[:8]}"
     await prepare(url, prefix)
     nc = await _client(url)
-    js = nc.jetstream()
+    js = nc.jetstream(publish_async_max_pending=PENDING)
     subject = f"{prefix}.order.updated"
-    next_id = iter(range(1, count + 1))
-
-    async def lane() -> None:
-        for i in next_id:
-            await js.publish(subject, payload, headers={
-                "Nats-Msg-Id": f"lim-{i}-{uuid.uuid4()}", "Outbox-Id": str(i), "Outbox-Event-Type": "updated",
-                "Outbox-Aggregate-Type": "order", "Outbox-Aggregate-Id": str(i % INFLIGHT), "Outbox-Attempt": "1"})
-
     try:
         t0 = time.monotonic()
-        await asyncio.gather(*(lane() for _ in range(INFLIGHT)))
+        futures = [await js.publish_async(subject, payload, headers={
+            "Nats-Msg-Id": f"lim-{i}-{uuid.uuid4()}", "Outbox-Id": str(i), "Outbox-Event-Type": "updated",
+            "Outbox-Aggregate-Type": "order", "Outbox-Aggregate-Id": str(i % 200), "Outbox-Attempt": "1"})
+            for i in range(1, count + 1)]
+        acks = await asyncio.gather(*futures)
         elapsed = time.monotonic() - t0
-        assert await stored(url, prefix) == count
+        assert len(acks) == count and await stored(url, prefix) == count
     finally:
         await cleanup(url, prefix)
     return count / elapsed

@@ -6,11 +6,12 @@ One table for ``outboxpg`` and ``outboxpg-worker`` (docs/reference/cli.md shows 
   1  the command failed or was refused (a database error, no permission, a "no" at the prompt)
   2  usage: a flag, an argument, an environment variable or a connection string that is not valid,
      or a command that writes without a named database; caught before connecting
-  3  cannot connect: PostgreSQL cannot be reached or refuses the login, or a server is not the
-     kind the flag names (--nats-url pointing at something that is not NATS)
+  3  cannot connect: PostgreSQL cannot be reached or refuses the login, a server is not the
+     kind the flag names (--nats-url pointing at something that is not NATS), or the --sink
+     server cannot be reached or refuses the login
   4  the outbox schema is missing from the database, or older than this version
   5  the broker cannot take the events: JetStream is off, or no stream captures the outbox's
-     subjects (outboxpg-worker only)
+     subjects, or the --sink server refuses them (no exchange, no permission) (outboxpg-worker only)
   130 interrupted (Ctrl-C)
 """
 

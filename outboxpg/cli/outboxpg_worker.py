@@ -7,14 +7,16 @@ CommandOptions below; flags, variables and help are built from those (outboxpg.c
 
 At start it fails fast, with one line on stderr and an exit code of the table in
 outboxpg.cli.errors, on what no retry can fix: 2 a bad flag, a malformed DSN or none given;
-3 PostgreSQL cannot be reached, or --nats-url names a server that is not NATS; 4 the outbox
-schema is missing or too old; 5 JetStream is off, or no stream captures the subject prefix or an
-allowed subject prefix (unless --wait-for-stream); 1 the login may not run the worker's
+3 PostgreSQL cannot be reached, --nats-url names a server that is not NATS, or the --sink server
+cannot be reached or refuses the login; 4 the outbox schema is missing or too old; 5 JetStream is
+off, or no stream captures the subject prefix or an allowed subject prefix (unless
+--wait-for-stream), or the --sink server cannot take the events; 1 the login may not run the worker's
 functions, roles besides the owners' may create objects in the install schema
 (outbox_untrusted_creators()), or another database error at start. What may come right by
 itself is waited for, with a warning per try and a growing pause: an unreachable NATS server at
-start (then nats-py reconnects on its own). No log line shows the DSN's or the NATS URL's
-password.
+start (then nats-py reconnects on its own). No log line shows the DSN's, the NATS URL's or the
+--sink URL's password, nor the webhook secret. --sink URL picks the sink by the URL's scheme:
+nats:// is the NATS path below, every other one a built-in sink (outboxpg.cli.worker_sink).
 """
 
 from __future__ import annotations

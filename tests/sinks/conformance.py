@@ -17,6 +17,15 @@ stored them (duplicates included: they are what some tests look for):
 - ``headers``: every header, property or field the message carries besides the payload, names as
   sent (the tests compare them case-insensitively): the row's headers and the Outbox-* ids;
 - ``payload``: the body as stored (the event's JSON text).
+
+The tests check, besides the row's own headers, ``Outbox-Id``, ``Outbox-Aggregate-Type``,
+``Outbox-Aggregate-Id`` and ``Outbox-Event-Type`` with the event's values. Each test has a fresh
+database of its own (subject_prefix ``outbox`` unless the case's ``prepare`` sets another) and
+starts its own worker(s): ``--lease 2 --publish-timeout 1`` (the slow-server test ``--lease 6
+--publish-timeout 3`` with the proxy's latency at 0.3 s; the cut and restart test at 3 ms),
+backoff 50 ms to 300 ms, 50 attempts. A sink that shares a server between tests (two test
+processes run at once) reads back only what its own test published: a stream, queue or path of
+the case's own per fixture.
 """
 
 from __future__ import annotations
@@ -29,9 +38,10 @@ import signal
 import subprocess
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import psycopg
@@ -57,6 +67,7 @@ class SinkCase(abc.ABC):
     ``name``        the sink's name in test ids ("nats", "rabbitmq", ...)
     ``url``         what the worker gets as --sink: through the case's proxy, credentials and all
     ``worker_args`` more flags for the worker (e.g. ("--ensure-sink",), ("--sink-option", "k=v"))
+    ``worker_env``  more environment variables for the worker (e.g. {"OUTBOXPG_WEBHOOK_SECRET": ...})
     ``too_large``   a JSON payload (bytes, valid JSON: it goes into the jsonb payload column) the
                     server refuses, so the event is dead-lettered at its first attempt; None when
                     the server takes any size, with the reason in ``too_large_why``
@@ -66,6 +77,9 @@ class SinkCase(abc.ABC):
                     then not even a cut or a restart may leave a duplicate behind
     ``settle``      seconds to wait after the worker reported everything before read_back (a server
                     whose stored messages become readable a little later)
+    ``slow_latency`` how late the slow-server test makes every answer: enough that a batch of 10 runs
+                    of 8 takes past a third of the 6 s lease (0.3 s for a sink with a round trip
+                    per event; a sink that stores a whole run in one round trip sets about 2.5)
     ``proxy``       the TcpProxy (tests/sinks/proxy.py) the worker reaches the server through; the
                     tests set its ``latency`` (a slow server) and the default cut() cuts it
     """
@@ -73,11 +87,13 @@ class SinkCase(abc.ABC):
     name: str = ""
     url: str = ""
     worker_args: Sequence[str] = ()
+    worker_env: Mapping[str, str] = MappingProxyType({})
     too_large: bytes | None = None
     too_large_why: str = ""
     refused_reason: str = ""
     dedups: bool = False
     settle: float = 0.0
+    slow_latency: float = 0.3
     proxy: TcpProxy
 
     @abc.abstractmethod
@@ -212,7 +228,7 @@ class SinkWorker:
             [WORKER, "--dsn", self.dsn, "--sink", self.case.url, *self.case.worker_args, "--name", self.name,
              "--lease", f"{self.lease:g}", "--publish-timeout", f"{self.publish_timeout:g}", "--poll-interval", "1",
              "--summary-interval", "3600", "--maintenance-interval", "0", "--xmin-check-interval", "0", *self.extra],
-            stdout=subprocess.DEVNULL, stderr=self.log.open("ab"), env={**clean, **self.env})
+            stdout=subprocess.DEVNULL, stderr=self.log.open("ab"), env={**clean, **self.case.worker_env, **self.env})
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")

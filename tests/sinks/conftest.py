@@ -1,6 +1,8 @@
 """Every sink's case, for the conformance tests: each module tests/sinks/cases/<name>.py defines a
 fixture ``<name>_case`` (see conformance.py); ``sink_case`` is each of them in turn, the tests'
-ids naming the sink (test_...[nats])."""
+ids naming the sink (test_...[nats]). The other fixtures a case module names ``<name>_...`` (a
+server for the whole session, say) are registered here too, for the case and for the sink's own
+tests in this folder."""
 
 from __future__ import annotations
 
@@ -19,7 +21,9 @@ for _name in CASE_NAMES:
     _module = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(_module)
     assert hasattr(_module, f"{_name}_case"), f"tests/sinks/cases/{_name}.py defines no fixture {_name}_case"
-    globals()[f"{_name}_case"] = getattr(_module, f"{_name}_case")
+    for _attr in dir(_module):
+        if _attr.startswith(f"{_name}_"):
+            globals()[_attr] = getattr(_module, _attr)
 
 
 @pytest.fixture(params=CASE_NAMES)

@@ -186,16 +186,16 @@ async def test_a_server_down_longer_than_a_lease_kills_nothing_early_and_loses_n
 
 async def test_a_slow_server_has_the_leases_extended_and_nothing_published_twice(
         sink_case: SinkCase, conn: Conn, dsn: str, tmp_path: Path) -> None:
-    """Every answer of the server 0.3 s late; runs of 8: a batch takes about 2.4 s, past a third
-    of the 6 s lease, when the worker extends its leases; a second worker is there to take
-    back any lease that ran out."""
+    """Every answer of the server the case's ``slow_latency`` late (0.3 s; runs of 8 sent one event
+    at a time: a batch takes about 2.4 s), past a third of the 6 s lease, when the worker extends
+    its leases; a second worker is there to take back any lease that ran out."""
     prepared(sink_case, conn)
     workers = [SinkWorker(sink_case, dsn, tmp_path / f"{name}.log", name=name, lease=6.0, publish_timeout=3.0,
                           extra=("--log-level", "DEBUG")) for name in ("w1", "w2")]
     try:
         for w in workers:
             await until(lambda w=w: "event=start " in w.text(), 30, "the worker started", w)
-        sink_case.proxy.latency = 0.3
+        sink_case.proxy.latency = sink_case.slow_latency
         lengths = {f"s{i}": 8 for i in range(10)}
         insert_events(conn, interleaved(lengths))
         total = sum(lengths.values())

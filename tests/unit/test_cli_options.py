@@ -13,6 +13,7 @@ from outboxpg.cli.common import number_type, redact, restore_double_dash, secret
 from outboxpg.cli.errors import EXIT_USAGE, CliError
 from outboxpg.cli.options import OneLineParser, add_options, env_name, flag_name, from_args
 from outboxpg.cli.outboxpg_worker import _nats_secrets
+from outboxpg.cli.worker_sink import sink_secrets
 from outboxpg.option import option
 from outboxpg.relay.worker import WorkerConfig
 
@@ -110,3 +111,29 @@ def test_every_form_of_a_password_is_a_secret(monkeypatch: pytest.MonkeyPatch) -
     assert secrets_of("host=db") == ["envpw"]
     assert redact("connect as app:p@ss failed (p%40ss)", uri) == "connect as app:*** failed (***)"
     assert _nats_secrets("nats://relay:pw@a:4222, nats://tok3n@b:4222,nats://c:4222") == ["pw", "tok3n"]
+
+
+@dataclass
+class ListOptions:
+    sink_option: list[str] | None = option("KEY=VALUE, repeatable", None)
+    ids: list[int] | None = option("ids", None)
+
+
+def test_a_list_from_the_environment_is_split_on_commas_as_the_flag_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OUTBOXPG_SINK_OPTION", "exchange=orders,qos=1")
+    monkeypatch.setenv("OUTBOXPG_IDS", "5,7")
+    parser = OneLineParser(prog="tool")
+    add_options(parser, ListOptions)
+    assert from_args(ListOptions, parser.parse_args([])) == ListOptions(["exchange=orders", "qos=1"], [5, 7])
+    monkeypatch.setenv("OUTBOXPG_IDS", "5,x")
+    with pytest.raises(CliError, match="OUTBOXPG_IDS: not a whole number: 'x'"):
+        add_options(OneLineParser(prog="tool"), ListOptions)
+
+
+def test_the_sink_url_and_the_webhook_secret_are_secrets() -> None:
+    args = argparse.Namespace(sink="amqp://relay:p%40ss@rabbit:5672/", webhook_secret=b"whsec-1")
+    assert sorted(sink_secrets(args)) == ["p%40ss", "p@ss", "whsec-1"]
+    token = argparse.Namespace(sink="nats://s3cr3t-token@127.0.0.1:4222", webhook_secret=None)
+    assert sink_secrets(token) == ["s3cr3t-token"]
+    user_only = argparse.Namespace(sink="amqp://guest@rabbit/", webhook_secret=None)
+    assert sink_secrets(user_only) == []   # a user name is not a secret (a NATS token is)
