@@ -59,7 +59,8 @@ yet deployed, when the worker starts is ordinary, and the outbox is made for exa
 events wait in the table, in order, and are retried with backoff until it answers. A worker
 that exited instead would only restart in a loop under its supervisor. So ``start()`` raises
 nothing for an unreachable host (exit 3 is never given), and a bad URL or routes file is a
-ValueError at open_sink (exit 2).
+ValueError at open_sink (exit 2). ``--ensure-sink`` has nothing to declare here and changes
+nothing.
 """
 
 from __future__ import annotations
@@ -392,7 +393,7 @@ def _outcome(endpoint: Endpoint, response: httpx.Response, body: bytes) -> BaseE
     if 200 <= status < 300:
         return None
     said = f"HTTP {status}{' ' + response.reason_phrase if response.reason_phrase else ''} from {endpoint.shown}"
-    shown = _body_shown(body)
+    shown = endpoint.redact(_body_shown(body))   # a receiver may echo the request's URL
     if 300 <= status < 400:
         location = response.headers.get("location", "")
         # Where it points, as a log line names a URL: no credentials, no query.
