@@ -53,8 +53,11 @@ it runs). Once a request to a host of the batch fails without an answer (a timeo
 connection refused or cut), the batch's requests to that host not yet sent fail at once, without
 being sent: a host that is down costs a batch one publish timeout, not one per event.
 
-Start. ``start()`` opens the clients and tries a TCP connection to each host; one that cannot be
-reached is logged (``event=webhook_unreachable``), not an exit: a receiver being down, or not
+HTTPS is verified against certifi's CAs unless ``$SSL_CERT_FILE`` / ``$SSL_CERT_DIR`` name
+others; ``$HTTPS_PROXY`` and the like are followed (httpx's ``trust_env``).
+
+Start. ``start()`` opens the clients and tries a TCP connection to each host (not behind a
+proxy); one that cannot be reached is logged (``event=webhook_unreachable``), not an exit: a receiver being down, or not
 yet deployed, when the worker starts is ordinary, and the outbox is made for exactly that: the
 events wait in the table, in order, and are retried with backoff until it answers. A worker
 that exited instead would only restart in a loop under its supervisor. So ``start()`` raises
@@ -71,6 +74,7 @@ import email.utils
 import logging
 import math
 import time
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -267,6 +271,8 @@ class WebhookSink:
     async def start(self) -> None:
         for endpoint in self.endpoints():
             self._client(endpoint)
+        if urllib.request.getproxies():
+            return   # requests go through a proxy ($HTTPS_PROXY, ...): a direct connection proves nothing
         origins = {e.origin: e for e in self.endpoints()}
         await asyncio.gather(*(self._probe(e) for e in origins.values()))
 
