@@ -102,6 +102,10 @@ class Server(ThreadingHTTPServer):
     # socketserver's default of 5, the connections over it wait for a SYN retransmission (1 s).
     request_queue_size = 128
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if not isinstance(sys.exc_info()[1], ConnectionError):   # a client gone before its answer: no news
+            super().handle_error(request, client_address)
+
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
