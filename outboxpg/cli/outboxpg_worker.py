@@ -468,7 +468,10 @@ async def _start(args: argparse.Namespace) -> int:
         publisher = custom
     elif sink is not None:
         log.info("event=sink_target url=%s sink=%r", without_credentials(args.sink), sink.describe())
-        publisher = await start_sink(sink)
+        started = await start_sink(sink, stopping)
+        if started is None:
+            return 0   # stopped while starting
+        publisher = started
     else:
         from outboxpg.relay.nats.publisher import NatsPublisher
 

@@ -13,6 +13,8 @@ one line: 2 usage (a URL, an option, a missing client library), 3 the server can
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,8 @@ __all__ = ["NATS_SCHEMES", "SECRET_VARIABLE", "StartedSink", "check_sink_flags",
 NATS_SCHEMES = ("nats", "tls", "ws", "wss")
 # The webhook signing secret, when not in --webhook-secret-file.
 SECRET_VARIABLE = "OUTBOXPG_WEBHOOK_SECRET"
+# How long a sink's start() (connecting, its checks) may take before the worker gives up (exit 3).
+START_TIMEOUT = 30.0
 
 
 def is_nats(url: str) -> bool:
@@ -147,12 +151,24 @@ def open_configured(settings: SinkSettings) -> Sink:
         raise CliError(first_line(exc), EXIT_USAGE) from None
 
 
-async def start_sink(sink: Sink) -> StartedSink:
-    """``sink.start()``: 3 when the server cannot be reached, 5 when it cannot take the events;
-    closed again on failure."""
+async def start_sink(sink: Sink, stopping: asyncio.Event, timeout: float = START_TIMEOUT) -> StartedSink | None:
+    """``sink.start()``: 3 when the server cannot be reached (or start() has not returned within
+    ``timeout`` seconds), 5 when it cannot take the events; closed again on failure. None:
+    stopped (SIGTERM) meanwhile."""
     target = sink.describe()
+    starting = asyncio.ensure_future(sink.start())
+    stop = asyncio.ensure_future(stopping.wait())
     try:
-        await sink.start()
+        done, _ = await asyncio.wait({starting, stop}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if starting not in done:
+            starting.cancel()
+            with contextlib.suppress(BaseException):
+                await starting
+            await _close_quietly(sink)
+            if stop in done:
+                return None
+            raise CliError(f"--sink {target}: no answer within {timeout:g}s", EXIT_CONNECT)
+        starting.result()
     except SinkUnreachable as exc:
         await _close_quietly(sink)
         raise CliError(f"--sink {target}: {first_line(exc)}", EXIT_CONNECT) from None
@@ -162,9 +178,13 @@ async def start_sink(sink: Sink) -> StartedSink:
     except ValueError as exc:
         await _close_quietly(sink)
         raise CliError(f"--sink {target}: {first_line(exc)}", EXIT_USAGE) from None
+    except CliError:
+        raise
     except BaseException:
         await _close_quietly(sink)
         raise
+    finally:
+        stop.cancel()
     return StartedSink(sink)
 
 

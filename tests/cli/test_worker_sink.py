@@ -55,6 +55,8 @@ class FileSink:
         except OSError as exc:
             raise SinkUnreachable(f"cannot connect to {self.settings.url} (refused) "
                                   f"with secret {(self.settings.secret or b'').decode()}") from None
+        if self.options.get("hang"):
+            await asyncio.Event().wait()
         if self.options.get("refuse"):
             raise SinkRefused(f"no exchange {self.options.get('exchange', 'outbox')!r}: declare it or pass --ensure-sink")
 
@@ -266,3 +268,27 @@ def test_an_unreachable_server_of_a_built_in_sink_exits_3(dsn: str, scheme: str,
     user = "guest" if scheme == "amqp" else ""
     r, = workers_at_once(("--dsn", dsn, "--sink", f"{scheme}://{user}:{PASSWORD}@127.0.0.1:{free_port()}/"))
     one_line(r, EXIT_CONNECT)
+
+
+def test_sigterm_while_a_sink_starts_stops_the_worker_with_0(dsn: str, tmp_path: Path) -> None:
+    """A sink whose start() does not return (a server that accepts and never answers) does not
+    keep the worker from stopping."""
+    (tmp_path / "test_file_sink.py").write_text(TEST_SINK)
+    port = psycopg.conninfo.conninfo_to_dict(dsn)["port"]
+    log = tmp_path / "worker.log"
+    p = subprocess.Popen([sys.executable, "-c", RUN_WITH_TEST_SINK, "--dsn", dsn, "--sink",
+                          f"amqp://127.0.0.1:{port}/?out={tmp_path / 'out'}&hang=1"],
+                         stdout=subprocess.DEVNULL, stderr=log.open("wb"), env=clean_env(tmp_path))
+    try:
+        deadline = time.monotonic() + 30
+        while "event=sink_target" not in log.read_text():
+            assert p.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        time.sleep(0.3)
+        p.terminate()
+        assert p.wait(10) == 0, log.read_text()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert "Traceback" not in log.read_text()
