@@ -26,7 +26,7 @@ class WorkerConfig:
     claim_bytes: int | None = option("bytes of events (payload and headers) per claim at most, one event at least: "
                                      "what a batch holds in memory; default: outbox_settings.max_claim_bytes (64 MiB)",
                                      None, metavar="N")
-    concurrency: int = option("batches in flight at once", 4)
+    concurrency: int = option("batches in flight at once (per database)", 4)
     lease: float = option("seconds a claimed batch is leased; at least twice --publish-timeout", 30.0)
     poll_interval: float = option("fallback poll when no notification comes, seconds", 30.0)
     poll_only: bool = option("no LISTEN and no session locks: poll every --poll-interval (for PgBouncer in "
