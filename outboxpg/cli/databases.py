@@ -67,9 +67,9 @@ class DatabaseOptions:
     dsn_file: str | None = option("serve the databases of this file too: one connection string per line, '#' "
                                   "comments, 'name=LABEL ' before one to label it; re-read on SIGHUP "
                                   "(docs/how-to/many-databases.md)", None, metavar="PATH")
-    max_in_flight: int | None = option("batches being published at once across all databases, handed to the "
-                                       "databases waiting for one in turn (fairness over the shared publisher); "
-                                       "default: twice --concurrency", None, metavar="N")
+    max_in_flight: int | None = option("events being published at once across all databases, handed to the "
+                                       "databases waiting in turn (fairness over the shared publisher); default: "
+                                       "2 x --concurrency x --batch-size", None, metavar="N")
 
 
 @dataclass(frozen=True)

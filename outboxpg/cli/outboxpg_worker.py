@@ -341,7 +341,7 @@ async def _serve(args: argparse.Namespace, cfg: WorkerConfig, publisher: Any, ta
     from outboxpg.relay.fleet import Fleet
 
     many = several(args, targets)
-    fleet = Fleet(publisher, args.max_in_flight or 2 * cfg.concurrency, label_logs=many)
+    fleet = Fleet(publisher, args.max_in_flight or 2 * cfg.concurrency * cfg.batch_size, label_logs=many)
     await fleet.open()
     stream_problems = None
     if not args.publisher:

@@ -2,7 +2,7 @@
 connection, wakeup lock, claims, maintenance), all publishing through one publisher, with the
 batches in flight across them bounded and handed out in turn (FairSlots).
 
-    fleet = Fleet(publisher, max_in_flight=8)
+    fleet = Fleet(publisher, max_in_flight=4000)   # events being published at once, in all
     await fleet.open()                       # starts the publisher
     fleet.start("shop@db:5432", WorkerConfig(dsn="host=db dbname=shop"))
     fleet.start("billing@db:5432", WorkerConfig(dsn="host=db dbname=billing"))

@@ -82,7 +82,7 @@ SAY_SLOW_STOP_AFTER = 10.0
 
 
 class Worker:
-    """``slots``: batches being published at once across the databases of one process
+    """``slots``: the events being published at once across the databases of one process
     (outboxpg.relay.fleet), handed out in turn. ``owns_publisher``: run() starts and
     closes the publisher; False where several workers share it (the fleet does that)."""
 
@@ -330,18 +330,18 @@ class Worker:
 
     async def _publish(self, events: Sequence[OutboxEvent]) -> Sequence[BaseException | None]:
         """The publisher's outcomes for ``events``; with ``slots``, in this database's turn for
-        one of the process's publishing slots, held while publishing only: a database whose
-        claims or reports hang (down, locked) holds none of them."""
+        its share of the process's events in flight, held while publishing only: a database
+        whose claims or reports hang (down, locked) holds none of it."""
         outcomes: Sequence[BaseException | None]
         if self.slots is None:
             outcomes = await self.publisher.publish_batch(events)
             return outcomes
-        await self.slots.acquire(self)
+        units = await self.slots.acquire(self, len(events))
         try:
             outcomes = await self.publisher.publish_batch(events)
             return outcomes
         finally:
-            self.slots.release()
+            self.slots.release(units)
 
     async def _until_publisher_ready(self) -> bool:
         """Wait until the publisher is ready again (True) or stop() (False)."""
