@@ -12,48 +12,19 @@ NatsPublisher on a real nats-server, each database a real PostgreSQL database of
 from __future__ import annotations
 
 import asyncio
-import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import psycopg
 import pytest
 from jetstream import StreamHandle, make_stream
 from psycopg import sql
-from pytest_postgresql.executors import NoopExecutor
-from pytest_postgresql.janitor import DatabaseJanitor
 from workers import count_in, equals, wait_until
 
 from outboxpg.embedded import EmbeddedNats
 from outboxpg.relay.fleet import Fleet
 from outboxpg.relay.nats.publisher import NatsPublisher
 from outboxpg.relay.worker import WorkerConfig
-
-
-@pytest.fixture
-def databases(outbox_template: NoopExecutor) -> Iterator[Callable[[int], list[str]]]:
-    """make(n): n more migrated databases (clones of the suite's template), dropped afterwards."""
-    janitors: list[DatabaseJanitor] = []
-    pg = outbox_template
-
-    def make(n: int) -> list[str]:
-        dsns = []
-        for _ in range(n):
-            name = f"outboxpg_fleet_{uuid.uuid4().hex[:10]}"
-            janitor = DatabaseJanitor(user=pg.user, host=pg.host, port=pg.port, password=pg.password, dbname=name,
-                                      template_dbname=pg.template_dbname)
-            janitor.init()
-            janitors.append(janitor)
-            dsns.append(f"host={pg.host} port={pg.port} user={pg.user} dbname={name}"
-                        + (f" password={pg.password}" if pg.password else ""))
-        return dsns
-
-    yield make
-    for janitor in janitors:
-        with psycopg.connect(host=janitor.host, port=janitor.port, user=janitor.user, password=janitor.password,
-                             dbname="postgres", autocommit=True) as c:
-            c.execute(sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS true").format(sql.Identifier(janitor.dbname)))
-        janitor.drop()
 
 
 @pytest.fixture
@@ -84,9 +55,9 @@ async def stored(stream: StreamHandle) -> int:
     return int((await stream.js.stream_info(stream.name)).state.messages)
 
 
-async def test_a_locked_database_holds_back_only_itself(databases: Callable[[int], list[str]],
+async def test_a_locked_database_holds_back_only_itself(more_databases: Callable[[int], list[str]],
                                                         stream: StreamHandle, nats_server: EmbeddedNats) -> None:
-    locked, *others = databases(3)
+    locked, *others = more_databases(3)
     for n, dsn in enumerate([locked, *others]):
         prepare(dsn, stream.prefix, 0, f"d{n}")
     fleet = Fleet(NatsPublisher(nats_server.url, ack_timeout=2.0), max_in_flight=2)
@@ -119,8 +90,8 @@ async def test_a_locked_database_holds_back_only_itself(databases: Callable[[int
 
 
 async def test_a_database_refusing_connections_holds_back_only_itself(
-        databases: Callable[[int], list[str]], stream: StreamHandle, nats_server: EmbeddedNats) -> None:
-    down, up = databases(2)
+        more_databases: Callable[[int], list[str]], stream: StreamHandle, nats_server: EmbeddedNats) -> None:
+    down, up = more_databases(2)
     prepare(down, stream.prefix, 0, "down")
     prepare(up, stream.prefix, 0, "up")
     fleet = Fleet(NatsPublisher(nats_server.url, ack_timeout=2.0), max_in_flight=2)
@@ -151,9 +122,9 @@ async def test_a_database_refusing_connections_holds_back_only_itself(
         await fleet.close()
 
 
-async def test_a_removed_database_stops_and_the_others_run_on(databases: Callable[[int], list[str]],
+async def test_a_removed_database_stops_and_the_others_run_on(more_databases: Callable[[int], list[str]],
                                                               stream: StreamHandle, nats_server: EmbeddedNats) -> None:
-    first, second = databases(2)
+    first, second = more_databases(2)
     prepare(first, stream.prefix, 30, "first")
     prepare(second, stream.prefix, 30, "second")
     fleet = Fleet(NatsPublisher(nats_server.url, ack_timeout=2.0), max_in_flight=4)
