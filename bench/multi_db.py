@@ -190,7 +190,7 @@ class Bench:
 
     @staticmethod
     def delivered(port: int) -> dict[str, float]:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as r:
             text = r.read().decode()
         out: dict[str, float] = {}
         for label, value in DELIVERED.findall(text):
@@ -228,7 +228,7 @@ class Bench:
                         break
                     if time.monotonic() - t0 > 600:
                         raise RuntimeError(f"drain of {total} over {n} databases not done in 600 s: {done}")
-                    time.sleep(0.1)
+                    time.sleep(0.25)
                 wall = time.monotonic() - t0
                 cpu = (ticks(proc.pid) - cpu0) / HZ
                 rss = rss_mb(proc.pid)
