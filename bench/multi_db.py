@@ -403,6 +403,7 @@ def main() -> None:
     counts = [int(c) for c in args.counts.split(",")]
     phases = args.only or ["drain", "latency", "starvation"]
     b = Bench(args)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # stopped: still drop what it made (finally)
     print(f"bench/multi_db.py at {code_version()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
           f"{os.cpu_count()} CPUs, load {load()}", flush=True)
     b.start()
