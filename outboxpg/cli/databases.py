@@ -59,11 +59,9 @@ CHECKS_AT_ONCE = 8
 
 @dataclass
 class DatabaseOptions:
-    """outboxpg-worker's options that name its databases, and the limit shared by them."""
+    """outboxpg-worker's options for serving several databases (beside --dsn repeated, which is
+    WorkerConfig.dsn's flag), and the limit shared by them."""
 
-    dsn: list[str] | None = option("PostgreSQL connection string or URI; repeat it to serve several databases "
-                                   "from one process; empty: libpq's PG* variables (OUTBOXPG_DSN holds one)",
-                                   None, repeat=True, metavar="DSN")
     dsn_file: str | None = option("serve the databases of this file too: one connection string per line, '#' "
                                   "comments, 'name=LABEL ' before one to label it; re-read on SIGHUP "
                                   "(docs/how-to/many-databases.md)", None, metavar="PATH")
@@ -132,7 +130,9 @@ def _unique(targets: Sequence[Target]) -> list[Target]:
 def targets_from(args: Any) -> list[Target]:
     """The databases named by --dsn (each) and --dsn-file, parsed and labelled: any problem is
     a CliError, exit 2, before anything connects."""
-    targets = [Target(label_of(dsn), dsn, "--dsn") for dsn in args.dsn or ()]
+    # "--dsn=--" is taken as the string "--" (argparse makes it an empty list: restore_double_dash).
+    dsns = ["--" if dsn == [] else dsn for dsn in args.dsn or ()]
+    targets = [Target(label_of(dsn), dsn, "--dsn") for dsn in dsns]
     if args.dsn_file is not None:
         targets += read_dsn_file(args.dsn_file)
     if not targets:
@@ -141,10 +141,10 @@ def targets_from(args: Any) -> list[Target]:
     return _unique(targets)
 
 
-def several(args: Any, targets: Sequence[Target]) -> bool:
+def several(args: Any) -> bool:
     """Whether the process serves a set of databases (labelled in logs and metrics, checked one
-    by one): more than one, or a file of them (which a reload may grow)."""
-    return len(targets) > 1 or args.dsn_file is not None
+    by one): --dsn more than once, or a file of them (which a reload may grow)."""
+    return len(args.dsn or ()) > 1 or args.dsn_file is not None
 
 
 Settings = Any   # what outboxpg_worker._check_database returns for the stream checks
@@ -167,12 +167,14 @@ async def _check(check: Check, cfg: WorkerConfig, target: Target) -> tuple[Setti
 
 
 async def check_all(targets: Sequence[Target], cfg: WorkerConfig, check: Check, many: bool
-                    ) -> tuple[dict[Target, tuple[Settings, str]], dict[Target, CliError]]:
-    """Each database's start-up checks, a few at once: (passed, failed). Over one database (not
-    ``many``) its failure is raised as it is; over several, only when none passed."""
+                    ) -> tuple[dict[Target, tuple[Settings, str]], dict[Target, CliError], str]:
+    """Each database's start-up checks, a few at once: (passed, failed, the first passed one's
+    database name). Over one database (not ``many``) its failure is raised as it is; over
+    several, only when none passed."""
     if not many:
         (only,) = targets
-        return {only: await check(replace(cfg, dsn=only.dsn))}, {}
+        settings, name = await check(replace(cfg, dsn=only.dsn))
+        return {only: (settings, name)}, {}, name
     gate = asyncio.Semaphore(CHECKS_AT_ONCE)
 
     async def one(target: Target) -> tuple[Settings, str] | CliError:
@@ -192,7 +194,7 @@ async def check_all(targets: Sequence[Target], cfg: WorkerConfig, check: Check, 
     for target, exc in failed.items():
         log.warning("event=database_unavailable database=%s code=%d error=%r note=%r", target.label, exc.code,
                     str(exc), "the others start; checked again every 1 s to 60 s")
-    return passed, failed
+    return passed, failed, next(iter(passed.values()))[1]
 
 
 def merged_settings(checked: Sequence[tuple[Settings, str]]) -> list[Settings]:

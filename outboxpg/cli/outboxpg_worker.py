@@ -124,9 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Deliver outbox events to NATS JetStream (or to your own publisher). "
                     "Every flag also reads OUTBOXPG_<FLAG> from the environment.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter, epilog=EXIT_CODES)
-    add_options(p, DatabaseOptions)                     # --dsn (repeatable), --dsn-file, --max-in-flight
-    add_options(p, WorkerConfig, leave_out=("dsn",))    # one WorkerConfig per database: its dsn is one of them
+    add_options(p, WorkerConfig)
     add_options(p, CommandOptions)
+    add_options(p, DatabaseOptions)   # --dsn-file, --max-in-flight (--dsn repeated: WorkerConfig.dsn)
+    if "OUTBOXPG_DSN" not in os.environ:
+        p.set_defaults(dsn=None)   # not given: main() asks for it (the worker writes)
     p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     return p
 
@@ -317,13 +319,14 @@ def _new_metrics(args: argparse.Namespace) -> Any:
     return new
 
 
-def _serve_metrics(args: argparse.Namespace, labelled: bool) -> Any:
+def _serve_metrics(args: argparse.Namespace, cfg: WorkerConfig) -> Any:
     """Bind the --metrics-port server now: a port in use or an address this host does not have
     is one line, exit 2, before the worker waits for NATS or claims anything. It serves the
-    metrics of every database (outboxpg.relay.fleet_metrics), ``labelled`` with theirs or not."""
+    metrics of every database (outboxpg.relay.fleet_metrics), with a database label when there
+    are several."""
     from outboxpg.relay.fleet_metrics import FleetMetrics
 
-    metrics = FleetMetrics(labelled)
+    metrics = FleetMetrics(labelled=several(args))
     try:
         metrics.serve(args.metrics_port, args.metrics_addr)
     except OSError as exc:   # EADDRINUSE, EADDRNOTAVAIL, EACCES, an unresolvable name (gaierror)
@@ -340,7 +343,7 @@ async def _serve(args: argparse.Namespace, cfg: WorkerConfig, publisher: Any, ta
     """Run a Worker per database, sharing ``publisher``, until a signal (outboxpg.cli.databases)."""
     from outboxpg.relay.fleet import Fleet
 
-    many = several(args, targets)
+    many = several(args)
     fleet = Fleet(publisher, args.max_in_flight or 2 * cfg.concurrency * cfg.batch_size, label_logs=many)
     await fleet.open()
     stream_problems = None
@@ -359,11 +362,22 @@ async def _serve(args: argparse.Namespace, cfg: WorkerConfig, publisher: Any, ta
 
 
 def _add_secrets(secrets: list[str]) -> None:
-    """The passwords of DSNs read on a reload join those the log lines never show."""
+    """The passwords of DSNs read from --dsn-file (at start, and on each reload) join those the
+    log lines never show."""
     for handler in logging.getLogger().handlers:
-        for f in handler.filters:
-            if isinstance(f, _Redact):
-                f.secrets = sorted({*f.secrets, *secrets} - {""}, key=len, reverse=True)
+        redacting = next((f for f in handler.filters if isinstance(f, _Redact)), None)
+        if redacting is None:
+            redacting = _Redact([])
+            handler.addFilter(redacting)
+        redacting.secrets = sorted({*redacting.secrets, *secrets} - {""}, key=len, reverse=True)
+
+
+def _log_databases(args: argparse.Namespace) -> None:
+    """Over several databases each line names the one it is about (database=, from the tasks'
+    context); the passwords of --dsn-file's DSNs are never shown either."""
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(DatabaseLabelFilter())
+    _add_secrets(_file_secrets(args.dsn_file))
 
 
 def _nats_secrets(url: str) -> list[str]:
@@ -446,9 +460,12 @@ async def _start(args: argparse.Namespace) -> int:
     cfg: WorkerConfig = from_args(WorkerConfig, args, dsn="")
     cfg.validate()
     targets = targets_from(args)   # every DSN parsed and labelled, before anything connects
-    many = several(args, targets)
+    many = several(args)
     if args.max_in_flight is not None and args.max_in_flight < 1:
         raise CliError(f"--max-in-flight must be at least 1, got {args.max_in_flight}", EXIT_USAGE)
+    if many and args.cloudevents and args.cloudevents_source is None:
+        raise CliError("--cloudevents over several databases needs --cloudevents-source (its default names one "
+                       "database)", EXIT_USAGE)
     # SIGTERM/SIGINT while starting: stop waiting and exit 0; once running: databases.stop().
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
@@ -471,18 +488,16 @@ async def _start(args: argparse.Namespace) -> int:
     if args.metrics_event_types < 0:
         raise CliError(f"--metrics-event-types must be 0 or more, got {args.metrics_event_types}", EXIT_USAGE)
     _check_cloudevents(args)
-    if many and args.cloudevents and args.cloudevents_source is None:
-        raise CliError("--cloudevents over several databases needs --cloudevents-source (its default names one "
-                       "database)", EXIT_USAGE)
     # Your own publisher first: a misspelt one is reported before anything else is set up.
     custom = _load_publisher(args.publisher, cfg) if args.publisher else None
     if custom is None:
         from outboxpg.relay.nats.connection import parse_servers
 
         servers = parse_servers(args.nats_url)   # ValueError: exit 2 with its one line
-    checked, failed = await check_all(targets, cfg, _check_database, many)
-    database = next(iter(checked.values()))[1]
-    metrics = _serve_metrics(args, many) if args.metrics_port else None
+    checked, failed, database = await check_all(targets, cfg, _check_database, many)
+    metrics = _serve_metrics(args, cfg) if args.metrics_port else None
+    if metrics is not None:
+        metrics.health.checked_schema()   # /readyz: the start-up checks above passed
     if custom is not None:
         publisher = custom
     else:
@@ -560,21 +575,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dsn is None and args.dsn_file is None:
         # libpq would pick a database by itself (the local socket, one named after the OS user).
         print("outboxpg-worker: the worker writes to a database: name it with --dsn or OUTBOXPG_DSN "
-              "(--dsn '' takes libpq's PG* variables), or name several in --dsn-file", file=sys.stderr)
+              "(--dsn '' takes libpq's PG* variables)", file=sys.stderr)
         return EXIT_USAGE
-    if args.dsn is not None:
-        args.dsn = ["--" if dsn == [] else dsn for dsn in args.dsn]   # --dsn=-- (see restore_double_dash)
-    restore_double_dash(args, ("nats_url", "ensure_stream", "publisher", "name", "metrics_addr",
+    restore_double_dash(args, ("dsn", "nats_url", "ensure_stream", "publisher", "name", "metrics_addr",
                                "cloudevents_source"))
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s")
     nats_secrets = _nats_secrets(args.nats_url)
-    dsn_secrets = [s for dsn in args.dsn or () for s in secrets_of(dsn)] + _file_secrets(args.dsn_file)
-    secrets = sorted({*dsn_secrets, *nats_secrets, *map(unquote, nats_secrets)} - {""}, key=len, reverse=True)
+    secrets = sorted({*secrets_of(args.dsn), *nats_secrets, *map(unquote, nats_secrets)} - {""}, key=len, reverse=True)
     for handler in logging.getLogger().handlers:
-        handler.addFilter(DatabaseLabelFilter())
         handler.addFilter(_OneLine())
-        handler.addFilter(_Redact(secrets))
+        if secrets:
+            handler.addFilter(_Redact(secrets))
+    _log_databases(args)
 
     def fail(message: str, code: int) -> int:
         print(printable(redact(f"outboxpg-worker: {message}", secrets)), file=sys.stderr)

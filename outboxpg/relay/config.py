@@ -21,7 +21,9 @@ def _default_name() -> str:
 
 @dataclass
 class WorkerConfig:
-    dsn: str = option("PostgreSQL connection string or URI; empty: libpq's PG* variables", command_default="")
+    # The command takes --dsn repeated (one WorkerConfig per database, outboxpg.cli.databases).
+    dsn: str = option("PostgreSQL connection string or URI; repeat it to serve several databases from one process "
+                      "(OUTBOXPG_DSN holds one); empty: libpq's PG* variables", command_default="", repeat=True)
     batch_size: int = option("events per claim", 500)
     claim_bytes: int | None = option("bytes of events (payload and headers) per claim at most, one event at least: "
                                      "what a batch holds in memory; default: outbox_settings.max_claim_bytes (64 MiB)",

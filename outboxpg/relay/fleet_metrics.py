@@ -76,6 +76,10 @@ class FleetHealth:
     def stop(self) -> None:
         self.stopping = True
 
+    def checked_schema(self) -> None:
+        """outboxpg-worker's start-up checks passed: each database's Health records its own as
+        it starts (a database checked again later starts only once it passes)."""
+
     def checked_stream(self, problems: list[str]) -> None:
         """The start-up stream check (outboxpg-worker), before any database is served."""
         self.stream_problem = problems[0] if problems else ""

@@ -88,8 +88,7 @@ def test_wrong_dsns_exit_3_in_one_line_without_the_password(dsn: str) -> None:
     assert "invalid connection string" in one_line(run("--dsn", f"host=127.0.0.1 password='{SECRET}"), EXIT_USAGE)
     # None at all: libpq would pick a database by itself.
     assert one_line(run(), EXIT_USAGE) == ("outboxpg-worker: the worker writes to a database: name it with --dsn or "
-                                           "OUTBOXPG_DSN (--dsn '' takes libpq's PG* variables), or name several in "
-                                           "--dsn-file")
+                                           "OUTBOXPG_DSN (--dsn '' takes libpq's PG* variables)")
 
 
 def test_bad_password_exits_3_without_showing_it() -> None:
