@@ -82,6 +82,48 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
+class Cpu:
+    """CPU seconds of the worker process, of the PostgreSQL server's processes (the postmaster's
+    children: backends and background workers; those that exit meanwhile are not counted), and
+    the machine's busy share, between start() and stop()."""
+
+    def __init__(self, worker: int, postmaster: int | None) -> None:
+        self.worker, self.postmaster = worker, postmaster
+
+    def _pg(self) -> int:
+        if self.postmaster is None:
+            return 0
+        total = 0
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == self.postmaster:
+                total += int(fields[11]) + int(fields[12])
+        return total
+
+    @staticmethod
+    def _machine() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v) - v[3] - v[4], sum(v)
+
+    def start(self) -> Cpu:
+        self.t0, self.w0, self.p0, self.m0 = time.monotonic(), ticks(self.worker), self._pg(), self._machine()
+        return self
+
+    def stop(self) -> dict[str, float]:
+        wall = time.monotonic() - self.t0
+        busy, total = self._machine()
+        return {"wall": wall, "worker_pct": 100 * (ticks(self.worker) - self.w0) / HZ / wall,
+                "pg_pct": 100 * (self._pg() - self.p0) / HZ / wall,
+                "machine_busy_pct": 100 * (busy - self.m0[0]) / max(1, total - self.m0[1])}
+
+
 def load() -> str:
     return os.getloadavg().__repr__()
 
@@ -101,6 +143,7 @@ class Bench:
         self.tmp = Path(tempfile.mkdtemp(prefix="outboxpg-multidb-"))
         self.pg: EmbeddedPostgres | None = None
         self.server = args.server
+        self.postmaster: int | None = None
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -115,6 +158,8 @@ class Bench:
             self.pg = EmbeddedPostgres(port=port, settings={"max_connections": "600", "shared_buffers": "256MB"})
             self.pg.start()
             self.server = self.pg.dsn
+            with open(self.pg.datadir / "postmaster.pid") as f:
+                self.postmaster = int(f.readline())
         with psycopg.connect(self.server, autocommit=True) as c:
             c.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(self.template)))
         dsn = make_conninfo(self.server, dbname=self.template)
@@ -211,7 +256,8 @@ class Bench:
                     c.execute("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
                               "SELECT 'order', (g %% 1000)::text, 'updated', jsonb_build_object('n', g, 'note', "
                               "'a typical small event payload') FROM generate_series(1, %s) g", (per,))
-                cpu0, t0 = ticks(proc.pid), time.monotonic()
+                meter = Cpu(proc.pid, self.postmaster).start()
+                t0 = time.monotonic()
                 for c in conns:
                     c.commit()
                 for c in conns:
@@ -230,14 +276,16 @@ class Bench:
                         raise RuntimeError(f"drain of {total} over {n} databases not done in 600 s: {done}")
                     time.sleep(0.25)
                 wall = time.monotonic() - t0
-                cpu = (ticks(proc.pid) - cpu0) / HZ
+                cpu = meter.stop()
                 rss = rss_mb(proc.pid)
             finally:
                 self.end_worker(proc)
         finally:
             self.drop(dsns)
         return {"databases": n, "events": total, "events_s": total / wall, "slowest_share": share,
-                "worker_cpu_pct": 100 * cpu / wall, "worker_us_per_event": 1e6 * cpu / total, "rss_mb": rss,
+                "worker_cpu_pct": cpu["worker_pct"],
+                "worker_us_per_event": 1e6 * cpu["worker_pct"] / 100 * wall / total,
+                "pg_cpu_pct": cpu["pg_pct"], "machine_busy_pct": cpu["machine_busy_pct"], "rss_mb": rss,
                 "load": load()}
 
     # -- latency -----------------------------------------------------------------------------
@@ -251,11 +299,11 @@ class Bench:
                 cpu0, t0 = ticks(proc.pid), time.monotonic()
                 time.sleep(5.0)
                 idle_pct = 100 * (ticks(proc.pid) - cpu0) / HZ / (time.monotonic() - t0)
-                cpu0, t0 = ticks(proc.pid), time.monotonic()
+                meter = Cpu(proc.pid, self.postmaster).start()
                 committed = produce_all(dsns, [rate / n] * n, seconds, "tick")
-                wall = time.monotonic() - t0
-                busy_pct = 100 * (ticks(proc.pid) - cpu0) / HZ / wall
+                cpu = meter.stop()
                 time.sleep(2.0)
+                rss_mb_at_end = rss_mb(proc.pid)
             finally:
                 self.end_worker(proc)
             stored = asyncio.run(self.stored_times("tick"))
@@ -264,7 +312,8 @@ class Bench:
         lat = [(stored[m] - t) * 1000 for m, t in committed.items() if m in stored]
         return {"databases": n, "rate": rate, "sent": len(committed), "missing": len(committed) - len(lat),
                 "p50_ms": pct(lat, 0.5), "p99_ms": pct(lat, 0.99), "max_ms": max(lat) if lat else float("nan"),
-                "idle_cpu_pct": idle_pct, "busy_cpu_pct": busy_pct, "load": load()}
+                "idle_cpu_pct": idle_pct, "busy_cpu_pct": cpu["worker_pct"], "pg_cpu_pct": cpu["pg_pct"],
+                "machine_busy_pct": cpu["machine_busy_pct"], "rss_mb": rss_mb_at_end, "load": load()}
 
     async def stored_times(self, event_type: str) -> dict[str, float]:
         """msg_id -> when JetStream stored it (the message's own timestamp), for one event type."""
@@ -278,7 +327,7 @@ class Bench:
             while True:
                 try:
                     msgs = await sub.fetch(1000, timeout=2)
-                except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                except (TimeoutError, nats.errors.TimeoutError):
                     break
                 for m in msgs:
                     out[(m.headers or {}).get("Nats-Msg-Id", "")] = m.metadata.timestamp.timestamp()
@@ -296,7 +345,7 @@ class Bench:
             proc, _, _ = self.worker(dsns, *(["--max-in-flight", in_flight] if in_flight else []))
             try:
                 drain_s = None
-                cpu0 = ticks(proc.pid)
+                meter = Cpu(proc.pid, self.postmaster).start()
                 if backlog:
                     with psycopg.connect(dsns[0]) as c:
                         c.execute("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
@@ -321,7 +370,7 @@ class Bench:
                 enough.set()
                 committed = queue.get()
                 producer.join()
-                cpu_pct = 100 * (ticks(proc.pid) - cpu0) / HZ / (time.monotonic() - t0)
+                cpu = meter.stop()
                 time.sleep(2.0)
             finally:
                 self.end_worker(proc)
@@ -335,7 +384,8 @@ class Bench:
         return {"backlog": backlog, "max_in_flight": in_flight or "default (8)", "drain_s": drain_s,
                 "backlog_events_s": backlog / drain_s if drain_s else None, "others_sent": len(window),
                 "missing": len(window) - len(lat), "p50_ms": pct(lat, 0.5), "p99_ms": pct(lat, 0.99),
-                "max_ms": max(lat) if lat else float("nan"), "worker_cpu_pct": cpu_pct, "load": load()}
+                "max_ms": max(lat) if lat else float("nan"), "worker_cpu_pct": cpu["worker_pct"],
+                "pg_cpu_pct": cpu["pg_pct"], "machine_busy_pct": cpu["machine_busy_pct"], "load": load()}
 
 
 def produce_all(dsns: list[str], rates: list[float], seconds: float, event_type: str) -> dict[str, float]:
@@ -414,7 +464,8 @@ def main() -> None:
                 r = b.drain(n, args.events)
                 print(f"  {n:3d} databases: {r['events_s']:8.0f} events/s, slowest database's share at half-way "
                       f"{r['slowest_share']:.2f}, worker CPU {r['worker_cpu_pct']:.0f} % of a core "
-                      f"({r['worker_us_per_event']:.1f} us/event), RSS {r['rss_mb']:.0f} MB, load {r['load']}",
+                      f"({r['worker_us_per_event']:.1f} us/event), PostgreSQL {r['pg_cpu_pct']:.0f} %, machine busy "
+                      f"{r['machine_busy_pct']:.0f} %, worker RSS {r['rss_mb']:.0f} MB, load {r['load']}",
                       flush=True)
         if "latency" in phases:
             print(f"\nlatency: {args.rate:g} events/s spread over the databases for {args.seconds:g} s, commit -> "
@@ -423,7 +474,9 @@ def main() -> None:
                 r = b.latency(n, args.rate, args.seconds)
                 print(f"  {n:3d} databases: p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms, max "
                       f"{r['max_ms']:.1f} ms ({r['sent']} sent, {r['missing']} missing); worker CPU idle "
-                      f"{r['idle_cpu_pct']:.1f} %, at the rate {r['busy_cpu_pct']:.0f} % of a core; load {r['load']}",
+                      f"{r['idle_cpu_pct']:.1f} %, at the rate {r['busy_cpu_pct']:.0f} % of a core, PostgreSQL "
+                      f"{r['pg_cpu_pct']:.0f} %, machine busy {r['machine_busy_pct']:.0f} %, worker RSS "
+                      f"{r['rss_mb']:.0f} MB; load {r['load']}",
                       flush=True)
         if "starvation" in phases:
             print(f"\nstarvation: 10 databases, one with a {args.backlog}-event backlog, 9 at 100 events/s each; "
@@ -436,7 +489,8 @@ def main() -> None:
                            if backlog else "")
                 print(f"  {what}: {drained}the others p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms, max "
                       f"{r['max_ms']:.1f} ms ({r['others_sent']} sent, {r['missing']} missing); worker CPU "
-                      f"{r['worker_cpu_pct']:.0f} %; load {r['load']}", flush=True)
+                      f"{r['worker_cpu_pct']:.0f} %, PostgreSQL {r['pg_cpu_pct']:.0f} %, machine busy "
+                      f"{r['machine_busy_pct']:.0f} %; load {r['load']}", flush=True)
     finally:
         b.stop()
 
