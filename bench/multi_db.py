@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/multi_db.py            # every phase (about 5 minutes)
     .venv/bin/python bench/multi_db.py --quick    # smaller counts, shorter phases
+    .venv/bin/python bench/multi_db.py --events 20000 --backlog 20000 --seconds 10   # the run in BENCHMARKS.md
 
 The databases live in a PostgreSQL cluster of the benchmark's own (initdb in a temp dir, port
 5499 unless taken, max_connections 600), because each served database holds 3 connections while
@@ -74,6 +75,18 @@ def ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])
 
 
+def waited_ns(pid: int) -> int:
+    """Nanoseconds the process's threads spent runnable but waiting for a CPU (schedstat)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[1])
+        except OSError:
+            continue
+    return total
+
+
 def rss_mb(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -114,6 +127,7 @@ class Cpu:
 
     def start(self) -> Cpu:
         self.t0, self.w0, self.p0, self.m0 = time.monotonic(), ticks(self.worker), self._pg(), self._machine()
+        self.q0 = waited_ns(self.worker)
         return self
 
     def stop(self) -> dict[str, float]:
@@ -121,6 +135,7 @@ class Cpu:
         busy, total = self._machine()
         return {"wall": wall, "worker_pct": 100 * (ticks(self.worker) - self.w0) / HZ / wall,
                 "pg_pct": 100 * (self._pg() - self.p0) / HZ / wall,
+                "worker_waited_pct": 100 * (waited_ns(self.worker) - self.q0) / 1e9 / wall,
                 "machine_busy_pct": 100 * (busy - self.m0[0]) / max(1, total - self.m0[1])}
 
 
@@ -286,7 +301,7 @@ class Bench:
                 "worker_cpu_pct": cpu["worker_pct"],
                 "worker_us_per_event": 1e6 * cpu["worker_pct"] / 100 * wall / total,
                 "pg_cpu_pct": cpu["pg_pct"], "machine_busy_pct": cpu["machine_busy_pct"], "rss_mb": rss,
-                "load": load()}
+                "waited_pct": cpu["worker_waited_pct"], "load": load()}
 
     # -- latency -----------------------------------------------------------------------------
 
@@ -313,6 +328,7 @@ class Bench:
         return {"databases": n, "rate": rate, "sent": len(committed), "missing": len(committed) - len(lat),
                 "p50_ms": pct(lat, 0.5), "p99_ms": pct(lat, 0.99), "max_ms": max(lat) if lat else float("nan"),
                 "idle_cpu_pct": idle_pct, "busy_cpu_pct": cpu["worker_pct"], "pg_cpu_pct": cpu["pg_pct"],
+                "waited_pct": cpu["worker_waited_pct"],
                 "machine_busy_pct": cpu["machine_busy_pct"], "rss_mb": rss_mb_at_end, "load": load()}
 
     async def stored_times(self, event_type: str) -> dict[str, float]:
@@ -385,7 +401,8 @@ class Bench:
                 "backlog_events_s": backlog / drain_s if drain_s else None, "others_sent": len(window),
                 "missing": len(window) - len(lat), "p50_ms": pct(lat, 0.5), "p99_ms": pct(lat, 0.99),
                 "max_ms": max(lat) if lat else float("nan"), "worker_cpu_pct": cpu["worker_pct"],
-                "pg_cpu_pct": cpu["pg_pct"], "machine_busy_pct": cpu["machine_busy_pct"], "load": load()}
+                "waited_pct": cpu["worker_waited_pct"], "pg_cpu_pct": cpu["pg_pct"],
+                "machine_busy_pct": cpu["machine_busy_pct"], "load": load()}
 
 
 def produce_all(dsns: list[str], rates: list[float], seconds: float, event_type: str) -> dict[str, float]:
@@ -464,7 +481,8 @@ def main() -> None:
                 r = b.drain(n, args.events)
                 print(f"  {n:3d} databases: {r['events_s']:8.0f} events/s, slowest database's share at half-way "
                       f"{r['slowest_share']:.2f}, worker CPU {r['worker_cpu_pct']:.0f} % of a core "
-                      f"({r['worker_us_per_event']:.1f} us/event), PostgreSQL {r['pg_cpu_pct']:.0f} %, machine busy "
+                      f"({r['worker_us_per_event']:.1f} us/event; waiting for a CPU {r['waited_pct']:.0f} % of the "
+                      f"time), PostgreSQL {r['pg_cpu_pct']:.0f} %, machine busy "
                       f"{r['machine_busy_pct']:.0f} %, worker RSS {r['rss_mb']:.0f} MB, load {r['load']}",
                       flush=True)
         if "latency" in phases:
@@ -474,7 +492,8 @@ def main() -> None:
                 r = b.latency(n, args.rate, args.seconds)
                 print(f"  {n:3d} databases: p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms, max "
                       f"{r['max_ms']:.1f} ms ({r['sent']} sent, {r['missing']} missing); worker CPU idle "
-                      f"{r['idle_cpu_pct']:.1f} %, at the rate {r['busy_cpu_pct']:.0f} % of a core, PostgreSQL "
+                      f"{r['idle_cpu_pct']:.1f} %, at the rate {r['busy_cpu_pct']:.0f} % of a core (waiting for a CPU "
+                      f"{r['waited_pct']:.0f} % of the time), PostgreSQL "
                       f"{r['pg_cpu_pct']:.0f} %, machine busy {r['machine_busy_pct']:.0f} %, worker RSS "
                       f"{r['rss_mb']:.0f} MB; load {r['load']}",
                       flush=True)
@@ -489,7 +508,8 @@ def main() -> None:
                            if backlog else "")
                 print(f"  {what}: {drained}the others p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms, max "
                       f"{r['max_ms']:.1f} ms ({r['others_sent']} sent, {r['missing']} missing); worker CPU "
-                      f"{r['worker_cpu_pct']:.0f} %, PostgreSQL {r['pg_cpu_pct']:.0f} %, machine busy "
+                      f"{r['worker_cpu_pct']:.0f} % (waiting for a CPU {r['waited_pct']:.0f} %), PostgreSQL "
+                      f"{r['pg_cpu_pct']:.0f} %, machine busy "
                       f"{r['machine_busy_pct']:.0f} %; load {r['load']}", flush=True)
     finally:
         b.stop()
