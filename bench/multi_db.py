@@ -26,9 +26,15 @@ Phases, each with a fresh worker process (``--dsn-file``, ``--metrics-port``), i
                worker's CPU while idle over the N databases, then at the rate.
   starvation   10 databases: one with a BACKLOG-event backlog committed at once, the 9 others
                written at 100 events/s each meanwhile; the others' commit -> JetStream p50 / p99 /
-               max while the backlog drains, with the default --max-in-flight (twice
-               --concurrency: 8) and with no shared limit (--max-in-flight 100000: only each
-               database's own --concurrency), and the same 9 x 100 events/s with no backlog.
+               max while the backlog drains, with the default --max-in-flight (4,000 events:
+               2 x --concurrency x --batch-size) and with no shared limit (--max-in-flight
+               100000: only each database's own --concurrency), and the same 9 x 100 events/s
+               with no backlog.
+
+The CPU figures: the worker process's, PostgreSQL's (the postmaster's children) and the machine's
+busy share, and how long the worker waited for a CPU while runnable (/proc/<pid>/task/*/schedstat,
+summed over its threads): on a saturated machine a low CPU share with a long wait is starvation
+by other load, not an idle worker.
 
 Figures go to stdout; BENCHMARKS.md ("One process over many databases") holds the latest.
 """
@@ -397,7 +403,7 @@ class Bench:
         # During the drain only (the producer stops a moment after it).
         window = [(m, t) for m, (t, _) in committed.items() if drain_s is None or t - start <= drain_s]
         lat = [(stored[m] - t) * 1000 for m, t in window if m in stored]
-        return {"backlog": backlog, "max_in_flight": in_flight or "default (8)", "drain_s": drain_s,
+        return {"backlog": backlog, "max_in_flight": in_flight or "default (4000 events)", "drain_s": drain_s,
                 "backlog_events_s": backlog / drain_s if drain_s else None, "others_sent": len(window),
                 "missing": len(window) - len(lat), "p50_ms": pct(lat, 0.5), "p99_ms": pct(lat, 0.99),
                 "max_ms": max(lat) if lat else float("nan"), "worker_cpu_pct": cpu["worker_pct"],
