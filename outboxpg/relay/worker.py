@@ -161,9 +161,10 @@ class Worker:
             if hasattr(self.publisher, "start"):
                 await self.publisher.start()
             log.info("event=start worker=%s batch_size=%d concurrency=%d lease=%gs poll_interval=%gs "
-                     "poll_only=%s publish_timeout=%gs standby_flushed=%s run_publishing=%s", cfg.name, cfg.batch_size,
-                     cfg.concurrency, cfg.lease, cfg.poll_interval, cfg.poll_only, cfg.publish_timeout,
-                     cfg.standby_flushed or "off", getattr(self.publisher, "run_publishing", "publisher-defined"))
+                     "poll_only=%s publish_timeout=%gs standby_flushed=%s run_publishing=%s%s", cfg.name,
+                     cfg.batch_size, cfg.concurrency, cfg.lease, cfg.poll_interval, cfg.poll_only, cfg.publish_timeout,
+                     cfg.standby_flushed or "off", getattr(self.publisher, "run_publishing", "publisher-defined"),
+                     f" shard={cfg.shard.replace(' ', '')}" if cfg.shard else "")
             if self.health is not None:
                 self.health.running(self.publisher, self._ping)
             await self._loop()
