@@ -264,10 +264,11 @@ async def _check_database(cfg: WorkerConfig) -> tuple[tuple[str, timedelta, list
             if not (row and row[0]):
                 raise CliError(f"--standby-flushed: role {user!r} may not read pg_stat_replication.flush_lsn: "
                                f"GRANT pg_read_all_stats TO \"{user}\"", EXIT_FAILED)
-        if cfg.shard and shard_range(cfg.shard) != (0, 1):
+        if (cfg.shard and shard_range(cfg.shard) != (0, 1)) or cfg.shard_group:
             row = await (await conn.execute(statements.SHARDS_ENABLED)).fetchone()
             if not (row and row[0]):
-                raise CliError(f"--shard {cfg.shard}: shards are not enabled in database {database!r}: the schema "
+                flag = f"--shard {cfg.shard}" if cfg.shard else f"--shard-group {cfg.shard_group}"
+                raise CliError(f"{flag}: shards are not enabled in database {database!r}: the schema "
                                "owner runs SELECT outbox_shards_enable() (docs/how-to/shards.md)", EXIT_FAILED)
         settings = await (await conn.execute(statements.WORKER_SETTINGS)).fetchone()
         assert settings is not None

@@ -44,6 +44,11 @@ class WorkerConfig:
                         "of 64 buckets by a hash of its key, shard I holds about 64/N of them; '' every aggregate. "
                         "Every shard needs a worker; the schema owner first runs SELECT outbox_shards_enable() "
                         "(docs/how-to/shards.md)", "", metavar="I/N")
+    shard_group: str = option("split the shards with the other workers of this group (same name, same database): "
+                              "each holds a session advisory lock on a slot of the group and claims shard r/N, "
+                              "N the members, r its rank; a member that leaves or dies is taken over within a "
+                              "second, its runs in flight once their leases end; not with --shard or --poll-only",
+                              "", metavar="NAME")
     concurrency: int = option("batches in flight at once", 4)
     lease: float = option("seconds a claimed batch is leased; at least twice --publish-timeout", 30.0)
     poll_interval: float = option("fallback poll when no notification comes, seconds", 30.0)
@@ -71,6 +76,9 @@ class WorkerConfig:
             raise ValueError("batch size must be at least 1")
         if self.shard and shard_range(self.shard) is None:
             raise ValueError(f"--shard must be I/N with 0 <= I < N <= 64 (0/2, 1/2), got {self.shard!r}")
+        if self.shard_group and (self.shard or self.poll_only):
+            raise ValueError("--shard-group takes no --shard (it picks its own) and no --poll-only (it holds a "
+                             "session lock)")
         if self.concurrency < 1:
             raise ValueError("concurrency must be at least 1")
         if self.claim_bytes is not None and self.claim_bytes < 1:

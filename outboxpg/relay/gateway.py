@@ -154,12 +154,13 @@ class Gateway:
             # a pooler in transaction mode would carry a session SET over to other clients.
             await conn.execute("SET synchronous_commit = off")
 
-    async def claim(self, batch_size: int, lease: timedelta, name: str) -> list[tuple[Any, ...]]:
-        """outbox_claim's rows (CLAIM_COLUMNS, jsonb as raw bytes); psycopg.Error passes through."""
+    async def claim(self, batch_size: int, lease: timedelta, name: str, shard: str | None = None
+                    ) -> list[tuple[Any, ...]]:
+        """outbox_claim's rows (CLAIM_COLUMNS, jsonb as raw bytes); psycopg.Error passes through.
+        ``shard``: 'I/N' (--shard, or a shard group's current one); None: every aggregate."""
         statement = _CLAIM_WITH_LSN if self.cfg.standby_flushed else _CLAIM
         async with self.pool.connection() as conn:
-            cur = await conn.execute(statement, (batch_size, lease, name, self.cfg.claim_bytes, self.cfg.shard or None),
-                                     prepare=True)
+            cur = await conn.execute(statement, (batch_size, lease, name, self.cfg.claim_bytes, shard), prepare=True)
             return await cur.fetchall()
 
     async def replaced_broken_connections(self) -> None:

@@ -33,3 +33,10 @@ def test_a_shard_where_shards_are_not_enabled_is_one_line_and_exit_1(dsn: str) -
     line = one_line(run("--dsn", dsn, "--shard", "0/2", "--nats-url", "nats://127.0.0.1:1"), 1)
     assert line.startswith("outboxpg-worker: --shard 0/2: shards are not enabled in database ")
     assert line.endswith("the schema owner runs SELECT outbox_shards_enable() (docs/how-to/shards.md)")
+
+
+def test_a_shard_group_with_a_shard_or_poll_only_is_one_line_and_exit_2() -> None:
+    for extra in (("--shard", "0/2"), ("--poll-only",)):
+        line = one_line(run("--dsn", "host=192.0.2.1 connect_timeout=1", "--shard-group", "relays", *extra), 2)
+        assert line == ("outboxpg-worker: --shard-group takes no --shard (it picks its own) and no --poll-only "
+                        "(it holds a session lock)")
