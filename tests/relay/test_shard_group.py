@@ -43,26 +43,33 @@ async def test_a_killed_members_shard_is_taken_over_every_event_once_in_order(ds
     conn.execute("UPDATE outbox_settings SET backoff_base = '50 milliseconds', backoff_cap = '200 milliseconds'")
     stream = await make_stream(nats_server.url)
     conn.execute("UPDATE outbox_settings SET subject_prefix = %s", (stream.prefix,))
-    total = 8_000
-    fill(dsn, total, aggregates=400)
+    total = 10_000
     logs = {n: tmp_path / f"{n}.log" for n in ("first", "second")}
     first = spawn(dsn, nats_server.url, "first", logs["first"])
-    wait_log(logs["first"], "0/1")                             # alone: the whole outbox
-    second = spawn(dsn, nats_server.url, "second", logs["second"])
+    second: subprocess.Popen[bytes] | None = None
     try:
+        wait_log(logs["first"], "0/1")                         # alone: the whole outbox
+        second = spawn(dsn, nats_server.url, "second", logs["second"])
         wait_log(logs["second"], "1/2")                        # the second slot: the upper half
         wait_log(logs["first"], "0/2")
-        # Kill the second at a moment it holds leases (mid-run).
-        holding = ("SELECT count(*) FROM outbox WHERE state = 'processing' AND locked_by = 'second' "
+        fill(dsn, total, aggregates=400)                       # written once both have their shard
+        # Kill the second at a moment it holds leases in its shard (mid-run): frozen (SIGSTOP)
+        # every few ms until it is caught holding some, then killed outright.
+        holding = ("SELECT id FROM outbox WHERE state = 'processing' AND locked_by = 'second' "
                    "AND outbox_aggregate_bucket(aggregate_type, aggregate_id) >= 32")
-        deadline = time.monotonic() + 30
-        while conn.execute(holding).fetchone()[0] == 0:
+        deadline = time.monotonic() + 60
+        while True:
             assert time.monotonic() < deadline, "the second worker never held a lease in its shard"
-            time.sleep(0.005)
+            if not conn.execute(holding).fetchall():
+                time.sleep(0.005)
+                continue
+            second.send_signal(signal.SIGSTOP)
+            time.sleep(0.2)      # a statement it sent just before (a complete) still runs: let it end
+            if conn.execute(holding).fetchall():
+                break
+            second.send_signal(signal.SIGCONT)
         second.send_signal(signal.SIGKILL)
         second.wait(10)
-        # A statement it sent just before (a complete) still runs on its backend: read what it
-        # holds once its sessions have ended.
         wait_for(conn, "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE '%second%'", 0, timeout=10)
         leased = {r[0] for r in conn.execute("SELECT id FROM outbox WHERE state = 'processing' "
                                              "AND locked_by = 'second'").fetchall()}
@@ -70,8 +77,8 @@ async def test_a_killed_members_shard_is_taken_over_every_event_once_in_order(ds
         wait_log(logs["first"], "0/1", timeout=10)              # its session's lock went with it
         wait_for(conn, "SELECT count(*) FROM outbox WHERE state = 'published'", total, timeout=90)
     finally:
-        stop(first)
-        if second.poll() is None:
+        stop(first)                                            # processes this test started, by PID
+        if second is not None and second.poll() is None:
             second.kill()
             second.wait()
     # The dead worker's runs: fenced until their leases ended, then published by the first.
