@@ -19,6 +19,8 @@ DROP VIEW outbox_health;
 DROP FUNCTION outbox_xmin_holders();
 DROP FUNCTION outbox_claim(integer, interval, text);
 DROP FUNCTION outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean);
+-- outbox_fail takes the wait a destination asked for (retry_after).
+DROP FUNCTION outbox_fail(bigint, uuid, text, boolean);
 
 -- outbox_stats and outbox_health count scheduled events apart from those waiting for a retry (a
 -- column more, in the middle); outbox_replay_candidates takes include_replays. Made again below.
@@ -1156,6 +1158,64 @@ $$;
 COMMENT ON FUNCTION outbox_claim(integer, interval, text, bigint, text) IS
     'Lease up to batch_size due events (at most max_bytes of them, default outbox_settings.max_claim_bytes; one at least) under a new lease_token: runs of up to max_run consecutive events per aggregate, oldest heads first, rows in id order; reclaims expired runs (one failed attempt for the run''s first event). shard ''I/N'': the aggregates of that shard only (outbox_shards_enable first).';
 
+-- A failed attempt. The retry waits the backoff (outbox_retry_delay) or, when the destination said
+-- how long to wait (an HTTP Retry-After, say), that long if it is longer: up to backoff_cap, so
+-- that no answer can park an event for longer than the backoff ever would. Asked to wait, the
+-- worker does not come back early to spend another attempt on an answer it already has.
+CREATE OR REPLACE FUNCTION outbox_fail(id bigint, lease_token uuid, error text, permanent boolean DEFAULT false,
+                                       retry_after interval DEFAULT NULL)
+RETURNS text
+LANGUAGE plpgsql
+-- Runs as its owner: a worker has no rights on the tables.
+SECURITY DEFINER
+SET search_path FROM CURRENT
+SET plan_cache_mode = force_generic_plan  -- see outbox_claim, also for the settings below
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET enable_hashjoin = off
+SET enable_mergejoin = off
+SET enable_material = off
+SET jit = off
+AS $$
+DECLARE
+    cfg       outbox_settings;
+    t         timestamptz := clock_timestamp();
+    new_state outbox_state;
+    agg_type  text;
+    agg_id    text;
+BEGIN
+    IF id IS NULL OR lease_token IS NULL THEN
+        RAISE EXCEPTION 'outbox_fail: id and lease_token must not be NULL'
+            USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    SELECT * INTO STRICT cfg FROM outbox_settings;
+    UPDATE outbox o
+       SET state           = CASE WHEN coalesce(permanent, false) OR o.attempts >= cfg.max_attempts
+                                  THEN 'dead' ELSE 'pending' END::outbox_state,
+           next_attempt_at = t + greatest(outbox_retry_delay(o.attempts, cfg.backoff_base, cfg.backoff_cap),
+                                          -- greatest ignores a NULL; least would not
+                                          CASE WHEN retry_after IS NOT NULL THEN least(retry_after, cfg.backoff_cap) END),
+           dead_at         = CASE WHEN coalesce(permanent, false) OR o.attempts >= cfg.max_attempts THEN t END,
+           -- Bounded, so that a runaway error text cannot bloat the table.
+           last_error      = left(coalesce(error, 'unknown error (outbox_fail was given no text)'), 8000),
+           locked_until    = NULL,
+           lease_token     = NULL
+     WHERE o.in_flow                -- found by id in outbox_in_flow_idx
+       AND o.state = 'processing'
+       AND o.lease_token = outbox_fail.lease_token
+       AND o.id = outbox_fail.id
+    RETURNING o.state, o.aggregate_type, o.aggregate_id INTO new_state, agg_type, agg_id;
+    -- NULL: the token no longer holds this event's lease; nothing changed.
+    IF new_state IS NOT NULL THEN
+        PERFORM outbox_refresh_heads(ARRAY[agg_type], ARRAY[agg_id]);
+    END IF;
+    RETURN new_state::text;
+END;
+$$;
+
+COMMENT ON FUNCTION outbox_fail(bigint, uuid, text, boolean, interval) IS
+    'Record a failed attempt: returns ''pending'' (retry scheduled with backoff, or after retry_after if longer, up to backoff_cap), ''dead'' (permanent or out of attempts), or NULL when lease_token no longer holds the event (nothing changed).';
+
 CREATE OR REPLACE FUNCTION outbox_replay_candidates(ids bigint[] DEFAULT NULL, aggregate_type text DEFAULT NULL,
                                          aggregate_id text DEFAULT NULL, event_type text DEFAULT NULL,
                                          since timestamptz DEFAULT NULL, until timestamptz DEFAULT NULL,
@@ -1594,7 +1654,7 @@ REVOKE EXECUTE ON FUNCTION
     outbox_aggregate_bucket(text, text), outbox_shard_buckets(text), outbox_shards_enable(),
     outbox_shards_disable(), outbox_claim(integer, interval, text, bigint, text),
     outbox_refresh_heads(text[], text[]), outbox_complete(bigint[], uuid),
-    outbox_fail(bigint, uuid, text, boolean), outbox_release(bigint[], uuid),
+    outbox_fail(bigint, uuid, text, boolean, interval), outbox_release(bigint[], uuid),
     outbox_extend(bigint[], uuid, interval),
     outbox_requeue(bigint[]), outbox_discard(bigint[], text),
     outbox_replay_candidates(bigint[], text, text, text, timestamptz, timestamptz, boolean),
@@ -1611,7 +1671,7 @@ GRANT EXECUTE ON FUNCTION outbox_idempotency_event(text) TO outbox_producer;
 --    one-row outbox_health for its metrics (counts and ages, no event data).
 GRANT EXECUTE ON FUNCTION
     outbox_claim(integer, interval, text, bigint, text), outbox_complete(bigint[], uuid),
-    outbox_fail(bigint, uuid, text, boolean), outbox_release(bigint[], uuid),
+    outbox_fail(bigint, uuid, text, boolean, interval), outbox_release(bigint[], uuid),
     outbox_extend(bigint[], uuid, interval),
     outbox_next_wakeup(), outbox_worker_idle(), outbox_worker_busy(), outbox_maintain(boolean),
     outbox_idempotency_forget(integer), outbox_unfinished_subjects(integer),

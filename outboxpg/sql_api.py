@@ -55,7 +55,7 @@ def _f(name: str, *args: str, callers: tuple[str, ...] = (), definer: bool = Fal
 CLAIM = _f("outbox_claim", "integer", "interval", "text", "bigint", "text", callers=(WORKER,), definer=True,
            settings=(*PLANNER, *PATH))
 COMPLETE = _f("outbox_complete", "bigint[]", "uuid", callers=(WORKER,), definer=True, settings=(*PLANNER, *PATH))
-FAIL = _f("outbox_fail", "bigint", "uuid", "text", "boolean", callers=(WORKER,), definer=True,
+FAIL = _f("outbox_fail", "bigint", "uuid", "text", "boolean", "interval", callers=(WORKER,), definer=True,
           settings=(*PLANNER, *PATH))
 RELEASE = _f("outbox_release", "bigint[]", "uuid", callers=(WORKER,), definer=True, settings=(*PLANNER, *PATH))
 EXTEND = _f("outbox_extend", "bigint[]", "uuid", "interval", callers=(WORKER,), definer=True,

@@ -105,7 +105,7 @@ REVOKE EXECUTE ON FUNCTION
     outbox_aggregate_bucket(text, text), outbox_shard_buckets(text), outbox_shards_enable(),
     outbox_shards_disable(), outbox_claim(integer, interval, text, bigint, text),
     outbox_refresh_heads(text[], text[]), outbox_complete(bigint[], uuid),
-    outbox_fail(bigint, uuid, text, boolean), outbox_release(bigint[], uuid),
+    outbox_fail(bigint, uuid, text, boolean, interval), outbox_release(bigint[], uuid),
     outbox_extend(bigint[], uuid, interval),
     outbox_requeue(bigint[]), outbox_discard(bigint[], text),
     outbox_replay_candidates(bigint[], text, text, text, timestamptz, timestamptz, boolean),
@@ -146,7 +146,7 @@ GRANT EXECUTE ON FUNCTION outbox_cancel(bigint[]) TO outbox_producer;
 --    one-row outbox_health for its metrics (counts and ages, no event data).
 GRANT EXECUTE ON FUNCTION
     outbox_claim(integer, interval, text, bigint, text), outbox_complete(bigint[], uuid),
-    outbox_fail(bigint, uuid, text, boolean), outbox_release(bigint[], uuid),
+    outbox_fail(bigint, uuid, text, boolean, interval), outbox_release(bigint[], uuid),
     outbox_extend(bigint[], uuid, interval),
     outbox_next_wakeup(), outbox_worker_idle(), outbox_worker_busy(), outbox_maintain(boolean),
     outbox_idempotency_forget(integer), outbox_unfinished_subjects(integer),

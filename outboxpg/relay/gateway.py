@@ -49,7 +49,7 @@ SELECT count(*)::int, count(flush_lsn)::int, max(flush_lsn)::text
  WHERE %(standby)s = 'any' OR application_name = %(standby)s
 """
 _COMPLETE = "SELECT outbox_complete(%s::bigint[], %s)"
-_FAIL = "SELECT outbox_fail(%s, %s, %s, %s)"
+_FAIL = "SELECT outbox_fail(%s, %s, %s, %s, %s)"
 _RELEASE = "SELECT outbox_release(%s::bigint[], %s)"
 _EXTEND = "SELECT outbox_extend(%s::bigint[], %s, %s)"
 _SLEEP_FOR = "SELECT extract(epoch FROM outbox_next_wakeup() - clock_timestamp())::float8"
@@ -194,9 +194,9 @@ class Gateway:
         assert row is not None
         return int(row[0])
 
-    async def report(self, ok: Sequence[int], token: Any, failed: Sequence[tuple[int, str, bool]],
+    async def report(self, ok: Sequence[int], token: Any, failed: Sequence[tuple[int, str, bool, timedelta | None]],
                      released: Sequence[int]) -> Reported | None:
-        """Complete ``ok``, fail each (id, error text, permanent) of ``failed``, release
+        """Complete ``ok``, fail each (id, error text, permanent, retry after) of ``failed``, release
         ``released``, all under ``token``; tried up to five times on database errors, then None
         (logged: the leases will expire and the events be retried)."""
         ok_ids = id_array(ok)
@@ -211,8 +211,8 @@ class Gateway:
                     # Any order is fine for the SQL: each call touches only its own ids.
                     async with conn.pipeline():
                         done_cur = await conn.execute(_COMPLETE, (ok_ids, token), prepare=True) if ok else None
-                        fail_curs = [await conn.execute(_FAIL, (event_id, token, text, permanent), prepare=True)
-                                     for event_id, text, permanent in failed]
+                        fail_curs = [await conn.execute(_FAIL, (event_id, token, text, permanent, wait), prepare=True)
+                                     for event_id, text, permanent, wait in failed]
                         release_cur = (await conn.execute(_RELEASE, (id_array(released), token), prepare=True)
                                        if released else None)
                     completed = (await done_cur.fetchone())[0] if done_cur else 0  # type: ignore[index]

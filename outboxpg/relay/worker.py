@@ -51,7 +51,7 @@ from outboxpg.relay.health import PROBE_TIMEOUT
 from outboxpg.relay.horizon import watch_xmin_every
 from outboxpg.relay.maintenance import maintain_every
 from outboxpg.relay.metrics import WorkerMetrics
-from outboxpg.relay.publishers import PermanentError, as_publisher
+from outboxpg.relay.publishers import PermanentError, as_publisher, retry_after
 from outboxpg.relay.shard_group import ShardGroup
 from outboxpg.relay.slots import FairSlots
 from outboxpg.relay.standby import StandbyFlush
@@ -489,7 +489,8 @@ class Worker:
             delivered = events
         reported = await self.gateway.report(
             [e.id for e in delivered], token,
-            [(e.id, describe(o, whole=True), isinstance(o, PermanentError)) for e, o in failed], released)
+            [(e.id, describe(o, whole=True), isinstance(o, PermanentError), retry_after(o)) for e, o in failed],
+            released)
         if reported is None:
             log.error("event=report_failed events=%d note=%r", len(events),
                       "leases will expire and the events be retried (deduplicated by msg_id)")
