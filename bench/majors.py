@@ -79,31 +79,36 @@ def main() -> int:
         f"{os.cpu_count()} cpus; majors {', '.join(majors)}")
     figures: dict[str, list[str]] = {}
     failed = 0
-    for major in majors:
-        keep = figures.setdefault(major, [])
-        bindir = bindirs[major]
-        with EmbeddedPostgres(bindir=bindir) as pg:
-            version = subprocess.run([str(bindir / "postgres"), "--version"], capture_output=True, text=True,
-                                     check=False).stdout.strip()
-            keep.append(f"{version}; load average at the start {load()}")
-            log(f"\n=== {version}: a throwaway cluster on 127.0.0.1:{pg.port}; load average {load()}")
-            pgbench = str(bindir / "pgbench")
-            mix = [sys.executable, "bench/key_mix.py", "--dsn", pg.dsn, "--pgbench", pgbench, "--only", "1",
-                   "--mixes", "1,2", *(["--quick"] if a.quick else [])]
-            failed += run(mix, keep, ("200,000 over", "20,000 over", "2,000 over", "cpu old")) != 0
-            keep.append(f"load average after the drains {load()}")
-            if not a.skip_held:
-                held = [sys.executable, "bench/held_snapshot.py", "--dsn", pg.dsn, "--pgbench", pgbench,
-                        "--aggregates", "10", "--before", f"{a.before:g}", "--hold", f"{a.hold:g}",
-                        "--after", f"{a.after:g}"]
-                failed += run(held, keep, ("phase ", "before ", "during ", "after ", "delivery during")) != 0
-                keep.append(f"load average after the held snapshot {load()}")
+    interrupted = False
+    try:
+        for major in majors:
+            keep = figures.setdefault(major, [])
+            bindir = bindirs[major]
+            with EmbeddedPostgres(bindir=bindir) as pg:
+                version = subprocess.run([str(bindir / "postgres"), "--version"], capture_output=True, text=True,
+                                         check=False).stdout.strip()
+                keep.append(f"{version}; load average at the start {load()}")
+                log(f"\n=== {version}: a throwaway cluster on 127.0.0.1:{pg.port}; load average {load()}")
+                pgbench = str(bindir / "pgbench")
+                mix = [sys.executable, "bench/key_mix.py", "--dsn", pg.dsn, "--pgbench", pgbench, "--only", "1",
+                       "--mixes", "1,2", *(["--quick"] if a.quick else [])]
+                failed += run(mix, keep, ("200,000 over", "20,000 over", "2,000 over", "cpu old")) != 0
+                keep.append(f"load average after the drains {load()}")
+                if not a.skip_held:
+                    held = [sys.executable, "bench/held_snapshot.py", "--dsn", pg.dsn, "--pgbench", pgbench,
+                            "--aggregates", "10", "--before", f"{a.before:g}", "--hold", f"{a.hold:g}",
+                            "--after", f"{a.after:g}"]
+                    failed += run(held, keep, ("phase ", "before ", "during ", "after ", "delivery during")) != 0
+                    keep.append(f"load average after the held snapshot {load()}")
+    except KeyboardInterrupt:   # the benchmark running then has cleaned up after itself; the cluster is stopped
+        interrupted = True
+        log("\ninterrupted: the figures so far")
     log("\n=== figures per major")
-    for major in majors:
+    for major in figures:
         log(f"PostgreSQL {major}:")
         for line in figures[major]:
             log(f"  {line}")
-    return 1 if failed else 0
+    return 130 if interrupted else 1 if failed else 0
 
 
 if __name__ == "__main__":
