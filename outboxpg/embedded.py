@@ -22,6 +22,8 @@ from types import TracebackType
 
 import psycopg
 
+from outboxpg import statements
+
 __all__ = ["EmbeddedPostgres", "EmbeddedStandby", "EmbeddedNats", "free_port", "find_pg_bindir", "find_nats_server"]
 
 
@@ -109,7 +111,7 @@ class EmbeddedPostgres:
         so that the outbox installs into public on every major alike. A no-op from 15 on."""
         for dbname in ("template1", "postgres"):
             with psycopg.connect(self.dsn_for(dbname), autocommit=True) as conn:
-                conn.execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")
+                conn.execute(statements.SECURE_PUBLIC_SCHEMA)
 
     def launch(self) -> None:
         """Start the server of the cluster created by start() (again, after halt())."""
