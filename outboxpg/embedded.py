@@ -85,7 +85,15 @@ class EmbeddedPostgres:
         cmd = [str(self.bindir / args[0]), *args[1:]]
         if self._as_root:
             cmd = ["runuser", "-u", self._run_as, "--", *cmd]
-        result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        env = None
+        own_lib = self.bindir.parent / "lib"
+        if (own_lib / "libpq.so.5").exists():
+            # A relocatable build (tools/pg_binaries.py) ships its own libpq, which its server's
+            # modules (the standby's walreceiver) do not find by themselves: without it they load
+            # the machine's, maybe of an older major that refuses the newer primary_conninfo.
+            env = {**os.environ, "LD_LIBRARY_PATH": os.pathsep.join(
+                p for p in (str(own_lib), os.environ.get("LD_LIBRARY_PATH", "")) if p)}
+        result = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
         if result.returncode != 0:
             log = self.logfile.read_text(errors="replace")[-2000:] if self.logfile.exists() else ""
             raise RuntimeError(f"{args[0]} failed ({result.returncode}): {result.stderr.strip()}\n{log}")
