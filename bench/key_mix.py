@@ -5,6 +5,7 @@ working tree, side by side in one run.
     .venv/bin/python bench/key_mix.py --quick     # smaller counts, shorter phases (about 2-3 minutes)
     .venv/bin/python bench/key_mix.py --only 1    # one phase (or several: --only 2,5 / --only claim)
     .venv/bin/python bench/key_mix.py --only 1 --no-atomic   # the drains through the fallback
+    .venv/bin/python bench/key_mix.py --only 1 --mixes 1,2   # two of phase 1's mixes (bench/majors.py)
 
 OLD is commit 3451e34 (--old-commit): its migrations/ and outboxpg/ are taken with `git archive`
 into a temp dir, the migrations applied with yoyo, and its own worker run from there. NEW is the
@@ -884,7 +885,10 @@ def phase_drain(b: Bench, q: bool) -> None:
     mixes.append((f"{zn:,} Zipf s=1.1 over 10,000 (top {top:,})", zn, None, zids))
     log(f"\n1. drain into JetStream, one outboxpg-worker (default flags), from its start to the last event "
         f"in the stream; cap old {cap['old']:.0f} s, new {cap['new']:.0f} s")
+    chosen = b.args.mixes or list(range(1, len(mixes) + 1))
     for i, (name, n, aggs, ids) in enumerate(mixes):
+        if i + 1 not in chosen:
+            continue
         res: dict[str, Drain] = {}
         try:
             for s in both(b, i):
@@ -899,6 +903,8 @@ def phase_drain(b: Bench, q: bool) -> None:
             + (f"; new started delivering after {nw.first_s:.2f} s" if nw.first_s is not None else ""))
         if o.order or nw.order:
             log(f"  {'':<42} old: {o.order or 'order not checked'}; new: {nw.order or 'order not checked'}")
+    if b.args.mixes:
+        return   # the naive loop runs with every mix
     n, aggs = 20_000 // k, 200
     name = f"naive loop, {n:,} over 200"
     res = {}
@@ -1150,6 +1156,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="smaller counts, shorter phases (about 2-3 minutes)")
     ap.add_argument("--only", default=None, help="phases to run: 1-6 or drain, claim, longtx, latency, insert, "
                                                   "snapshot; comma-separated")
+    ap.add_argument("--mixes", type=lambda t: sorted({int(x) for x in t.split(",")}), default=None,
+                    help="phase 1: only these mixes, by their place in the list above (1-5, comma-separated; "
+                         "the naive loop runs only with every mix)")
     ap.add_argument("--pgbench", default=os.environ.get("PGBENCH"))
     ap.add_argument("--check-order", action=argparse.BooleanOptionalAction, default=None,
                     help="read each worker drain's stream back and check per-aggregate order "

@@ -1276,6 +1276,20 @@ AS $$
 DECLARE
     replayed integer;
 BEGIN
+    -- outbox_replay_candidates' own checks, made here first: the INSERT below may never call it
+    -- (a hash join whose outbox side comes out empty does not read the other side).
+    IF num_nonnulls(ids, aggregate_type, aggregate_id, event_type, since, until) = 0 THEN
+        RAISE EXCEPTION 'outbox_replay: no filter given: refusing to replay every published event'
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Give ids, aggregate_type, aggregate_id, event_type, since or until (combined with AND).';
+    END IF;
+    IF since >= until THEN
+        RAISE EXCEPTION 'outbox_replay: since (%) is not before until (%)', since, until
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF include_replays IS NULL THEN
+        RAISE EXCEPTION 'outbox_replay: include_replays must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
     IF new_msg_id IS NULL THEN
         RAISE EXCEPTION 'outbox_replay: new_msg_id must not be NULL' USING ERRCODE = 'null_value_not_allowed';
     END IF;

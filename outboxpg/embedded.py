@@ -20,6 +20,10 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+import psycopg
+
+from outboxpg import statements
+
 __all__ = ["EmbeddedPostgres", "EmbeddedStandby", "EmbeddedNats", "free_port", "find_pg_bindir", "find_nats_server"]
 
 
@@ -51,9 +55,10 @@ class EmbeddedPostgres:
     """A private PostgreSQL cluster: ``with EmbeddedPostgres() as pg: psycopg.connect(pg.dsn)``."""
 
     def __init__(self, *, port: int | None = None, run_as: str = "postgres",
-                 settings: dict[str, str] | None = None, base_dir: str | None = None) -> None:
+                 settings: dict[str, str] | None = None, base_dir: str | None = None,
+                 bindir: Path | None = None) -> None:
         self.port = port or free_port()
-        self.bindir = find_pg_bindir()
+        self.bindir = bindir or find_pg_bindir()
         self._as_root = os.geteuid() == 0
         self._run_as = run_as
         self._base = Path(tempfile.mkdtemp(prefix="outboxpg-pg-", dir=base_dir))
@@ -80,7 +85,15 @@ class EmbeddedPostgres:
         cmd = [str(self.bindir / args[0]), *args[1:]]
         if self._as_root:
             cmd = ["runuser", "-u", self._run_as, "--", *cmd]
-        result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        env = None
+        own_lib = self.bindir.parent / "lib"
+        if (own_lib / "libpq.so.5").exists():
+            # A relocatable build (tools/pg_binaries.py) ships its own libpq, which its server's
+            # modules (the standby's walreceiver) do not find by themselves: without it they load
+            # the machine's, maybe of an older major that refuses the newer primary_conninfo.
+            env = {**os.environ, "LD_LIBRARY_PATH": os.pathsep.join(
+                p for p in (str(own_lib), os.environ.get("LD_LIBRARY_PATH", "")) if p)}
+        result = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
         if result.returncode != 0:
             log = self.logfile.read_text(errors="replace")[-2000:] if self.logfile.exists() else ""
             raise RuntimeError(f"{args[0]} failed ({result.returncode}): {result.stderr.strip()}\n{log}")
@@ -93,11 +106,20 @@ class EmbeddedPostgres:
             os.chown(self._base, pw.pw_uid, pw.pw_gid)
         self._create()
         self.launch()
+        self._secure_public()
         return self
 
     def _create(self) -> None:
         self._run("initdb", "-D", str(self.datadir), "-U", self.user, "-A", "trust", "-E", "UTF8",
                   "--no-sync", "--locale=C")
+
+    def _secure_public(self) -> None:
+        """Before PostgreSQL 15 every role may create objects in schema public: revoke that in
+        template1 (every new database's model) and postgres, as docs/privileges.md tells a DBA to,
+        so that the outbox installs into public on every major alike. A no-op from 15 on."""
+        for dbname in ("template1", "postgres"):
+            with psycopg.connect(self.dsn_for(dbname), autocommit=True) as conn:
+                conn.execute(statements.SECURE_PUBLIC_SCHEMA)
 
     def launch(self) -> None:
         """Start the server of the cluster created by start() (again, after halt())."""
@@ -143,7 +165,7 @@ class EmbeddedStandby(EmbeddedPostgres):
 
     def __init__(self, primary: EmbeddedPostgres, *, name: str = "standby1", port: int | None = None,
                  settings: dict[str, str] | None = None, base_dir: str | None = None) -> None:
-        super().__init__(port=port, run_as=primary._run_as, base_dir=base_dir,
+        super().__init__(port=port, run_as=primary._run_as, base_dir=base_dir, bindir=primary.bindir,
                          settings={"cluster_name": name, "hot_standby": "on", **(settings or {})})
         self.primary = primary
         self.name = name
@@ -151,6 +173,9 @@ class EmbeddedStandby(EmbeddedPostgres):
     def _create(self) -> None:
         self._run("pg_basebackup", "-h", "127.0.0.1", "-p", str(self.primary.port), "-U", self.primary.user,
                   "-D", str(self.datadir), "-R", "-X", "stream", "--checkpoint=fast", "--no-sync")
+
+    def _secure_public(self) -> None:
+        """A standby is read-only and has its primary's catalogs already."""
 
     def promote(self) -> None:
         """Promote the standby and wait until it accepts writes."""

@@ -1,6 +1,7 @@
 """Every SQL statement outboxpg sends, by name, except the worker's claim-and-report path
 (outboxpg/relay/gateway.py): the operator command line, the schema checks, the worker's
-start-up checks, the wakeup connection, the metrics sample, the producer's inserts, the demo.
+start-up checks, the wakeup connection, the metrics sample, the producer's inserts, the demo,
+the throwaway clusters.
 
 The command line reads the views (outbox_health, outbox_stats, outbox_dead_letters,
 outbox_failing, outbox_partitions) and calls the functions; it reads the table itself only for
@@ -355,6 +356,10 @@ INBOX_RECEIVE = "SELECT outbox_inbox_receive(%s, %s)"
 DEMO_CREATE_ORDERS = "CREATE TABLE orders (id text PRIMARY KEY, status text NOT NULL, amount numeric NOT NULL)"
 DEMO_UPSERT_ORDER = "INSERT INTO orders VALUES (%s, %s, %s) ON CONFLICT (id) DO UPDATE SET status = EXCLUDED.status"
 STATS = "SELECT * FROM outbox_stats"
+
+# -- throwaway clusters (outboxpg.embedded): PUBLIC may not create in schema public, as from 15 on --
+
+SECURE_PUBLIC_SCHEMA = "REVOKE CREATE ON SCHEMA public FROM PUBLIC"
 
 # -- outboxpg replay and outboxpg.replay() (0018) -----------------------------------------------
 

@@ -248,6 +248,19 @@ def test_bad_arguments_are_refused(conn: Conn) -> None:
         conn.execute("SELECT outbox_replay(ids => ARRAY[1], new_msg_id => NULL)")
 
 
+def test_bad_arguments_are_refused_whatever_the_plan(conn: Conn) -> None:
+    """The refusals come before the INSERT: with a hash join over an empty outbox (PostgreSQL 18's
+    plan here; forced on every major) the candidates are never read, so their own checks would not run."""
+    conn.execute("SET enable_nestloop = off")
+    conn.execute("SET enable_mergejoin = off")
+    with pytest.raises(BadFilter, match="is not before until"):
+        conn.execute("SELECT outbox_replay(since => now(), until => now() - interval '1 hour')")
+    with pytest.raises(BadFilter, match="no filter given"):
+        conn.execute("SELECT outbox_replay()")
+    with pytest.raises(psycopg.errors.NullValueNotAllowed, match="include_replays must not be NULL"):
+        conn.execute("SELECT outbox_replay(ids => ARRAY[1], include_replays => NULL)")
+
+
 # -- copies of copies -----------------------------------------------------------------------------
 
 def test_replays_copy_originals_only_and_do_not_compound(conn: Conn) -> None:

@@ -189,6 +189,9 @@ async def test_an_idle_worker_publishes_a_scheduled_event_at_its_time_without_po
 def test_a_scheduled_event_is_counted_scheduled_not_waiting_for_a_retry(dsn, conn):
     """An event whose deliver_at is ahead and that was never tried is 'scheduled' in outbox_stats,
     outbox_health and `outboxpg status`; waiting_retry keeps meaning failed and waiting."""
+    # The retry waits a minute, not the default second: the two `outboxpg status` runs below
+    # take longer than a second on a busy machine.
+    conn.execute("UPDATE outbox_settings SET backoff_base = '1 minute'")
     scheduled = insert(conn, "7", "1 hour")
     failing = insert(conn, "8")
     insert(conn, "9", "-1 minute")                # due already: neither
