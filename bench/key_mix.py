@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import os
 import platform
@@ -800,7 +801,15 @@ class Bench:
             await nc.close()
         during = [lat for t, lat in fresh if drained_at is None or t < drained_at]
         after = [lat for t, lat in fresh if drained_at is not None and t >= drained_at]
-        return {"n": n, "drain_s": elapsed, "drained": got, "during": during, "after": after}
+        # Where the wait of the fresh events during the drain went: until a claim handed them out
+        # (claimed_at, the database's clock) and from there to JetStream.
+        waited: list[float] = []
+        with contextlib.suppress(psycopg.Error), psycopg.connect(s.dsn) as c:
+            waited = [float(w) for (w,) in c.execute(
+                "SELECT extract(epoch FROM o.claimed_at) - (o.payload->>'t')::float8 FROM outbox o "
+                "WHERE o.event_type = 'fresh' AND o.claimed_at IS NOT NULL AND (o.payload->>'t')::float8 < %s",
+                (drained_at or float("inf"),))]
+        return {"n": n, "drain_s": elapsed, "drained": got, "during": during, "after": after, "waited": waited}
 
     # -- phase 5: producer INSERT --------------------------------------------------------------
 
@@ -1104,6 +1113,10 @@ def phase_backlog(b: Bench, q: bool) -> None:
             if lab == "new" and d:
                 target = f"  [target p99 <= 50 ms: {'met' if pct(d, 0.99) * 1000 <= 50 else 'MISSED'}]"
             log(f"  {n:>9,} {lab}: {drain}; fresh events {during}, {after}; foreign CPU {r['foreign']:.0f}%{target}")
+            if r.get("waited"):
+                w = r["waited"]
+                log(f"  {'':>9} {lab}: of which until a claim handed them out: p50 {pct(w, 0.5) * 1000:8.1f} "
+                    f"p99 {pct(w, 0.99) * 1000:8.1f} ms")
         if res.get("old", {}).get("drain_s") and res.get("new", {}).get("drain_s"):
             log(f"  {'':>9} drain rate new/old {res['old']['drain_s'] / res['new']['drain_s']:.2f}x")
 

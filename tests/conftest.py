@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
@@ -107,6 +107,33 @@ def second_empty_dsn(pg_server: NoopExecutor) -> Iterator[str]:
                               password=pg_server.password, dbname=name)
     with janitor:
         yield _dsn(pg_server.host, pg_server.port, pg_server.user, name, pg_server.password)
+
+
+@pytest.fixture
+def more_databases(outbox_template: NoopExecutor) -> Iterator[Callable[[int], list[str]]]:
+    """make(n): n more migrated databases (clones of the suite's template), dropped afterwards (one
+    relay over several databases: tests/relay/test_fleet.py, tests/cli/test_worker_databases.py)."""
+    janitors: list[DatabaseJanitor] = []
+    pg = outbox_template
+
+    def make(n: int) -> list[str]:
+        dsns = []
+        for _ in range(n):
+            name = f"outboxpg_fleet_{uuid.uuid4().hex[:10]}"
+            janitor = DatabaseJanitor(user=pg.user, host=pg.host, port=pg.port, password=pg.password, dbname=name,
+                                      template_dbname=pg.template_dbname)
+            janitor.init()
+            janitors.append(janitor)
+            dsns.append(f"host={pg.host} port={pg.port} user={pg.user} dbname={name}"
+                        + (f" password={pg.password}" if pg.password else ""))
+        return dsns
+
+    yield make
+    for janitor in janitors:
+        with psycopg.connect(host=janitor.host, port=janitor.port, user=janitor.user, password=janitor.password,
+                             dbname="postgres", autocommit=True) as c:
+            c.execute(sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS true").format(sql.Identifier(janitor.dbname)))
+        janitor.drop()
 
 
 @pytest.fixture

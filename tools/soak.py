@@ -3,6 +3,8 @@
     bin/soak --minutes 3 --seed 42          (python tools/soak.py ..., from the checkout)
     bin/soak --distributed --seconds 180 --seed 42   (root: a JetStream cluster, a replicated
                                             PostgreSQL, workers on hosts of their own; tools/soak_distributed.py)
+    bin/soak --patroni --minutes 3 --seed 42    (PostgreSQL run by Patroni and etcd: switchovers and
+                                            crash failovers; tools/soak_patroni.py)
 
 Everything runs on throwaway servers started here (EmbeddedPostgres, EmbeddedNats) and everything
 started here is stopped here. See RELIABILITY.md for what is injected, what is checked and how the
@@ -37,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from soak_patroni import PATRONI_KINDS
 
 from outboxpg.events import runs_of
 from outboxpg.relay.publishers import NotSent
@@ -48,6 +51,9 @@ FAULT_KINDS = ("kill9", "sigterm", "pg_terminate", "pg_restart_fast", "pg_restar
 # is the cluster's outage).
 DISTRIBUTED_KINDS = ("nats_node_kill9", "nats_leader_kill9", "pg_failover", "net_cut_pg", "net_cut_nats",
                      "slow_publisher", "poison", "held_snapshot")
+# --patroni: PostgreSQL run by Patroni (a leader and a synchronous standby, etcd); these kinds
+# join the ones above but the restarts (Patroni restarts PostgreSQL itself).
+PATRONI_BASE_KINDS = ("kill9", "sigterm", "pg_terminate", "nats_outage", "sigstop")
 SUBJECT_PREFIX = "soak"
 STREAM = "SOAK"
 WORKER_APP = "soak-worker"
@@ -427,6 +433,7 @@ class Rig:
     replicated: Any = None    # soak_distributed.ReplicatedPg
     cluster: Any = None       # soak_distributed.NatsCluster
     hosts: Any = None         # soak_distributed.Hosts
+    patroni: Any = None       # tests/patroni.py's PatroniCluster (--patroni)
 
     def primary(self) -> Any:
         return self.replicated.primary if self.replicated is not None else self.pg
@@ -528,6 +535,11 @@ def inject(kind: str, rng: random.Random, workers: Workers, rig: Rig, lease: flo
     elif kind == "pg_failover":
         rec.armed = True
         rec.detail = rig.replicated.fail_over(rng.uniform(0.5, 2.0))
+    elif kind in PATRONI_KINDS:
+        import soak_patroni
+
+        rec.armed = True
+        rec.detail = soak_patroni.inject(kind, rig.patroni, ledger.commit)
     elif kind in ("net_cut_pg", "net_cut_nats"):
         # Cut a worker's host off while it holds leases where possible (caught as kill9 does):
         # its reports for them hang until the link is back, long after the leases expired and
@@ -610,14 +622,14 @@ def _poison(admin_dsn: str, nats_url: str, ledger: Ledger) -> str:
 
 def kinds_for(args: argparse.Namespace) -> tuple[str, ...]:
     available = (tuple(k for k in FAULT_KINDS if k != "nats_outage") + DISTRIBUTED_KINDS
-                 if args.distributed else FAULT_KINDS)
+                 if args.distributed else PATRONI_BASE_KINDS + PATRONI_KINDS if args.patroni else FAULT_KINDS)
     if not args.kinds:
         return available
     wanted = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
     unknown = [k for k in wanted if k not in available]
     if unknown or not wanted:
-        raise ValueError(f"--kinds: {', '.join(unknown) or 'none given'} not among "
-                         f"{', '.join(available)}{'' if args.distributed else ' (more with --distributed)'}")
+        more = "" if args.distributed or args.patroni else " (more with --distributed or --patroni)"
+        raise ValueError(f"--kinds: {', '.join(unknown) or 'none given'} not among {', '.join(available)}{more}")
     return wanted
 
 
@@ -634,11 +646,19 @@ def run(args: argparse.Namespace) -> int:
             return 2
         for what in soak_distributed.sweep_stale():
             say(f"removed {what} left by a soak no longer running")
+    if args.patroni:
+        import soak_patroni
+
+        _bins, why = soak_patroni.helpers().find_patroni()
+        if not _bins:
+            print(f"soak: {why}", file=sys.stderr, flush=True)
+            return 2
     rng = random.Random(args.seed)
     workdir = Path(tempfile.mkdtemp(prefix="outboxpg-soak-"))
     say(f"seed={args.seed} run={duration:g}s workers={args.workers} producers={args.producers} "
         f"lease={args.lease}s publish_timeout={args.publish_timeout}s fail_rate={args.fail_rate} "
-        f"distributed={'yes' if args.distributed else 'no'} logs={workdir}")
+        f"distributed={'yes' if args.distributed else 'no'} patroni={'yes' if args.patroni else 'no'} "
+        f"logs={workdir}")
     ledger = Ledger()
     faults: list[FaultRecord] = []
     flock = threading.Lock()
@@ -705,6 +725,16 @@ def run(args: argparse.Namespace) -> int:
 
 def _servers(stack: contextlib.ExitStack, args: argparse.Namespace, workdir: Path) -> Rig:
     """Start the servers (stopped and removed by ``stack``, in the reverse order)."""
+    if args.patroni:
+        import soak_patroni
+
+        from outboxpg.embedded import EmbeddedNats
+
+        patroni = soak_patroni.start_cluster()
+        stack.callback(patroni.stop)
+        ns = stack.enter_context(EmbeddedNats())
+        dsn = soak_patroni.dsn(patroni)
+        return Rig(dsn, f"{dsn} application_name={WORKER_APP}", ns.url, workdir, ns=ns, patroni=patroni)
     if not args.distributed:
         from outboxpg.embedded import EmbeddedNats, EmbeddedPostgres
 
@@ -934,8 +964,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--distributed", action="store_true",
                    help="3-node JetStream cluster, primary + synchronous standby, workers in network namespaces "
                         f"(root, `ip netns`); adds the kinds {', '.join(DISTRIBUTED_KINDS)}")
+    p.add_argument("--patroni", action="store_true",
+                   help="PostgreSQL run by Patroni and etcd (Debian's patroni, etcd-server), synchronous_mode on, "
+                        f"the multi-host DSN; adds the kinds {', '.join(PATRONI_KINDS)}")
     p.add_argument("--kinds", default="", help="comma-separated fault kinds to inject (default: every kind)")
     args = p.parse_args(argv)
+    if args.patroni and args.distributed:
+        p.error("--patroni and --distributed are two different rigs: one at a time")
     if args.seconds is None and args.minutes <= 0 or args.seconds is not None and args.seconds <= 0:
         p.error("run time must be positive")
     try:

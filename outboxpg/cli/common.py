@@ -7,7 +7,7 @@ import argparse
 import os
 import re
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 from urllib.parse import quote, unquote
 
@@ -157,8 +157,12 @@ _PASSWORD_URI = re.compile(r"://[^/@?#]*?:([^/@?#]*)@")
 _PASSWORD_QUERY = re.compile(r"[?&]password=([^&#]*)", re.IGNORECASE)
 
 
-def secrets_of(dsn: str) -> list[str]:
-    """Every form in which a password of ``dsn`` (or $PGPASSWORD) could show up in a message."""
+def secrets_of(dsn: str | Sequence[str] | None) -> list[str]:
+    """Every form in which a password of ``dsn`` (or of each of several; or $PGPASSWORD) could
+    show up in a message."""
+    if dsn is None or not isinstance(dsn, str):
+        return sorted({s for one in dsn or () if isinstance(one, str) for s in secrets_of(one)} |
+                      set(secrets_of("")), key=len, reverse=True)
     found: set[str] = set()
     try:
         pw = conninfo_to_dict(dsn).get("password")

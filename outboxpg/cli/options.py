@@ -90,19 +90,41 @@ def _default(f: dataclasses.Field[Any]) -> Any:
     return None
 
 
-def add_options(parser: argparse.ArgumentParser, declared: type) -> None:
+class _Repeat(argparse.Action):
+    """Each use of the flag adds one value; the first use replaces the default (the
+    environment's value): the flags win over the variable."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        current = getattr(namespace, self.dest, None)
+        if current is self.default or current is None:
+            current = []
+        setattr(namespace, self.dest, [*current, values])
+
+
+def add_options(parser: argparse.ArgumentParser, declared: type, leave_out: Sequence[str] = ()) -> None:
     """A flag for every field of the dataclass ``declared``, its default read from the
     environment now (a variable that does not parse raises CliError, also before --help: the
     help would show it as the default), unless the field says ``environment=False``. A
-    ``list[X] | None`` field is a repeatable flag taking comma-separated values."""
+    ``list[X] | None`` field is a repeatable flag taking comma-separated values (one declared
+    with ``repeat``: one value per flag, and one in its variable). ``leave_out``: fields that
+    get no flag (another declaration gives the command its flag)."""
     hints = typing.get_type_hints(declared)
     for f in dataclasses.fields(declared):
+        if f.name in leave_out:
+            continue
         kind = hints[f.name]
         kind = next((k for k in typing.get_args(kind) if k is not type(None)), kind)   # str | None: str
         env = env_name(f)
         choices = f.metadata.get("choices")
         from_env = f.metadata.get("environment", True)
         text = os.environ.get(env) if from_env else None
+        if f.metadata.get("repeat"):
+            default = _default(f) if text is None else [text]
+            parser.add_argument(flag_name(f), dest=f.name, action=_Repeat, default=default,
+                                metavar=f.metadata.get("metavar"),
+                                help=f"{f.metadata['help']} [{env}]" if from_env else f.metadata["help"])
+            continue
         default = _default(f) if text is None else _parse(kind, text, env, choices)
         help = f"{f.metadata['help']} [{env}]" if from_env else f.metadata["help"]
         if kind is bool:
@@ -116,6 +138,8 @@ def add_options(parser: argparse.ArgumentParser, declared: type) -> None:
                                 metavar=f.metadata.get("metavar"), help=help)
 
 
-def from_args(declared: type, args: argparse.Namespace) -> Any:
-    """An instance of the dataclass ``declared`` with the parsed values of its fields."""
-    return declared(**{f.name: getattr(args, f.name) for f in dataclasses.fields(declared)})
+def from_args(declared: type, args: argparse.Namespace, **given: Any) -> Any:
+    """An instance of the dataclass ``declared`` with the parsed values of its fields (``given``:
+    values of fields that have no flag of their own, see add_options' ``leave_out``)."""
+    return declared(**{f.name: given[f.name] if f.name in given else getattr(args, f.name)
+                       for f in dataclasses.fields(declared)})

@@ -270,6 +270,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {words[0]}")
     args = parser.parse_args(words)
     restore_double_dash(args, ("dsn", "event_type", "aggregate_type", "aggregate_id", "since", "until", "reason"))
+    if isinstance(getattr(args, "dsn", None), list):   # `status` takes --dsn repeated; "--dsn=--" is "--" there too
+        args.dsn = ["--" if dsn == [] else dsn for dsn in args.dsn]
     secrets = secrets_of(resolve_dsn(args))
     try:
         return int(args.func(args))

@@ -32,6 +32,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -48,6 +49,7 @@ from outboxpg.cli.common import (
     secrets_of,
     untrusted_creators_text,
 )
+from outboxpg.cli.databases import DatabaseOptions, Databases, check_all, merged_settings, several, targets_from
 from outboxpg.cli.errors import (
     EXIT_BROKER,
     EXIT_CODES,
@@ -71,6 +73,7 @@ from outboxpg.cli.worker_sink import (
 from outboxpg.cloudevents import SPEC_VERSION, CloudEvents, check_source, default_source
 from outboxpg.option import option
 from outboxpg.relay.backoff import next_delay
+from outboxpg.relay.fleet import DatabaseLabelFilter
 from outboxpg.relay.health import Health
 from outboxpg.relay.nats.readiness import not_nats
 from outboxpg.relay.nats.streams import (
@@ -83,7 +86,7 @@ from outboxpg.relay.nats.streams import (
     under_prefix,
 )
 from outboxpg.relay.pooler import POOLER_HINT, behind_transaction_pooler
-from outboxpg.relay.worker import Worker, WorkerConfig, application_name
+from outboxpg.relay.worker import WorkerConfig, application_name
 from outboxpg.sinks import scheme_of
 from outboxpg.sinks.base import without_credentials
 from outboxpg.text import describe, first_line, join_lines, printable
@@ -148,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter, epilog=EXIT_CODES)
     add_options(p, WorkerConfig)
     add_options(p, CommandOptions)
+    add_options(p, DatabaseOptions)   # --dsn-file, --max-in-flight (--dsn repeated: WorkerConfig.dsn)
     if "OUTBOXPG_DSN" not in os.environ:
         p.set_defaults(dsn=None)   # not given: main() asks for it (the worker writes)
     p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
@@ -332,13 +336,24 @@ def _check_cloudevents(args: argparse.Namespace) -> None:
         check_source(args.cloudevents_source)   # ValueError: exit 2 with its one line
 
 
-def _serve_metrics(args: argparse.Namespace, cfg: WorkerConfig) -> Any:
-    """Bind the --metrics-port server now: a port in use or an address this host does not have
-    is one line, exit 2, before the worker waits for NATS or claims anything."""
+def _new_metrics(args: argparse.Namespace) -> Any:
+    """A database's metrics (its WorkerMetrics), made as it starts."""
     from outboxpg.relay.metrics import WorkerMetrics
 
-    metrics = WorkerMetrics(cfg.dsn, application_name=f"{application_name(cfg.name)} (metrics)",
-                            max_event_types=args.metrics_event_types)
+    def new(cfg: WorkerConfig) -> WorkerMetrics:
+        return WorkerMetrics(cfg.dsn, application_name=f"{application_name(cfg.name)} (metrics)",
+                             max_event_types=args.metrics_event_types)
+    return new
+
+
+def _serve_metrics(args: argparse.Namespace, cfg: WorkerConfig) -> Any:
+    """Bind the --metrics-port server now: a port in use or an address this host does not have
+    is one line, exit 2, before the worker waits for NATS or claims anything. It serves the
+    metrics of every database (outboxpg.relay.fleet_metrics), with a database label when there
+    are several."""
+    from outboxpg.relay.fleet_metrics import FleetMetrics
+
+    metrics = FleetMetrics(labelled=several(args))
     try:
         metrics.serve(args.metrics_port, args.metrics_addr)
     except OSError as exc:   # EADDRINUSE, EADDRNOTAVAIL, EACCES, an unresolvable name (gaierror)
@@ -347,6 +362,49 @@ def _serve_metrics(args: argparse.Namespace, cfg: WorkerConfig) -> Any:
                        EXIT_USAGE) from None
     log.info("event=metrics_serving addr=%s port=%d", args.metrics_addr, args.metrics_port)
     return metrics
+
+
+async def _serve(args: argparse.Namespace, cfg: WorkerConfig, publisher: Any, targets: list[Any],
+                 checked: dict[Any, Any], failed: dict[Any, Any], metrics: Any, stopping: asyncio.Event,
+                 reload: asyncio.Event, set_databases: Any) -> int:
+    """Run a Worker per database, sharing ``publisher``, until a signal (outboxpg.cli.databases)."""
+    from outboxpg.relay.fleet import Fleet
+
+    many = several(args)
+    fleet = Fleet(publisher, args.max_in_flight or 2 * cfg.concurrency * cfg.batch_size, label_logs=many)
+    await fleet.open()
+    stream_problems = None
+    if not args.publisher:
+        async def stream_problems(settings: Any) -> list[str]:
+            return await _stream_setup(args, publisher, cfg, *settings)
+    databases = Databases(cfg, fleet, _check_database, fixed=[t for t in targets if t.where == "--dsn"],
+                          dsn_file=args.dsn_file, metrics=metrics,
+                          new_metrics=_new_metrics(args) if metrics is not None else None,
+                          stream_problems=stream_problems, add_secrets=_add_secrets, reload=reload)
+    set_databases(databases)
+    if stopping.is_set():
+        databases.stop()
+    await databases.run(checked, failed)
+    return 0
+
+
+def _add_secrets(secrets: list[str]) -> None:
+    """The passwords of DSNs read from --dsn-file (at start, and on each reload) join those the
+    log lines never show."""
+    for handler in logging.getLogger().handlers:
+        redacting = next((f for f in handler.filters if isinstance(f, _Redact)), None)
+        if redacting is None:
+            redacting = _Redact([])
+            handler.addFilter(redacting)
+        redacting.secrets = sorted({*redacting.secrets, *secrets} - {""}, key=len, reverse=True)
+
+
+def _log_databases(args: argparse.Namespace) -> None:
+    """Over several databases each line names the one it is about (database=, from the tasks'
+    context); the passwords of --dsn-file's DSNs are never shown either."""
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(DatabaseLabelFilter())
+    _add_secrets(_file_secrets(args.dsn_file))
 
 
 def _nats_secrets(url: str) -> list[str]:
@@ -419,27 +477,39 @@ def _ignore_late_signals(loop: asyncio.AbstractEventLoop) -> None:
     removed its handlers printed "Exception ignored ... OSError: [Errno 9] Bad file descriptor".
     (Removing asyncio's SIGINT handler restores Python's for an instant: a KeyboardInterrupt
     that slips through after a clean stop is read as the clean stop it follows, in main().)"""
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         loop.remove_signal_handler(sig)
         signal.signal(sig, signal.SIG_IGN)
 
 
 async def _start(args: argparse.Namespace) -> int:
     """Check, connect and run the worker until it stops (a signal while starting: exit 0)."""
-    cfg: WorkerConfig = from_args(WorkerConfig, args)
+    cfg: WorkerConfig = from_args(WorkerConfig, args, dsn="")
     cfg.validate()
-    # SIGTERM/SIGINT while starting: stop waiting and exit 0; once running: worker.stop().
+    targets = targets_from(args)   # every DSN parsed and labelled, before anything connects
+    many = several(args)
+    if args.max_in_flight is not None and args.max_in_flight < 1:
+        raise CliError(f"--max-in-flight must be at least 1, got {args.max_in_flight}", EXIT_USAGE)
+    if many and args.cloudevents and args.cloudevents_source is None:
+        raise CliError("--cloudevents over several databases needs --cloudevents-source (its default names one "
+                       "database)", EXIT_USAGE)
+    # SIGTERM/SIGINT while starting: stop waiting and exit 0; once running: databases.stop().
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
-    worker: Worker | None = None
+    databases: list[Databases] = []
 
     def on_signal() -> None:
         stopping.set()
-        if worker is not None:
-            worker.stop()
+        for running in databases:
+            running.stop()
+
+    set_databases = databases.append
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
+    reload = asyncio.Event()   # SIGHUP with --dsn-file: re-read it (one that comes while starting, once running)
+    if args.dsn_file is not None:
+        loop.add_signal_handler(signal.SIGHUP, reload.set)
     if not 0 <= args.metrics_port <= 65535:
         raise CliError(f"--metrics-port must be 0 (off) or a port from 1 to 65535, got {args.metrics_port}", EXIT_USAGE)
     if args.metrics_event_types < 0:
@@ -460,7 +530,7 @@ async def _start(args: argparse.Namespace) -> int:
         from outboxpg.relay.nats.connection import parse_servers
 
         servers = parse_servers(args.nats_url)   # ValueError: exit 2 with its one line
-    settings, database = await _check_database(cfg)
+    checked, failed, database = await check_all(targets, cfg, _check_database, many)
     metrics = _serve_metrics(args, cfg) if args.metrics_port else None
     if metrics is not None:
         metrics.health.checked_schema()   # /readyz: the start-up checks above passed
@@ -487,19 +557,17 @@ async def _start(args: argparse.Namespace) -> int:
         publisher = NatsPublisher(servers, ack_timeout=cfg.publish_timeout, cloudevents=cloudevents)
         await publisher.start()
         try:
-            ready = await _broker_ready(args, publisher, cfg, settings, stopping,
-                                        metrics.health if metrics is not None else None)
+            ready = True
+            for settings in merged_settings(list(checked.values())):
+                ready = ready and await _broker_ready(args, publisher, cfg, settings, stopping,
+                                                      metrics.health if metrics is not None else None)
         except BaseException:
             await publisher.close()
             raise
         if not ready:
             await publisher.close()
             return 0
-    worker = Worker(cfg, publisher, metrics)
-    if stopping.is_set():
-        worker.stop()
-    await worker.run()
-    return 0
+    return await _serve(args, cfg, publisher, targets, checked, failed, metrics, stopping, reload, set_databases)
 
 
 class _OneLine(logging.Filter):
@@ -531,6 +599,15 @@ class _Redact(logging.Filter):
         return True
 
 
+def _file_secrets(path: str | None) -> list[str]:
+    """The passwords of --dsn-file's DSNs (a file that cannot be read fails the start later)."""
+    if path is None:
+        return []
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        return [s for line in Path(path).read_text().splitlines() for s in secrets_of(line)]
+    return []
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         parser = build_parser()
@@ -538,7 +615,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"outboxpg-worker: {exc}", file=sys.stderr)
         return exc.code
     args = parser.parse_args(argv)
-    if args.dsn is None:
+    if args.dsn is None and args.dsn_file is None:
         # libpq would pick a database by itself (the local socket, one named after the OS user).
         print("outboxpg-worker: the worker writes to a database: name it with --dsn or OUTBOXPG_DSN "
               "(--dsn '' takes libpq's PG* variables)", file=sys.stderr)
@@ -560,6 +637,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         handler.addFilter(_OneLine())
         if secrets:
             handler.addFilter(_Redact(secrets))
+    _log_databases(args)
 
     def fail(message: str, code: int) -> int:
         print(printable(redact(f"outboxpg-worker: {message}", secrets)), file=sys.stderr)

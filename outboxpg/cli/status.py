@@ -14,16 +14,20 @@ from psycopg.rows import dict_row
 
 from outboxpg import statements
 from outboxpg.cli.common import (
+    DSN_HELP,
     add_dsn,
     announce_target,
     number_type,
     open_outbox,
     print_json,
+    redact,
     require_target,
+    secrets_of,
     untrusted_creators_text,
     where_am_i,
     where_text,
 )
+from outboxpg.cli.errors import EXIT_USAGE, CliError
 from outboxpg.cli.render import jsonable, pairs, table
 from outboxpg.relay.horizon import XminHolder
 from outboxpg.relay.nats.streams import MAX_SUBJECTS, Subject, missing_text
@@ -49,7 +53,8 @@ def register(sub: Any) -> None:
                                    "leases, last claim, open producing transactions and the events they hold "
                                    "back, what holds back the xmin horizon) and the number of events in each "
                                    "state.")
-    add_dsn(p)
+    p.add_argument("--dsn", action="append", help=f"{DSN_HELP}; repeat it for several databases: a block each (with "
+                                                   "--json, one object per line), in the order given")
     p.add_argument("--json", action="store_true", help="print one JSON object (intervals in seconds)")
     p.add_argument("--watch", nargs="?", type=_positive_seconds, const=2.0, default=None, metavar="SECONDS",
                    help="refresh every SECONDS (default 2) until Ctrl-C; with --json, one object per line")
@@ -303,6 +308,10 @@ def _as_json(snap: dict[str, Any]) -> dict[str, Any]:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    dsns = args.dsn or [None]
+    if len(dsns) > 1:
+        return _status_of_several(args, dsns)
+    args.dsn = dsns[0]
     with open_outbox(args) as conn:
         if args.watch is None:
             snap = _snapshot(conn, not args.health_only, args.nats_url)
@@ -324,6 +333,27 @@ def cmd_status(args: argparse.Namespace) -> int:
                 time.sleep(args.watch)
         except KeyboardInterrupt:
             return 0
+
+
+def _status_of_several(args: argparse.Namespace, dsns: list[str]) -> int:
+    """One block (or JSON line) per database; one that cannot be read is one line on stderr,
+    naming which, and the exit code is the first such failure's (0 when every one was read)."""
+    if args.watch is not None:
+        raise CliError("--watch takes one --dsn", EXIT_USAGE)
+    code = 0
+    for n, dsn in enumerate(dsns):
+        try:
+            with open_outbox(argparse.Namespace(dsn=dsn)) as conn:
+                snap = _snapshot(conn, not args.health_only, args.nats_url)
+        except CliError as exc:
+            print(printable(redact(f"outboxpg: --dsn #{n + 1}: {exc}", secrets_of(dsn))), file=sys.stderr, flush=True)
+            code = code or exc.code
+            continue
+        if args.json:
+            print_json(_as_json(snap))
+        else:
+            print("\n".join(_render(snap)) + ("\n" if n < len(dsns) - 1 else ""), flush=True)
+    return code
 
 
 # -- maintain -------------------------------------------------------------------------------

@@ -21,12 +21,14 @@ def _default_name() -> str:
 
 @dataclass
 class WorkerConfig:
-    dsn: str = option("PostgreSQL connection string or URI; empty: libpq's PG* variables", command_default="")
+    # The command takes --dsn repeated (one WorkerConfig per database, outboxpg.cli.databases).
+    dsn: str = option("PostgreSQL connection string or URI; repeat it to serve several databases from one process "
+                      "(OUTBOXPG_DSN holds one); empty: libpq's PG* variables", command_default="", repeat=True)
     batch_size: int = option("events per claim", 500)
     claim_bytes: int | None = option("bytes of events (payload and headers) per claim at most, one event at least: "
                                      "what a batch holds in memory; default: outbox_settings.max_claim_bytes (64 MiB)",
                                      None, metavar="N")
-    concurrency: int = option("batches in flight at once", 4)
+    concurrency: int = option("batches in flight at once (per database)", 4)
     lease: float = option("seconds a claimed batch is leased; at least twice --publish-timeout", 30.0)
     poll_interval: float = option("fallback poll when no notification comes, seconds", 30.0)
     poll_only: bool = option("no LISTEN and no session locks: poll every --poll-interval (for PgBouncer in "

@@ -52,6 +52,7 @@ from outboxpg.relay.horizon import watch_xmin_every
 from outboxpg.relay.maintenance import maintain_every
 from outboxpg.relay.metrics import WorkerMetrics
 from outboxpg.relay.publishers import PermanentError, as_publisher
+from outboxpg.relay.slots import FairSlots
 from outboxpg.relay.standby import StandbyFlush
 from outboxpg.relay.stats import Recorder
 from outboxpg.relay.tasks import cancel_all, say_where_after
@@ -81,9 +82,16 @@ SAY_SLOW_STOP_AFTER = 10.0
 
 
 class Worker:
-    def __init__(self, config: WorkerConfig, publisher: Any, metrics: WorkerMetrics | None = None) -> None:
+    """``slots``: the events being published at once across the databases of one process
+    (outboxpg.relay.fleet), handed out in turn. ``owns_publisher``: run() starts and
+    closes the publisher; False where several workers share it (the fleet does that)."""
+
+    def __init__(self, config: WorkerConfig, publisher: Any, metrics: WorkerMetrics | None = None, *,
+                 slots: FairSlots | None = None, owns_publisher: bool = True) -> None:
         config.validate()
         self.cfg = config
+        self.slots = slots
+        self.owns_publisher = owns_publisher
         self.metrics = metrics
         # /healthz and /readyz (served with the metrics): the loop's heartbeat, PostgreSQL, the publisher.
         self.health = metrics.health if metrics is not None else None
@@ -158,7 +166,7 @@ class Worker:
                                                   name="outboxpg-xmin-watch"))
         self.recorder.watch_listener(lambda: self.listener.up)
         try:
-            if hasattr(self.publisher, "start"):
+            if self.owns_publisher and hasattr(self.publisher, "start"):
                 await self.publisher.start()
             log.info("event=start worker=%s batch_size=%d concurrency=%d lease=%gs poll_interval=%gs "
                      "poll_only=%s publish_timeout=%gs standby_flushed=%s run_publishing=%s", cfg.name, cfg.batch_size,
@@ -172,7 +180,7 @@ class Worker:
             await self.idle_lock.close()
             if self.standby is not None:
                 await self.standby.close()
-            if hasattr(self.publisher, "close"):
+            if self.owns_publisher and hasattr(self.publisher, "close"):
                 with contextlib.suppress(Exception):
                     await self.publisher.close()
             await self.gateway.close()
@@ -320,6 +328,21 @@ class Worker:
                 break
         return total
 
+    async def _publish(self, events: Sequence[OutboxEvent]) -> Sequence[BaseException | None]:
+        """The publisher's outcomes for ``events``; with ``slots``, in this database's turn for
+        its share of the process's events in flight, held while publishing only: a database
+        whose claims or reports hang (down, locked) holds none of it."""
+        outcomes: Sequence[BaseException | None]
+        if self.slots is None:
+            outcomes = await self.publisher.publish_batch(events)
+            return outcomes
+        units = await self.slots.acquire(self, len(events))
+        try:
+            outcomes = await self.publisher.publish_batch(events)
+            return outcomes
+        finally:
+            self.slots.release(units)
+
     async def _until_publisher_ready(self) -> bool:
         """Wait until the publisher is ready again (True) or stop() (False)."""
         ready = self._publisher_ready
@@ -369,7 +392,7 @@ class Worker:
             if self.standby is not None and not await self._standby_flushed(rows):
                 outcomes: Sequence[BaseException | None] | None = None
             else:
-                outcomes = await self.publisher.publish_batch(events)
+                outcomes = await self._publish(events)
         except Exception as exc:  # noqa: BLE001 - a publisher that raises fails the whole batch
             outcomes = [exc] * len(events)
         finally:

@@ -182,7 +182,9 @@ def test_every_worker_option_has_its_flag_and_variable_declared_once() -> None:
     for f in dataclasses.fields(WorkerConfig):
         assert flag_name(f) in help_text and f"[{env_name(f)}]" in help_text, f.name
     parser = build_parser()
-    cfg = from_args(WorkerConfig, parser.parse_args(["--dsn", "dbname=x", "--batch-size", "7", "--poll-only"]))
+    args = parser.parse_args(["--dsn", "dbname=x", "--dsn", "dbname=y", "--batch-size", "7", "--poll-only"])
+    assert args.dsn == ["dbname=x", "dbname=y"]   # --dsn repeated: a WorkerConfig per database
+    cfg = from_args(WorkerConfig, args, dsn=args.dsn[0])
     assert (cfg.dsn, cfg.batch_size, cfg.poll_only, cfg.concurrency) == ("dbname=x", 7, True, WorkerConfig("").concurrency)
     saved = dict(os.environ)
     try:

@@ -478,6 +478,18 @@ def _errors(env: Env) -> None:
     schema.rollback(older, 3)
 
 
+@scenario("tenants", lambda env: {"dbname=billing": "dbname={PGDATABASE}_billing"})
+def _tenants(env: Env) -> None:
+    """docs/how-to/many-databases.md: two migrated databases, shop and billing, two events
+    waiting in billing."""
+    _migrate(env)
+    billing = env.database("billing")
+    schema.migrate(billing)
+    with psycopg.connect(billing, autocommit=True) as c:
+        _insert(c, "invoice", "i-4", "issued")
+        _insert(c, "invoice", "i-5", "issued")
+
+
 NO_STREAM = "RuntimeError: no JetStream stream captures this subject (no responders)"
 
 
