@@ -97,7 +97,7 @@ def main() -> int:
         schema.migrate(dsn)
         pairs = [("outbox_claim", "outbox_complete")]
         with psycopg.connect(dsn, autocommit=True) as c:
-            if (pinned_copy(c, "outbox_claim(integer,interval,text,bigint)", "outbox_claim", "outbox_claim_pinned")
+            if (pinned_copy(c, "outbox_claim(integer,interval,text,bigint,text)", "outbox_claim", "outbox_claim_pinned")
                     and pinned_copy(c, "outbox_complete(bigint[],uuid)", "outbox_complete", "outbox_complete_pinned")):
                 pairs.append(("outbox_claim_pinned", "outbox_complete_pinned"))
         print(f"claim(100) and complete after a burst of {args.events} events, in a worker session that "

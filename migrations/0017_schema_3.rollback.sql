@@ -15,7 +15,13 @@ DROP FUNCTION outbox_take_idempotency_key();
 DROP FUNCTION outbox_untrusted_creators();
 DROP VIEW outbox_health;
 DROP FUNCTION outbox_xmin_holders();
-DROP FUNCTION outbox_claim(integer, interval, text, bigint);
+DROP FUNCTION outbox_claim(integer, interval, text, bigint, text);
+DROP FUNCTION outbox_fail(bigint, uuid, text, boolean, interval);
+DROP FUNCTION outbox_shards_disable();
+DROP FUNCTION outbox_shards_enable();
+DROP FUNCTION outbox_shard_buckets(text);
+DROP FUNCTION outbox_aggregate_bucket(text, text);
+DROP INDEX IF EXISTS outbox_heads_bucket_idx;
 DROP FUNCTION outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean, integer, boolean);
 DROP FUNCTION outbox_replay_candidates(bigint[], text, text, text, timestamptz, timestamptz, boolean);
 DROP VIEW outbox_stats;
@@ -37,6 +43,53 @@ ALTER TABLE outbox_settings DROP COLUMN allowed_subject_prefixes, DROP COLUMN ma
     DROP COLUMN max_deliver_delay, DROP COLUMN max_claim_bytes;
 GRANT EXECUTE ON FUNCTION outbox_forget_deleted() TO PUBLIC;
 ALTER TABLE outbox_intake DROP COLUMN newest_id;
+
+CREATE OR REPLACE FUNCTION outbox_fail(id bigint, lease_token uuid, error text, permanent boolean DEFAULT false)
+RETURNS text
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+SET plan_cache_mode = force_generic_plan  -- see outbox_claim, also for the settings below
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET enable_hashjoin = off
+SET enable_mergejoin = off
+SET enable_material = off
+SET jit = off
+AS $$
+DECLARE
+    cfg       outbox_settings;
+    t         timestamptz := clock_timestamp();
+    new_state outbox_state;
+    agg_type  text;
+    agg_id    text;
+BEGIN
+    IF id IS NULL OR lease_token IS NULL THEN
+        RAISE EXCEPTION 'outbox_fail: id and lease_token must not be NULL'
+            USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    SELECT * INTO STRICT cfg FROM outbox_settings;
+    UPDATE outbox o
+       SET state           = CASE WHEN coalesce(permanent, false) OR o.attempts >= cfg.max_attempts
+                                  THEN 'dead' ELSE 'pending' END::outbox_state,
+           next_attempt_at = t + outbox_retry_delay(o.attempts, cfg.backoff_base, cfg.backoff_cap),
+           dead_at         = CASE WHEN coalesce(permanent, false) OR o.attempts >= cfg.max_attempts THEN t END,
+           -- Bounded, so that a runaway error text cannot bloat the table.
+           last_error      = left(coalesce(error, 'unknown error (outbox_fail was given no text)'), 8000),
+           locked_until    = NULL,
+           lease_token     = NULL
+     WHERE o.in_flow                -- found by id in outbox_in_flow_idx
+       AND o.state = 'processing'
+       AND o.lease_token = outbox_fail.lease_token
+       AND o.id = outbox_fail.id
+    RETURNING o.state, o.aggregate_type, o.aggregate_id INTO new_state, agg_type, agg_id;
+    -- NULL: the token no longer holds this event's lease; nothing changed.
+    IF new_state IS NOT NULL THEN
+        PERFORM outbox_refresh_heads(ARRAY[agg_type], ARRAY[agg_id]);
+    END IF;
+    RETURN new_state::text;
+END;
+$$;
+ALTER FUNCTION outbox_fail(bigint, uuid, text, boolean) SECURITY DEFINER;
 
 CREATE OR REPLACE FUNCTION outbox_health_row()
 RETURNS TABLE (
@@ -1004,6 +1057,9 @@ SELECT h.backlog, h.pending, h.processing, h.waiting_retry, h.dead, h.expired_le
 
 COMMENT ON FUNCTION outbox_claim(integer, interval, text) IS
     'Lease up to batch_size due events under a new lease_token: runs of up to max_run consecutive events per aggregate, oldest heads first, rows in id order; reclaims expired runs (one failed attempt for the run''s first event).';
+
+COMMENT ON FUNCTION outbox_fail(bigint, uuid, text, boolean) IS
+    'Record a failed attempt: returns ''pending'' (retry scheduled with backoff), ''dead'' (permanent or out of attempts), or NULL when lease_token no longer holds the event (nothing changed).';
 
 COMMENT ON VIEW outbox_stats IS
     'One row: events per state, oldest undelivered event''s age, oldest running lease''s age, last claim time.';

@@ -19,6 +19,8 @@ DROP VIEW outbox_health;
 DROP FUNCTION outbox_xmin_holders();
 DROP FUNCTION outbox_claim(integer, interval, text);
 DROP FUNCTION outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean);
+-- outbox_fail takes the wait a destination asked for (retry_after).
+DROP FUNCTION outbox_fail(bigint, uuid, text, boolean);
 
 -- outbox_stats and outbox_health count scheduled events apart from those waiting for a retry (a
 -- column more, in the middle); outbox_replay_candidates takes include_replays. Made again below.
@@ -576,6 +578,82 @@ BEGIN
 END;
 $$;
 
+-- The bucket of an aggregate, 0 to 63.
+CREATE OR REPLACE FUNCTION outbox_aggregate_bucket(aggregate_type text, aggregate_id text) RETURNS integer
+LANGUAGE sql
+IMMUTABLE PARALLEL SAFE
+SET search_path FROM CURRENT
+AS $$ SELECT outbox_aggregate_key(aggregate_type, aggregate_id) & 63 $$;
+
+COMMENT ON FUNCTION outbox_aggregate_bucket(text, text) IS
+    'The bucket (0-63) of an aggregate: the low six bits of outbox_aggregate_key. Shards are ranges of buckets.';
+
+-- The buckets of shard 'I/N' (0 <= I < N <= 64): the range [ceil(64 I / N), ceil(64 (I+1) / N)).
+-- The shards 0/N .. N-1/N cover each bucket once. NULL for NULL.
+CREATE OR REPLACE FUNCTION outbox_shard_buckets(shard text) RETURNS integer[]
+LANGUAGE plpgsql
+IMMUTABLE PARALLEL SAFE
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    parts text[] := regexp_match(shard, '^\s*([0-9]{1,4})\s*/\s*([0-9]{1,4})\s*$');
+    i integer := parts[1]::integer;
+    n integer := parts[2]::integer;
+BEGIN
+    IF shard IS NULL THEN
+        RETURN NULL;
+    END IF;
+    IF parts IS NULL OR n < 1 OR n > 64 OR i >= n THEN
+        RAISE EXCEPTION 'outbox_claim: shard must be I/N with 0 <= I < N <= 64, got %', quote_literal(shard)
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    RETURN ARRAY(SELECT generate_series((64 * i + n - 1) / n, (64 * (i + 1) + n - 1) / n - 1));
+END;
+$$;
+
+COMMENT ON FUNCTION outbox_shard_buckets(text) IS
+    'The buckets (see outbox_aggregate_bucket) of shard ''I/N'': a contiguous range, about 64/N of them.';
+
+-- Makes the index that shard claims read (idempotent: false if it was there). Run by the
+-- schema's owner, once, before the first worker with a shard starts; outbox_claim refuses a
+-- shard without it. Takes a SHARE lock on outbox_heads while it builds (claims and reports
+-- wait): the table holds one row per aggregate with unfinished events, a build of milliseconds
+-- to seconds.
+CREATE OR REPLACE FUNCTION outbox_shards_enable() RETURNS boolean
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    IF to_regclass('outbox_heads_bucket_idx') IS NOT NULL THEN
+        RETURN false;
+    END IF;
+    -- Due heads per bucket in claim order: as outbox_heads_ready_idx, one range per bucket.
+    CREATE INDEX outbox_heads_bucket_idx ON outbox_heads ((lock_key & 63), ready_at, opened_id)
+        WHERE ready_at IS NOT NULL;
+    RETURN true;
+END;
+$$;
+
+COMMENT ON FUNCTION outbox_shards_enable() IS
+    'Creates outbox_heads_bucket_idx, which outbox_claim(..., shard) needs; false if it exists. Run by the schema owner.';
+
+-- Drops it again once no worker claims with a shard (their claims fail from then on).
+CREATE OR REPLACE FUNCTION outbox_shards_disable() RETURNS boolean
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    IF to_regclass('outbox_heads_bucket_idx') IS NULL THEN
+        RETURN false;
+    END IF;
+    DROP INDEX outbox_heads_bucket_idx;
+    RETURN true;
+END;
+$$;
+
+COMMENT ON FUNCTION outbox_shards_disable() IS
+    'Drops outbox_heads_bucket_idx (claims with a shard fail from then on); false if it was not there.';
+
 -- The claim: the intake first, then passes over the due heads (a pass that reclaimed expired
 -- runs or discarded expired events looks again for the rest of the batch), then one UPDATE that
 -- leases the runs found, by the ctids locked on the way.
@@ -585,8 +663,21 @@ $$;
 -- the producers wrote; at least one event goes, however large. The budget is spent in claim
 -- order (the oldest heads first, each run from its first event), so it cuts a run short but
 -- never skips an event: what it leaves stays due for the next claim.
+--
+-- With a shard ('I/N', see Shards above) the claim takes the heads of that shard's buckets
+-- only: it first reads the front of each bucket (its first due head, one probe each), then
+-- takes heads bucket by bucket, the bucket whose first head has waited longest first, each
+-- bucket's heads oldest first, from outbox_heads_bucket_idx. A merge of the buckets in ready
+-- order would take the same heads when fewer are due than the claim hands out; when more are
+-- due, it would take the oldest of all, where this takes a bucket's newer heads before another
+-- bucket's older ones, for one claim: the next starts from the bucket now waiting longest. In
+-- exchange its reads are the probes and the heads it takes, where a merge by LATERAL reads a
+-- claim's worth from every bucket. The intake, the floor, the shares, the passes and the guard
+-- are the same; a shard's claim takes in every shard's new events (the intake is one cursor),
+-- and reclaims expired runs of its own shard only. Without a shard (NULL, or '0/1'), the
+-- claim reads outbox_heads_ready_idx as it always has.
 CREATE OR REPLACE FUNCTION outbox_claim(batch_size integer, lease interval DEFAULT NULL, worker text DEFAULT NULL,
-                                        max_bytes bigint DEFAULT NULL)
+                                        max_bytes bigint DEFAULT NULL, shard text DEFAULT NULL)
 RETURNS TABLE (
     id             bigint,
     subject        text,
@@ -672,6 +763,8 @@ DECLARE
     taken   bigint := 0;    -- bytes of the events of the passes before
     lo      timestamptz;
     hi      timestamptz;
+    buckets integer[];      -- the shard's buckets; NULL: no shard, every head
+    due_buckets integer[];  -- those with a due head, the one whose first waited longest first
 BEGIN
     IF batch_size IS NULL OR batch_size < 1 THEN
         RAISE EXCEPTION 'outbox_claim: batch_size must be 1 or more, got %', coalesce(batch_size::text, 'NULL')
@@ -690,6 +783,13 @@ BEGIN
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
     owner := coalesce(worker, nullif(current_setting('application_name'), ''), 'backend ' || pg_backend_pid());
+    buckets := outbox_shard_buckets(shard);       -- raises on a malformed shard
+    IF cardinality(buckets) = 64 THEN
+        buckets := NULL;                          -- '0/1': every bucket, the plain claim
+    ELSIF buckets IS NOT NULL AND to_regclass('outbox_heads_bucket_idx') IS NULL THEN
+        RAISE EXCEPTION 'outbox_claim: shards are not enabled in this database (the schema owner runs SELECT outbox_shards_enable())'
+            USING ERRCODE = 'object_not_in_prerequisite_state';
+    END IF;
 
     -- This transaction writes heads' ready_at from here on (outbox_heads_floor).
     PERFORM outbox_heads_writing();
@@ -708,6 +808,21 @@ BEGIN
         -- Another claim holds the intake row: the mark, not a walk of the row's versions.
         upto := coalesce(pg_sequence_last_value('outbox_intake_mark'), 0);
     END IF;
+    IF buckets IS NOT NULL THEN
+        -- The shard's buckets with a due head, the one whose first head has waited longest
+        -- first: one probe of outbox_heads_bucket_idx per bucket, from the floor up.
+        due_buckets := ARRAY(
+            SELECT b.k
+              FROM unnest(buckets) AS b(k)
+             CROSS JOIN LATERAL (
+                   SELECT h.ready_at, h.opened_id
+                     FROM outbox_heads h
+                    WHERE (h.lock_key & 63) = b.k
+                      AND h.ready_at <= t AND h.ready_at >= floor_at
+                    ORDER BY h.ready_at, h.opened_id
+                    LIMIT 1) f
+             ORDER BY f.ready_at, f.opened_id);
+    END IF;
     -- The first due heads (those that hold the floor), read without locks: parked ones whose
     -- second is up are dropped below with the heads found empty (outbox_refresh_heads looks at
     -- their events first); which can be claimed, for the shares below; and whether a pass can
@@ -723,9 +838,25 @@ BEGIN
                    AND (h.head_id <= g.settled
                         OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys))) AS claimable,
                    h.moves >= 3 AS busy
-              FROM outbox_heads h
-             WHERE h.ready_at <= t AND h.ready_at >= floor_at
-             ORDER BY h.ready_at, h.opened_id
+              FROM (SELECT h.* FROM outbox_heads h
+                     WHERE buckets IS NULL
+                       AND h.ready_at <= t AND h.ready_at >= floor_at
+                     ORDER BY h.ready_at, h.opened_id
+                     LIMIT 16) h
+             UNION ALL
+            -- A shard's first due heads, bucket by bucket.
+            SELECT h.aggregate_type, h.aggregate_id, h.parked, h.leased_until, h.lock_key, h.ready_at, h.opened_id,
+                   NOT h.parked AND (h.leased_until IS NULL OR h.leased_until < t)
+                   AND (h.head_id <= g.settled
+                        OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys))) AS claimable,
+                   h.moves >= 3 AS busy
+              FROM unnest(due_buckets) AS b(k)
+             CROSS JOIN LATERAL (
+                   SELECT h.* FROM outbox_heads h
+                    WHERE (h.lock_key & 63) = b.k
+                      AND h.ready_at <= t AND h.ready_at >= floor_at
+                    ORDER BY h.ready_at, h.opened_id
+                    LIMIT 16) h
              LIMIT 16) p;
     -- A claim takes one busy head (moved on 3 times or more: an aggregate whose events come one
     -- after another) and every quiet one among those at the front; the other busy heads there
@@ -783,20 +914,40 @@ BEGIN
                    e.id, e.ctid, e.created_at, e.state, e.attempts, e.next_attempt_at, e.locked_until, e.lease_token,
                    e.expires_at, e.size_bytes
               FROM (SELECT h.aggregate_type, h.aggregate_id, h.lock_key, h.head_id, h.ready_at, h.leased_until,
-                           h.opened_id, h.ctid AS tid,
+                           h.opened_id, h.tid,
                            CASE WHEN h.lock_key = busy_key THEN busy_share
                                 ELSE share + (h.lock_key = ANY (plus))::integer END AS share
-                      FROM outbox_heads h
-                     WHERE h.ready_at <= t
-                       AND h.ready_at >= floor_at
-                       AND (h.leased_until IS NULL OR h.leased_until < t)   -- no run in flight
-                       AND NOT h.parked
-                       AND (h.head_id <= g.settled
-                            OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys)))
-                       AND h.lock_key <> ALL (skip)
-                     ORDER BY h.ready_at, h.opened_id             -- head_id is in no index
-                     LIMIT remaining
-                       FOR NO KEY UPDATE SKIP LOCKED) h
+                      FROM (SELECT u.* FROM (
+                            SELECT h.*, h.ctid AS tid FROM outbox_heads h
+                             WHERE buckets IS NULL
+                               AND h.ready_at <= t
+                               AND h.ready_at >= floor_at
+                               AND (h.leased_until IS NULL OR h.leased_until < t)   -- no run in flight
+                               AND NOT h.parked
+                               AND (h.head_id <= g.settled
+                                    OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys)))
+                               AND h.lock_key <> ALL (skip)
+                             ORDER BY h.ready_at, h.opened_id     -- head_id is in no index
+                             LIMIT remaining
+                               FOR NO KEY UPDATE SKIP LOCKED) u
+                     UNION ALL
+                    -- A shard's: the same, bucket by bucket (a lazy loop: buckets after the
+                    -- claim is full are not read).
+                    (SELECT s.* FROM unnest(due_buckets) AS b(k)
+                      CROSS JOIN LATERAL (
+                            SELECT h.*, h.ctid AS tid FROM outbox_heads h
+                             WHERE (h.lock_key & 63) = b.k
+                               AND h.ready_at <= t
+                               AND h.ready_at >= floor_at
+                               AND (h.leased_until IS NULL OR h.leased_until < t)
+                               AND NOT h.parked
+                               AND (h.head_id <= g.settled
+                                    OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys)))
+                               AND h.lock_key <> ALL (skip)
+                             ORDER BY h.ready_at, h.opened_id
+                             LIMIT remaining
+                               FOR NO KEY UPDATE SKIP LOCKED) s
+                     LIMIT remaining)) h) h
              CROSS JOIN LATERAL (
                    SELECT array(SELECT o.id FROM outbox o
                                  WHERE o.aggregate_type = h.aggregate_type AND o.aggregate_id = h.aggregate_id
@@ -1004,8 +1155,66 @@ BEGIN
 END;
 $$;
 
-COMMENT ON FUNCTION outbox_claim(integer, interval, text, bigint) IS
-    'Lease up to batch_size due events (at most max_bytes of them, default outbox_settings.max_claim_bytes; one at least) under a new lease_token: runs of up to max_run consecutive events per aggregate, oldest heads first, rows in id order; reclaims expired runs (one failed attempt for the run''s first event).';
+COMMENT ON FUNCTION outbox_claim(integer, interval, text, bigint, text) IS
+    'Lease up to batch_size due events (at most max_bytes of them, default outbox_settings.max_claim_bytes; one at least) under a new lease_token: runs of up to max_run consecutive events per aggregate, oldest heads first, rows in id order; reclaims expired runs (one failed attempt for the run''s first event). shard ''I/N'': the aggregates of that shard only (outbox_shards_enable first).';
+
+-- A failed attempt. The retry waits the backoff (outbox_retry_delay) or, when the destination said
+-- how long to wait (an HTTP Retry-After, say), that long if it is longer: up to backoff_cap, so
+-- that no answer can park an event for longer than the backoff ever would. Asked to wait, the
+-- worker does not come back early to spend another attempt on an answer it already has.
+CREATE OR REPLACE FUNCTION outbox_fail(id bigint, lease_token uuid, error text, permanent boolean DEFAULT false,
+                                       retry_after interval DEFAULT NULL)
+RETURNS text
+LANGUAGE plpgsql
+-- Runs as its owner: a worker has no rights on the tables.
+SECURITY DEFINER
+SET search_path FROM CURRENT
+SET plan_cache_mode = force_generic_plan  -- see outbox_claim, also for the settings below
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET enable_hashjoin = off
+SET enable_mergejoin = off
+SET enable_material = off
+SET jit = off
+AS $$
+DECLARE
+    cfg       outbox_settings;
+    t         timestamptz := clock_timestamp();
+    new_state outbox_state;
+    agg_type  text;
+    agg_id    text;
+BEGIN
+    IF id IS NULL OR lease_token IS NULL THEN
+        RAISE EXCEPTION 'outbox_fail: id and lease_token must not be NULL'
+            USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    SELECT * INTO STRICT cfg FROM outbox_settings;
+    UPDATE outbox o
+       SET state           = CASE WHEN coalesce(permanent, false) OR o.attempts >= cfg.max_attempts
+                                  THEN 'dead' ELSE 'pending' END::outbox_state,
+           next_attempt_at = t + greatest(outbox_retry_delay(o.attempts, cfg.backoff_base, cfg.backoff_cap),
+                                          -- greatest ignores a NULL; least would not
+                                          CASE WHEN retry_after IS NOT NULL THEN least(retry_after, cfg.backoff_cap) END),
+           dead_at         = CASE WHEN coalesce(permanent, false) OR o.attempts >= cfg.max_attempts THEN t END,
+           -- Bounded, so that a runaway error text cannot bloat the table.
+           last_error      = left(coalesce(error, 'unknown error (outbox_fail was given no text)'), 8000),
+           locked_until    = NULL,
+           lease_token     = NULL
+     WHERE o.in_flow                -- found by id in outbox_in_flow_idx
+       AND o.state = 'processing'
+       AND o.lease_token = outbox_fail.lease_token
+       AND o.id = outbox_fail.id
+    RETURNING o.state, o.aggregate_type, o.aggregate_id INTO new_state, agg_type, agg_id;
+    -- NULL: the token no longer holds this event's lease; nothing changed.
+    IF new_state IS NOT NULL THEN
+        PERFORM outbox_refresh_heads(ARRAY[agg_type], ARRAY[agg_id]);
+    END IF;
+    RETURN new_state::text;
+END;
+$$;
+
+COMMENT ON FUNCTION outbox_fail(bigint, uuid, text, boolean, interval) IS
+    'Record a failed attempt: returns ''pending'' (retry scheduled with backoff, or after retry_after if longer, up to backoff_cap), ''dead'' (permanent or out of attempts), or NULL when lease_token no longer holds the event (nothing changed).';
 
 CREATE OR REPLACE FUNCTION outbox_replay_candidates(ids bigint[] DEFAULT NULL, aggregate_type text DEFAULT NULL,
                                          aggregate_id text DEFAULT NULL, event_type text DEFAULT NULL,
@@ -1442,9 +1651,10 @@ REVOKE EXECUTE ON FUNCTION
     outbox_wake_workers(), outbox_worker_idle(), outbox_worker_busy(), outbox_next_wakeup(),
     outbox_retry_delay(integer, interval, interval), outbox_commit_guard(), outbox_commit_horizon(),
     outbox_heads_writing(), outbox_heads_floor(), outbox_take_in(bigint, bigint, integer),
-    outbox_claim(integer, interval, text, bigint),
+    outbox_aggregate_bucket(text, text), outbox_shard_buckets(text), outbox_shards_enable(),
+    outbox_shards_disable(), outbox_claim(integer, interval, text, bigint, text),
     outbox_refresh_heads(text[], text[]), outbox_complete(bigint[], uuid),
-    outbox_fail(bigint, uuid, text, boolean), outbox_release(bigint[], uuid),
+    outbox_fail(bigint, uuid, text, boolean, interval), outbox_release(bigint[], uuid),
     outbox_extend(bigint[], uuid, interval),
     outbox_requeue(bigint[]), outbox_discard(bigint[], text),
     outbox_replay_candidates(bigint[], text, text, text, timestamptz, timestamptz, boolean),
@@ -1460,8 +1670,8 @@ GRANT EXECUTE ON FUNCTION outbox_idempotency_event(text) TO outbox_producer;
 -- 6. Workers: the functions the worker calls, the two settings it reads at start, and the
 --    one-row outbox_health for its metrics (counts and ages, no event data).
 GRANT EXECUTE ON FUNCTION
-    outbox_claim(integer, interval, text, bigint), outbox_complete(bigint[], uuid),
-    outbox_fail(bigint, uuid, text, boolean), outbox_release(bigint[], uuid),
+    outbox_claim(integer, interval, text, bigint, text), outbox_complete(bigint[], uuid),
+    outbox_fail(bigint, uuid, text, boolean, interval), outbox_release(bigint[], uuid),
     outbox_extend(bigint[], uuid, interval),
     outbox_next_wakeup(), outbox_worker_idle(), outbox_worker_busy(), outbox_maintain(boolean),
     outbox_idempotency_forget(integer), outbox_unfinished_subjects(integer),
@@ -1487,6 +1697,11 @@ GRANT EXECUTE ON FUNCTION
     outbox_unfinished_subjects(integer), outbox_health_row(), outbox_open_producers(), outbox_xmin_holders(),
     outbox_untrusted_creators()
 TO outbox_operator;
+
+-- Which shard an aggregate is in (its bucket, the shard's buckets): for operators and workers
+-- that run shards. Making or dropping the index shards need stays with the owner.
+GRANT EXECUTE ON FUNCTION outbox_aggregate_bucket(text, text), outbox_shard_buckets(text)
+    TO outbox_operator, outbox_worker;
 
 -- Not lease_token: whoever holds it can report on a worker's events.
 GRANT SELECT (id, created_at, aggregate_type, aggregate_id, event_type, subject, msg_id, state, attempts,

@@ -52,10 +52,10 @@ def _f(name: str, *args: str, callers: tuple[str, ...] = (), definer: bool = Fal
 
 
 # -- what the worker calls (as the owner: a worker has no rights on the tables) -----------------
-CLAIM = _f("outbox_claim", "integer", "interval", "text", "bigint", callers=(WORKER,), definer=True,
+CLAIM = _f("outbox_claim", "integer", "interval", "text", "bigint", "text", callers=(WORKER,), definer=True,
            settings=(*PLANNER, *PATH))
 COMPLETE = _f("outbox_complete", "bigint[]", "uuid", callers=(WORKER,), definer=True, settings=(*PLANNER, *PATH))
-FAIL = _f("outbox_fail", "bigint", "uuid", "text", "boolean", callers=(WORKER,), definer=True,
+FAIL = _f("outbox_fail", "bigint", "uuid", "text", "boolean", "interval", callers=(WORKER,), definer=True,
           settings=(*PLANNER, *PATH))
 RELEASE = _f("outbox_release", "bigint[]", "uuid", callers=(WORKER,), definer=True, settings=(*PLANNER, *PATH))
 EXTEND = _f("outbox_extend", "bigint[]", "uuid", "interval", callers=(WORKER,), definer=True,
@@ -98,6 +98,11 @@ IDEMPOTENCY_FORGET = _f("outbox_idempotency_forget", "integer", callers=(WORKER,
 # the insert trigger names each aggregate by it; sql/health.sql matches producers' locks with it
 AGGREGATE_KEY = _f("outbox_aggregate_key", "text", "text", callers=(PRODUCER, OPERATOR), settings=())
 RETRY_DELAY = _f("outbox_retry_delay", "integer", "interval", "interval", settings=())   # inside claim / fail
+# -- shards: which bucket an aggregate is in, which buckets a shard holds; the index they need ----
+AGGREGATE_BUCKET = _f("outbox_aggregate_bucket", "text", "text", callers=(WORKER, OPERATOR))
+SHARD_BUCKETS = _f("outbox_shard_buckets", "text", callers=(WORKER, OPERATOR))
+SHARDS_ENABLE = _f("outbox_shards_enable")      # the schema owner's
+SHARDS_DISABLE = _f("outbox_shards_disable")
 # -- helpers only the SECURITY DEFINER functions call (PUBLIC's EXECUTE revoked) ----------------
 COMMIT_GUARD = _f("outbox_commit_guard")            # inside claim and outbox_health_row
 COMMIT_HORIZON = _f("outbox_commit_horizon")        # inside claim
@@ -120,7 +125,7 @@ FUNCTIONS: tuple[SqlFunction, ...] = (
     CLAIM, COMPLETE, FAIL, RELEASE, EXTEND, NEXT_WAKEUP, UNFINISHED_SUBJECTS, WORKER_IDLE, WORKER_BUSY,
     MAINTAIN, HEALTH_ROW, OPEN_PRODUCERS, XMIN_HOLDERS, UNTRUSTED_CREATORS, REQUEUE, DISCARD, REPLAY,
     REPLAY_CANDIDATES, CANCEL, IDEMPOTENCY_EVENT, IDEMPOTENCY_FORGET,
-    AGGREGATE_KEY, RETRY_DELAY,
+    AGGREGATE_KEY, RETRY_DELAY, AGGREGATE_BUCKET, SHARD_BUCKETS, SHARDS_ENABLE, SHARDS_DISABLE,
     COMMIT_GUARD, COMMIT_HORIZON, TAKE_IN, REFRESH_HEADS, HEADS_FLOOR, HEADS_WRITING,
     WAKE_WORKERS, FORGET_DELETED, ASSIGN_ID, TAKE_IDEMPOTENCY_KEY,
 )

@@ -313,6 +313,8 @@ SELECT to_regclass('outbox_settings') IS NOT NULL
 WORKER_SETTINGS = "SELECT subject_prefix, backoff_cap, allowed_subject_prefixes FROM outbox_settings"
 # --standby-flushed: pg_stat_replication.flush_lsn is NULL to roles without pg_read_all_stats.
 MAY_READ_ALL_STATS = "SELECT pg_has_role('pg_read_all_stats', 'USAGE')"
+# --shard: the index shard claims read is there (outbox_shards_enable(), schema/40_claim.sql).
+SHARDS_ENABLED = "SELECT to_regclass('outbox_heads_bucket_idx') IS NOT NULL"
 # Which backend ran it (outboxpg.relay.pooler: is there a transaction pooler in between?).
 BACKEND_PID = "SELECT pg_backend_pid()"
 

@@ -505,6 +505,103 @@ $$;
 COMMENT ON FUNCTION outbox_take_in(bigint, bigint, integer) IS
     'Called by outbox_claim: registers the aggregates of newly committed events in outbox_heads and moves the intake cursor.';
 
+-- == Shards =====================================================================================
+--
+-- A worker may claim the aggregates of one shard only: outbox_claim(..., shard => 'I/N'). Each
+-- aggregate falls in one of 64 buckets, fixed by its key (outbox_aggregate_bucket: the low six
+-- bits of outbox_aggregate_key, the hash the producers' commit-order locks use); shard I of N
+-- holds a contiguous range of them, about 64/N (outbox_shard_buckets). A shard's claim reads
+-- its buckets' due heads only, from an index that leads with the bucket
+-- (outbox_heads_bucket_idx), so what it reads is its own front, whatever the other shards have
+-- queued; without it, a shard's claim would read, and step over, every other shard's due
+-- heads older than its own, and a shard nobody claims would pile up at the front.
+--
+-- That index is made by outbox_shards_enable() and is not there otherwise: every move of a
+-- head's ready_at (a new head, a report that moves a head on, a retry) writes an entry in
+-- each index on ready_at, and under a held snapshot none of the dead ones goes away. A
+-- deployment without shards pays for none of it.
+--
+-- 64 buckets: a shard's claim first looks at the front of each of its buckets (one index
+-- probe each, below), so the number of buckets bounds what an empty claim costs; 64 still
+-- splits the aggregates evenly among up to 64 workers (1/64 each) and within a few percent
+-- among 2 to 8.
+
+-- The bucket of an aggregate, 0 to 63.
+CREATE OR REPLACE FUNCTION outbox_aggregate_bucket(aggregate_type text, aggregate_id text) RETURNS integer
+LANGUAGE sql
+IMMUTABLE PARALLEL SAFE
+SET search_path FROM CURRENT
+AS $$ SELECT outbox_aggregate_key(aggregate_type, aggregate_id) & 63 $$;
+
+COMMENT ON FUNCTION outbox_aggregate_bucket(text, text) IS
+    'The bucket (0-63) of an aggregate: the low six bits of outbox_aggregate_key. Shards are ranges of buckets.';
+
+-- The buckets of shard 'I/N' (0 <= I < N <= 64): the range [ceil(64 I / N), ceil(64 (I+1) / N)).
+-- The shards 0/N .. N-1/N cover each bucket once. NULL for NULL.
+CREATE OR REPLACE FUNCTION outbox_shard_buckets(shard text) RETURNS integer[]
+LANGUAGE plpgsql
+IMMUTABLE PARALLEL SAFE
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    parts text[] := regexp_match(shard, '^\s*([0-9]{1,4})\s*/\s*([0-9]{1,4})\s*$');
+    i integer := parts[1]::integer;
+    n integer := parts[2]::integer;
+BEGIN
+    IF shard IS NULL THEN
+        RETURN NULL;
+    END IF;
+    IF parts IS NULL OR n < 1 OR n > 64 OR i >= n THEN
+        RAISE EXCEPTION 'outbox_claim: shard must be I/N with 0 <= I < N <= 64, got %', quote_literal(shard)
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    RETURN ARRAY(SELECT generate_series((64 * i + n - 1) / n, (64 * (i + 1) + n - 1) / n - 1));
+END;
+$$;
+
+COMMENT ON FUNCTION outbox_shard_buckets(text) IS
+    'The buckets (see outbox_aggregate_bucket) of shard ''I/N'': a contiguous range, about 64/N of them.';
+
+-- Makes the index that shard claims read (idempotent: false if it was there). Run by the
+-- schema's owner, once, before the first worker with a shard starts; outbox_claim refuses a
+-- shard without it. Takes a SHARE lock on outbox_heads while it builds (claims and reports
+-- wait): the table holds one row per aggregate with unfinished events, a build of milliseconds
+-- to seconds.
+CREATE OR REPLACE FUNCTION outbox_shards_enable() RETURNS boolean
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    IF to_regclass('outbox_heads_bucket_idx') IS NOT NULL THEN
+        RETURN false;
+    END IF;
+    -- Due heads per bucket in claim order: as outbox_heads_ready_idx, one range per bucket.
+    CREATE INDEX outbox_heads_bucket_idx ON outbox_heads ((lock_key & 63), ready_at, opened_id)
+        WHERE ready_at IS NOT NULL;
+    RETURN true;
+END;
+$$;
+
+COMMENT ON FUNCTION outbox_shards_enable() IS
+    'Creates outbox_heads_bucket_idx, which outbox_claim(..., shard) needs; false if it exists. Run by the schema owner.';
+
+-- Drops it again once no worker claims with a shard (their claims fail from then on).
+CREATE OR REPLACE FUNCTION outbox_shards_disable() RETURNS boolean
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    IF to_regclass('outbox_heads_bucket_idx') IS NULL THEN
+        RETURN false;
+    END IF;
+    DROP INDEX outbox_heads_bucket_idx;
+    RETURN true;
+END;
+$$;
+
+COMMENT ON FUNCTION outbox_shards_disable() IS
+    'Drops outbox_heads_bucket_idx (claims with a shard fail from then on); false if it was not there.';
+
 -- The claim: the intake first, then passes over the due heads (a pass that reclaimed expired
 -- runs or discarded expired events looks again for the rest of the batch), then one UPDATE that
 -- leases the runs found, by the ctids locked on the way.
@@ -514,8 +611,21 @@ COMMENT ON FUNCTION outbox_take_in(bigint, bigint, integer) IS
 -- the producers wrote; at least one event goes, however large. The budget is spent in claim
 -- order (the oldest heads first, each run from its first event), so it cuts a run short but
 -- never skips an event: what it leaves stays due for the next claim.
+--
+-- With a shard ('I/N', see Shards above) the claim takes the heads of that shard's buckets
+-- only: it first reads the front of each bucket (its first due head, one probe each), then
+-- takes heads bucket by bucket, the bucket whose first head has waited longest first, each
+-- bucket's heads oldest first, from outbox_heads_bucket_idx. A merge of the buckets in ready
+-- order would take the same heads when fewer are due than the claim hands out; when more are
+-- due, it would take the oldest of all, where this takes a bucket's newer heads before another
+-- bucket's older ones, for one claim: the next starts from the bucket now waiting longest. In
+-- exchange its reads are the probes and the heads it takes, where a merge by LATERAL reads a
+-- claim's worth from every bucket. The intake, the floor, the shares, the passes and the guard
+-- are the same; a shard's claim takes in every shard's new events (the intake is one cursor),
+-- and reclaims expired runs of its own shard only. Without a shard (NULL, or '0/1'), the
+-- claim reads outbox_heads_ready_idx as it always has.
 CREATE OR REPLACE FUNCTION outbox_claim(batch_size integer, lease interval DEFAULT NULL, worker text DEFAULT NULL,
-                                        max_bytes bigint DEFAULT NULL)
+                                        max_bytes bigint DEFAULT NULL, shard text DEFAULT NULL)
 RETURNS TABLE (
     id             bigint,
     subject        text,
@@ -601,6 +711,8 @@ DECLARE
     taken   bigint := 0;    -- bytes of the events of the passes before
     lo      timestamptz;
     hi      timestamptz;
+    buckets integer[];      -- the shard's buckets; NULL: no shard, every head
+    due_buckets integer[];  -- those with a due head, the one whose first waited longest first
 BEGIN
     IF batch_size IS NULL OR batch_size < 1 THEN
         RAISE EXCEPTION 'outbox_claim: batch_size must be 1 or more, got %', coalesce(batch_size::text, 'NULL')
@@ -619,6 +731,13 @@ BEGIN
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
     owner := coalesce(worker, nullif(current_setting('application_name'), ''), 'backend ' || pg_backend_pid());
+    buckets := outbox_shard_buckets(shard);       -- raises on a malformed shard
+    IF cardinality(buckets) = 64 THEN
+        buckets := NULL;                          -- '0/1': every bucket, the plain claim
+    ELSIF buckets IS NOT NULL AND to_regclass('outbox_heads_bucket_idx') IS NULL THEN
+        RAISE EXCEPTION 'outbox_claim: shards are not enabled in this database (the schema owner runs SELECT outbox_shards_enable())'
+            USING ERRCODE = 'object_not_in_prerequisite_state';
+    END IF;
 
     -- This transaction writes heads' ready_at from here on (outbox_heads_floor).
     PERFORM outbox_heads_writing();
@@ -637,6 +756,21 @@ BEGIN
         -- Another claim holds the intake row: the mark, not a walk of the row's versions.
         upto := coalesce(pg_sequence_last_value('outbox_intake_mark'), 0);
     END IF;
+    IF buckets IS NOT NULL THEN
+        -- The shard's buckets with a due head, the one whose first head has waited longest
+        -- first: one probe of outbox_heads_bucket_idx per bucket, from the floor up.
+        due_buckets := ARRAY(
+            SELECT b.k
+              FROM unnest(buckets) AS b(k)
+             CROSS JOIN LATERAL (
+                   SELECT h.ready_at, h.opened_id
+                     FROM outbox_heads h
+                    WHERE (h.lock_key & 63) = b.k
+                      AND h.ready_at <= t AND h.ready_at >= floor_at
+                    ORDER BY h.ready_at, h.opened_id
+                    LIMIT 1) f
+             ORDER BY f.ready_at, f.opened_id);
+    END IF;
     -- The first due heads (those that hold the floor), read without locks: parked ones whose
     -- second is up are dropped below with the heads found empty (outbox_refresh_heads looks at
     -- their events first); which can be claimed, for the shares below; and whether a pass can
@@ -652,9 +786,25 @@ BEGIN
                    AND (h.head_id <= g.settled
                         OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys))) AS claimable,
                    h.moves >= 3 AS busy
-              FROM outbox_heads h
-             WHERE h.ready_at <= t AND h.ready_at >= floor_at
-             ORDER BY h.ready_at, h.opened_id
+              FROM (SELECT h.* FROM outbox_heads h
+                     WHERE buckets IS NULL
+                       AND h.ready_at <= t AND h.ready_at >= floor_at
+                     ORDER BY h.ready_at, h.opened_id
+                     LIMIT 16) h
+             UNION ALL
+            -- A shard's first due heads, bucket by bucket.
+            SELECT h.aggregate_type, h.aggregate_id, h.parked, h.leased_until, h.lock_key, h.ready_at, h.opened_id,
+                   NOT h.parked AND (h.leased_until IS NULL OR h.leased_until < t)
+                   AND (h.head_id <= g.settled
+                        OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys))) AS claimable,
+                   h.moves >= 3 AS busy
+              FROM unnest(due_buckets) AS b(k)
+             CROSS JOIN LATERAL (
+                   SELECT h.* FROM outbox_heads h
+                    WHERE (h.lock_key & 63) = b.k
+                      AND h.ready_at <= t AND h.ready_at >= floor_at
+                    ORDER BY h.ready_at, h.opened_id
+                    LIMIT 16) h
              LIMIT 16) p;
     -- A claim takes one busy head (moved on 3 times or more: an aggregate whose events come one
     -- after another) and every quiet one among those at the front; the other busy heads there
@@ -712,20 +862,40 @@ BEGIN
                    e.id, e.ctid, e.created_at, e.state, e.attempts, e.next_attempt_at, e.locked_until, e.lease_token,
                    e.expires_at, e.size_bytes
               FROM (SELECT h.aggregate_type, h.aggregate_id, h.lock_key, h.head_id, h.ready_at, h.leased_until,
-                           h.opened_id, h.ctid AS tid,
+                           h.opened_id, h.tid,
                            CASE WHEN h.lock_key = busy_key THEN busy_share
                                 ELSE share + (h.lock_key = ANY (plus))::integer END AS share
-                      FROM outbox_heads h
-                     WHERE h.ready_at <= t
-                       AND h.ready_at >= floor_at
-                       AND (h.leased_until IS NULL OR h.leased_until < t)   -- no run in flight
-                       AND NOT h.parked
-                       AND (h.head_id <= g.settled
-                            OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys)))
-                       AND h.lock_key <> ALL (skip)
-                     ORDER BY h.ready_at, h.opened_id             -- head_id is in no index
-                     LIMIT remaining
-                       FOR NO KEY UPDATE SKIP LOCKED) h
+                      FROM (SELECT u.* FROM (
+                            SELECT h.*, h.ctid AS tid FROM outbox_heads h
+                             WHERE buckets IS NULL
+                               AND h.ready_at <= t
+                               AND h.ready_at >= floor_at
+                               AND (h.leased_until IS NULL OR h.leased_until < t)   -- no run in flight
+                               AND NOT h.parked
+                               AND (h.head_id <= g.settled
+                                    OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys)))
+                               AND h.lock_key <> ALL (skip)
+                             ORDER BY h.ready_at, h.opened_id     -- head_id is in no index
+                             LIMIT remaining
+                               FOR NO KEY UPDATE SKIP LOCKED) u
+                     UNION ALL
+                    -- A shard's: the same, bucket by bucket (a lazy loop: buckets after the
+                    -- claim is full are not read).
+                    (SELECT s.* FROM unnest(due_buckets) AS b(k)
+                      CROSS JOIN LATERAL (
+                            SELECT h.*, h.ctid AS tid FROM outbox_heads h
+                             WHERE (h.lock_key & 63) = b.k
+                               AND h.ready_at <= t
+                               AND h.ready_at >= floor_at
+                               AND (h.leased_until IS NULL OR h.leased_until < t)
+                               AND NOT h.parked
+                               AND (h.head_id <= g.settled
+                                    OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys)))
+                               AND h.lock_key <> ALL (skip)
+                             ORDER BY h.ready_at, h.opened_id
+                             LIMIT remaining
+                               FOR NO KEY UPDATE SKIP LOCKED) s
+                     LIMIT remaining)) h) h
              CROSS JOIN LATERAL (
                    SELECT array(SELECT o.id FROM outbox o
                                  WHERE o.aggregate_type = h.aggregate_type AND o.aggregate_id = h.aggregate_id
@@ -933,5 +1103,5 @@ BEGIN
 END;
 $$;
 
-COMMENT ON FUNCTION outbox_claim(integer, interval, text, bigint) IS
-    'Lease up to batch_size due events (at most max_bytes of them, default outbox_settings.max_claim_bytes; one at least) under a new lease_token: runs of up to max_run consecutive events per aggregate, oldest heads first, rows in id order; reclaims expired runs (one failed attempt for the run''s first event).';
+COMMENT ON FUNCTION outbox_claim(integer, interval, text, bigint, text) IS
+    'Lease up to batch_size due events (at most max_bytes of them, default outbox_settings.max_claim_bytes; one at least) under a new lease_token: runs of up to max_run consecutive events per aggregate, oldest heads first, rows in id order; reclaims expired runs (one failed attempt for the run''s first event). shard ''I/N'': the aggregates of that shard only (outbox_shards_enable first).';

@@ -205,7 +205,12 @@ $$;
 COMMENT ON FUNCTION outbox_complete(bigint[], uuid) IS
     'Mark leased events published; returns how many were still held by lease_token (the rest changed nothing).';
 
-CREATE OR REPLACE FUNCTION outbox_fail(id bigint, lease_token uuid, error text, permanent boolean DEFAULT false)
+-- A failed attempt. The retry waits the backoff (outbox_retry_delay) or, when the destination said
+-- how long to wait (an HTTP Retry-After, say), that long if it is longer: up to backoff_cap, so
+-- that no answer can park an event for longer than the backoff ever would. Asked to wait, the
+-- worker does not come back early to spend another attempt on an answer it already has.
+CREATE OR REPLACE FUNCTION outbox_fail(id bigint, lease_token uuid, error text, permanent boolean DEFAULT false,
+                                       retry_after interval DEFAULT NULL)
 RETURNS text
 LANGUAGE plpgsql
 -- Runs as its owner: a worker has no rights on the tables.
@@ -234,7 +239,9 @@ BEGIN
     UPDATE outbox o
        SET state           = CASE WHEN coalesce(permanent, false) OR o.attempts >= cfg.max_attempts
                                   THEN 'dead' ELSE 'pending' END::outbox_state,
-           next_attempt_at = t + outbox_retry_delay(o.attempts, cfg.backoff_base, cfg.backoff_cap),
+           next_attempt_at = t + greatest(outbox_retry_delay(o.attempts, cfg.backoff_base, cfg.backoff_cap),
+                                          -- greatest ignores a NULL; least would not
+                                          CASE WHEN retry_after IS NOT NULL THEN least(retry_after, cfg.backoff_cap) END),
            dead_at         = CASE WHEN coalesce(permanent, false) OR o.attempts >= cfg.max_attempts THEN t END,
            -- Bounded, so that a runaway error text cannot bloat the table.
            last_error      = left(coalesce(error, 'unknown error (outbox_fail was given no text)'), 8000),
@@ -253,8 +260,8 @@ BEGIN
 END;
 $$;
 
-COMMENT ON FUNCTION outbox_fail(bigint, uuid, text, boolean) IS
-    'Record a failed attempt: returns ''pending'' (retry scheduled with backoff), ''dead'' (permanent or out of attempts), or NULL when lease_token no longer holds the event (nothing changed).';
+COMMENT ON FUNCTION outbox_fail(bigint, uuid, text, boolean, interval) IS
+    'Record a failed attempt: returns ''pending'' (retry scheduled with backoff, or after retry_after if longer, up to backoff_cap), ''dead'' (permanent or out of attempts), or NULL when lease_token no longer holds the event (nothing changed).';
 
 CREATE OR REPLACE FUNCTION outbox_release(ids bigint[], lease_token uuid) RETURNS integer
 LANGUAGE plpgsql

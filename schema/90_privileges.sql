@@ -102,9 +102,10 @@ REVOKE EXECUTE ON FUNCTION
     outbox_wake_workers(), outbox_worker_idle(), outbox_worker_busy(), outbox_next_wakeup(),
     outbox_retry_delay(integer, interval, interval), outbox_commit_guard(), outbox_commit_horizon(),
     outbox_heads_writing(), outbox_heads_floor(), outbox_take_in(bigint, bigint, integer),
-    outbox_claim(integer, interval, text, bigint),
+    outbox_aggregate_bucket(text, text), outbox_shard_buckets(text), outbox_shards_enable(),
+    outbox_shards_disable(), outbox_claim(integer, interval, text, bigint, text),
     outbox_refresh_heads(text[], text[]), outbox_complete(bigint[], uuid),
-    outbox_fail(bigint, uuid, text, boolean), outbox_release(bigint[], uuid),
+    outbox_fail(bigint, uuid, text, boolean, interval), outbox_release(bigint[], uuid),
     outbox_extend(bigint[], uuid, interval),
     outbox_requeue(bigint[]), outbox_discard(bigint[], text),
     outbox_replay_candidates(bigint[], text, text, text, timestamptz, timestamptz, boolean),
@@ -144,8 +145,8 @@ GRANT EXECUTE ON FUNCTION outbox_cancel(bigint[]) TO outbox_producer;
 -- 6. Workers: the functions the worker calls, the two settings it reads at start, and the
 --    one-row outbox_health for its metrics (counts and ages, no event data).
 GRANT EXECUTE ON FUNCTION
-    outbox_claim(integer, interval, text, bigint), outbox_complete(bigint[], uuid),
-    outbox_fail(bigint, uuid, text, boolean), outbox_release(bigint[], uuid),
+    outbox_claim(integer, interval, text, bigint, text), outbox_complete(bigint[], uuid),
+    outbox_fail(bigint, uuid, text, boolean, interval), outbox_release(bigint[], uuid),
     outbox_extend(bigint[], uuid, interval),
     outbox_next_wakeup(), outbox_worker_idle(), outbox_worker_busy(), outbox_maintain(boolean),
     outbox_idempotency_forget(integer), outbox_unfinished_subjects(integer),
@@ -174,6 +175,10 @@ TO outbox_operator;
 -- An aggregate's advisory lock key (a hash of its name): sql/health.sql matches the keys that open
 -- producing transactions hold in pg_locks with the events they hold back.
 GRANT EXECUTE ON FUNCTION outbox_aggregate_key(text, text) TO outbox_operator;
+-- Which shard an aggregate is in (its bucket, the shard's buckets): for operators and workers
+-- that run shards. Making or dropping the index shards need stays with the owner.
+GRANT EXECUTE ON FUNCTION outbox_aggregate_bucket(text, text), outbox_shard_buckets(text)
+    TO outbox_operator, outbox_worker;
 -- Not lease_token: whoever holds it can report on a worker's events.
 GRANT SELECT (id, created_at, aggregate_type, aggregate_id, event_type, subject, msg_id, state, attempts,
               next_attempt_at, locked_by, claimed_at, locked_until, last_error,

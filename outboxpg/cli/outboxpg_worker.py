@@ -73,6 +73,7 @@ from outboxpg.cli.worker_sink import (
 from outboxpg.cloudevents import SPEC_VERSION, CloudEvents, check_source, default_source
 from outboxpg.option import option
 from outboxpg.relay.backoff import next_delay
+from outboxpg.relay.config import shard_range
 from outboxpg.relay.fleet import DatabaseLabelFilter
 from outboxpg.relay.health import Health
 from outboxpg.relay.nats.readiness import not_nats
@@ -292,6 +293,12 @@ async def _check_database(cfg: WorkerConfig) -> tuple[tuple[str, timedelta, list
             if not (row and row[0]):
                 raise CliError(f"--standby-flushed: role {user!r} may not read pg_stat_replication.flush_lsn: "
                                f"GRANT pg_read_all_stats TO \"{user}\"", EXIT_FAILED)
+        if (cfg.shard and shard_range(cfg.shard) != (0, 1)) or cfg.shard_group:
+            row = await (await conn.execute(statements.SHARDS_ENABLED)).fetchone()
+            if not (row and row[0]):
+                flag = f"--shard {cfg.shard}" if cfg.shard else f"--shard-group {cfg.shard_group}"
+                raise CliError(f"{flag}: shards are not enabled in database {database!r}: the schema "
+                               "owner runs SELECT outbox_shards_enable() (docs/how-to/shards.md)", EXIT_FAILED)
         settings = await (await conn.execute(statements.WORKER_SETTINGS)).fetchone()
         assert settings is not None
         # The LISTEN and the wakeup lock need sessions of their own (see outboxpg/relay/pooler.py).

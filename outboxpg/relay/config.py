@@ -7,16 +7,30 @@ way beside it. Import WorkerConfig from outboxpg.relay.worker."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 from dataclasses import dataclass
 
 from outboxpg.option import option
 
-__all__ = ["WorkerConfig"]
+__all__ = ["WorkerConfig", "shard_range"]
 
 
 def _default_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
+
+
+# outbox_shard_buckets (schema/40_claim.sql) reads the same form, and says the same when it is not.
+_SHARD = re.compile(r"\s*([0-9]{1,4})\s*/\s*([0-9]{1,4})\s*")
+
+
+def shard_range(shard: str) -> tuple[int, int] | None:
+    """(I, N) of a shard 'I/N' as outbox_claim takes it, or None when it is not one."""
+    m = _SHARD.fullmatch(shard)
+    if m is None:
+        return None
+    i, n = int(m[1]), int(m[2])
+    return (i, n) if 0 <= i < n <= 64 else None
 
 
 @dataclass
@@ -28,6 +42,15 @@ class WorkerConfig:
     claim_bytes: int | None = option("bytes of events (payload and headers) per claim at most, one event at least: "
                                      "what a batch holds in memory; default: outbox_settings.max_claim_bytes (64 MiB)",
                                      None, metavar="N")
+    shard: str = option("claim only the aggregates of shard I of N (0 <= I < N <= 64): each aggregate is in one "
+                        "of 64 buckets by a hash of its key, shard I holds about 64/N of them; '' every aggregate. "
+                        "Every shard needs a worker; the schema owner first runs SELECT outbox_shards_enable() "
+                        "(docs/how-to/shards.md)", "", metavar="I/N")
+    shard_group: str = option("split the shards with the other workers of this group (same name, same database): "
+                              "each holds a session advisory lock on a slot of the group and claims shard r/N, "
+                              "N the members, r its rank; a member that leaves or dies is taken over within a "
+                              "second, its runs in flight once their leases end; not with --shard or --poll-only",
+                              "", metavar="NAME")
     concurrency: int = option("batches in flight at once (per database)", 4)
     lease: float = option("seconds a claimed batch is leased; at least twice --publish-timeout", 30.0)
     poll_interval: float = option("fallback poll when no notification comes, seconds", 30.0)
@@ -53,6 +76,11 @@ class WorkerConfig:
     def validate(self) -> None:
         if self.batch_size < 1:
             raise ValueError("batch size must be at least 1")
+        if self.shard and shard_range(self.shard) is None:
+            raise ValueError(f"--shard must be I/N with 0 <= I < N <= 64 (0/2, 1/2), got {self.shard!r}")
+        if self.shard_group and (self.shard or self.poll_only):
+            raise ValueError("--shard-group takes no --shard (it picks its own) and no --poll-only (it holds a "
+                             "session lock)")
         if self.concurrency < 1:
             raise ValueError("concurrency must be at least 1")
         if self.claim_bytes is not None and self.claim_bytes < 1:

@@ -31,15 +31,16 @@ __all__ = ["Gateway", "RawJsonLoader", "Reported", "lsn_value"]
 
 log = logging.getLogger("outboxpg.worker")
 
-# The fourth argument: the claim's byte budget (--claim-bytes; NULL: outbox_settings.max_claim_bytes).
-_CLAIM = f"SELECT {CLAIM_COLUMNS} FROM outbox_claim(%s, %s, %s, %s::bigint)"
+# The fourth argument: the claim's byte budget (--claim-bytes; NULL: outbox_settings.max_claim_bytes);
+# the fifth, the shard (--shard 'I/N'; NULL: every aggregate).
+_CLAIM = f"SELECT {CLAIM_COLUMNS} FROM outbox_claim(%s, %s, %s, %s::bigint, %s::text)"
 # With --standby-flushed: also where the WAL ends once the claim has run (evaluated after the
 # function, which returns its rows all at once). Every claimed event's commit record is before
 # it (the claim saw those commits), and so is the claim's own work: its commit record, flushed at
 # commit (synchronous_commit = local on these connections), comes after. So the primary flushes
 # up to this point as the claim commits, and a standby that flushed it holds every claimed event.
 _CLAIM_WITH_LSN = (f"SELECT {CLAIM_COLUMNS}, pg_current_wal_insert_lsn()::text "
-                   "FROM outbox_claim(%s, %s, %s, %s::bigint)")
+                   "FROM outbox_claim(%s, %s, %s, %s::bigint, %s::text)")
 # How far the standbys (all, or the one named) have flushed: (how many are connected, the
 # furthest flush_lsn). flush_lsn is NULL to a role without pg_read_all_stats.
 _STANDBY_FLUSH = """
@@ -48,7 +49,7 @@ SELECT count(*)::int, count(flush_lsn)::int, max(flush_lsn)::text
  WHERE %(standby)s = 'any' OR application_name = %(standby)s
 """
 _COMPLETE = "SELECT outbox_complete(%s::bigint[], %s)"
-_FAIL = "SELECT outbox_fail(%s, %s, %s, %s)"
+_FAIL = "SELECT outbox_fail(%s, %s, %s, %s, %s)"
 _RELEASE = "SELECT outbox_release(%s::bigint[], %s)"
 _EXTEND = "SELECT outbox_extend(%s::bigint[], %s, %s)"
 _SLEEP_FOR = "SELECT extract(epoch FROM outbox_next_wakeup() - clock_timestamp())::float8"
@@ -153,11 +154,13 @@ class Gateway:
             # a pooler in transaction mode would carry a session SET over to other clients.
             await conn.execute("SET synchronous_commit = off")
 
-    async def claim(self, batch_size: int, lease: timedelta, name: str) -> list[tuple[Any, ...]]:
-        """outbox_claim's rows (CLAIM_COLUMNS, jsonb as raw bytes); psycopg.Error passes through."""
+    async def claim(self, batch_size: int, lease: timedelta, name: str, shard: str | None = None
+                    ) -> list[tuple[Any, ...]]:
+        """outbox_claim's rows (CLAIM_COLUMNS, jsonb as raw bytes); psycopg.Error passes through.
+        ``shard``: 'I/N' (--shard, or a shard group's current one); None: every aggregate."""
         statement = _CLAIM_WITH_LSN if self.cfg.standby_flushed else _CLAIM
         async with self.pool.connection() as conn:
-            cur = await conn.execute(statement, (batch_size, lease, name, self.cfg.claim_bytes), prepare=True)
+            cur = await conn.execute(statement, (batch_size, lease, name, self.cfg.claim_bytes, shard), prepare=True)
             return await cur.fetchall()
 
     async def replaced_broken_connections(self) -> None:
@@ -191,9 +194,9 @@ class Gateway:
         assert row is not None
         return int(row[0])
 
-    async def report(self, ok: Sequence[int], token: Any, failed: Sequence[tuple[int, str, bool]],
+    async def report(self, ok: Sequence[int], token: Any, failed: Sequence[tuple[int, str, bool, timedelta | None]],
                      released: Sequence[int]) -> Reported | None:
-        """Complete ``ok``, fail each (id, error text, permanent) of ``failed``, release
+        """Complete ``ok``, fail each (id, error text, permanent, retry after) of ``failed``, release
         ``released``, all under ``token``; tried up to five times on database errors, then None
         (logged: the leases will expire and the events be retried)."""
         ok_ids = id_array(ok)
@@ -208,8 +211,8 @@ class Gateway:
                     # Any order is fine for the SQL: each call touches only its own ids.
                     async with conn.pipeline():
                         done_cur = await conn.execute(_COMPLETE, (ok_ids, token), prepare=True) if ok else None
-                        fail_curs = [await conn.execute(_FAIL, (event_id, token, text, permanent), prepare=True)
-                                     for event_id, text, permanent in failed]
+                        fail_curs = [await conn.execute(_FAIL, (event_id, token, text, permanent, wait), prepare=True)
+                                     for event_id, text, permanent, wait in failed]
                         release_cur = (await conn.execute(_RELEASE, (id_array(released), token), prepare=True)
                                        if released else None)
                     completed = (await done_cur.fetchone())[0] if done_cur else 0  # type: ignore[index]

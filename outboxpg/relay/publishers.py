@@ -5,7 +5,9 @@ A publisher is any object with
     async def publish_batch(self, events: Sequence[OutboxEvent]) -> Sequence[BaseException | None]
 
 returning one outcome per event, in order: ``None`` for delivered, an exception for failed
-(retried with backoff), a ``PermanentError`` for never-publishable (dead-lettered at once).
+(retried with backoff; an exception with a ``retry_after`` attribute, seconds, waits that long
+if it is longer than the backoff, up to outbox_settings.backoff_cap: what a destination said,
+such as HTTP's Retry-After), a ``PermanentError`` for never-publishable (dead-lettered at once).
 It may also have ``async start()`` and ``async close()``.
 
 Order. A batch holds runs: up to ``outbox_settings.max_run`` consecutive events of one
@@ -34,13 +36,14 @@ import inspect
 import threading
 import time
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
 
 from outboxpg.events import OutboxEvent, runs_of
 from outboxpg.text import describe
 
 __all__ = ["Publisher", "FunctionPublisher", "NotSent", "PermanentError", "PublisherNotFound", "as_publisher",
-           "load_publisher", "not_sent_after", "print_event"]
+           "load_publisher", "not_sent_after", "print_event", "retry_after"]
 
 Outcome = BaseException | None
 
@@ -48,6 +51,15 @@ Outcome = BaseException | None
 class PermanentError(Exception):
     """Raise (or return) this from a publisher for an event that can never be published:
     the event is dead-lettered at once with the message as its reason, instead of retried."""
+
+
+def retry_after(outcome: BaseException) -> timedelta | None:
+    """How long the destination asked to wait before the next attempt: the failure's
+    ``retry_after`` attribute (seconds, a finite number not below 0), else None."""
+    wait = getattr(outcome, "retry_after", None)
+    if isinstance(wait, (int, float)) and not isinstance(wait, bool) and 0 <= wait < 10 ** 9:
+        return timedelta(seconds=wait)
+    return None
 
 
 class NotSent(Exception):

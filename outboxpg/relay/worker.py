@@ -51,7 +51,8 @@ from outboxpg.relay.health import PROBE_TIMEOUT
 from outboxpg.relay.horizon import watch_xmin_every
 from outboxpg.relay.maintenance import maintain_every
 from outboxpg.relay.metrics import WorkerMetrics
-from outboxpg.relay.publishers import PermanentError, as_publisher
+from outboxpg.relay.publishers import PermanentError, as_publisher, retry_after
+from outboxpg.relay.shard_group import ShardGroup
 from outboxpg.relay.slots import FairSlots
 from outboxpg.relay.standby import StandbyFlush
 from outboxpg.relay.stats import Recorder
@@ -126,6 +127,9 @@ class Worker:
         self.listener = Listener(config.dsn, self._wake, application_name=f"{self.application_name} (listen)")
         self.idle_lock = IdleLock(config.dsn, application_name=f"{self.application_name} (wakeup lock)")
         self.standby = StandbyFlush(self.gateway, config.standby_flushed) if config.standby_flushed else None
+        self.shard_group = (ShardGroup(config.dsn, config.shard_group, config.name,
+                                       application_name=f"{self.application_name} (shard group)")
+                            if config.shard_group else None)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -153,6 +157,9 @@ class Worker:
         cfg = self.cfg
         await self.gateway.open()
         background: list[asyncio.Task[None]] = []
+        if self.shard_group is not None:
+            await self.shard_group.join()
+            background.append(asyncio.create_task(self.shard_group.run(self._stop), name="outboxpg-shard-group"))
         if self.health is not None:
             background.append(asyncio.create_task(self.health.beat_every(), name="outboxpg-heartbeat"))
         if not cfg.poll_only:
@@ -169,15 +176,19 @@ class Worker:
             if self.owns_publisher and hasattr(self.publisher, "start"):
                 await self.publisher.start()
             log.info("event=start worker=%s batch_size=%d concurrency=%d lease=%gs poll_interval=%gs "
-                     "poll_only=%s publish_timeout=%gs standby_flushed=%s run_publishing=%s", cfg.name, cfg.batch_size,
-                     cfg.concurrency, cfg.lease, cfg.poll_interval, cfg.poll_only, cfg.publish_timeout,
-                     cfg.standby_flushed or "off", getattr(self.publisher, "run_publishing", "publisher-defined"))
+                     "poll_only=%s publish_timeout=%gs standby_flushed=%s run_publishing=%s%s", cfg.name,
+                     cfg.batch_size, cfg.concurrency, cfg.lease, cfg.poll_interval, cfg.poll_only, cfg.publish_timeout,
+                     cfg.standby_flushed or "off", getattr(self.publisher, "run_publishing", "publisher-defined"),
+                     f" shard={cfg.shard.replace(' ', '')}" if cfg.shard
+                     else f" shard_group={cfg.shard_group}" if cfg.shard_group else "")
             if self.health is not None:
                 self.health.running(self.publisher, self._ping)
             await self._loop()
         finally:
             await cancel_all(background)
             await self.idle_lock.close()
+            if self.shard_group is not None:
+                await self.shard_group.leave()
             if self.standby is not None:
                 await self.standby.close()
             if self.owns_publisher and hasattr(self.publisher, "close"):
@@ -358,9 +369,15 @@ class Worker:
             log.info("event=publisher_ready worker=%s", self.cfg.name)
         return ready.is_set() and not self._stopping
 
+    def _shard(self) -> str | None:
+        """The shard to claim: --shard, the shard group's current one, or None (every aggregate)."""
+        if self.shard_group is not None:
+            return self.shard_group.shard or None
+        return self.cfg.shard or None
+
     async def _claim(self) -> list[tuple[Any, ...]]:
         try:
-            rows = await self.gateway.claim(self.cfg.batch_size, self._lease, self.cfg.name)
+            rows = await self.gateway.claim(self.cfg.batch_size, self._lease, self.cfg.name, self._shard())
         except psycopg.Error as exc:
             if self._until_idle:
                 raise
@@ -472,7 +489,8 @@ class Worker:
             delivered = events
         reported = await self.gateway.report(
             [e.id for e in delivered], token,
-            [(e.id, describe(o, whole=True), isinstance(o, PermanentError)) for e, o in failed], released)
+            [(e.id, describe(o, whole=True), isinstance(o, PermanentError), retry_after(o)) for e, o in failed],
+            released)
         if reported is None:
             log.error("event=report_failed events=%d note=%r", len(events),
                       "leases will expire and the events be retried (deduplicated by msg_id)")

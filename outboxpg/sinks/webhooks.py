@@ -37,8 +37,9 @@ as a failure, naming where it points: the URL needs fixing, the events do not.
 Retry-After (seconds or an HTTP date, on any status that is retried) is honoured inside the
 batch: every request to that host waits until then, and the refused event is sent again, when
 the wait is at most the publish timeout (the worker extends the batch's leases meanwhile); a
-longer one fails the event as any retry does, with the delay in the error (``retry_after``),
-and it waits the outbox's backoff, since outbox_fail takes no delay. Requests to that host are
+longer one fails the event with the delay in the error and in its ``retry_after``, and the
+worker passes that to outbox_fail: the next attempt comes no sooner than the endpoint asked
+(or the backoff, if longer), up to outbox_settings.backoff_cap. Requests to that host are
 held back for the delay asked, at most MAX_HOLD seconds (a wrong header cannot stop a host for
 long): one that would wait longer than the publish timeout fails without being sent.
 

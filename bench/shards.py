@@ -1,0 +1,204 @@
+"""Shards (outbox_claim(..., shard => 'I/N')): what a shard's claim reads, and the total drain
+rate of 1, 2, 4 and 8 claimers with and without shards.
+
+    .venv/bin/python bench/shards.py                       # both parts (about 10 minutes on 2 cores)
+    .venv/bin/python bench/shards.py --only cost           # the claim cost part alone
+    .venv/bin/python bench/shards.py --only drain --quick  # smaller drains
+
+It runs on a PostgreSQL server that is already running (--server, a libpq string without a
+database; default host=127.0.0.1 user=postgres): it creates a database of its own for each
+measurement (outboxpg_bench_shards_<pid>_<n>), installs the current schema/ into it with yoyo
+(outboxpg migrate), runs SELECT outbox_shards_enable(), and drops it afterwards, also on Ctrl-C.
+
+cost   100,000 due heads (one event each) in shard 1/2, older than 10 due aggregates of shard 0/2
+       (50 events each). For a claim of 100 by shard 0/2, and by a claim without a shard: the
+       index entries it reads (outbox_heads_bucket_idx + outbox_heads_ready_idx, this backend's
+       counters) and the backend's CPU time (log_statement_stats: user + system, as the LOG
+       notice reports it), median of 5 claims each rolled back. The same with shard 1/2 empty
+       (its 100,000 heads never inserted): a shard's claim must cost the same.
+drain  prefilled events (server-side INSERT ... SELECT, then VACUUM ANALYZE): 200,000 over 50,000
+       aggregates and 20,000 over 200 (--quick: 50,000 over 12,500 and 20,000 over 200). N
+       claimer processes (1, 2, 4, 8), each a loop of outbox_claim(500) -> outbox_complete on its
+       own connection (the database side of a worker, without a broker); without shards, and
+       with claimer i of N given shard i/N. The time runs from the moment every claimer is
+       connected to the last event published; the rate is events/s. The configurations of a mix run alternated, as
+       close together as the run allows, so that the machine's load weighs on all of them.
+       The load average at each line is printed beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import re
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from outboxpg.schema import migrate  # noqa: E402
+
+_seq = 0
+
+
+def load() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+@contextmanager
+def database(server: str) -> Iterator[str]:
+    """A fresh database with the schema installed and shards enabled; dropped afterwards."""
+    global _seq
+    _seq += 1
+    name = f"outboxpg_bench_shards_{os.getpid()}_{_seq}"
+    with psycopg.connect(f"{server} dbname=postgres", autocommit=True) as c:
+        c.execute(f'CREATE DATABASE "{name}"')
+    dsn = f"{server} dbname={name}"
+    try:
+        migrate(dsn)
+        with psycopg.connect(dsn, autocommit=True) as c:
+            c.execute("SELECT outbox_shards_enable()")
+        yield dsn
+    finally:
+        with psycopg.connect(f"{server} dbname=postgres", autocommit=True) as c:
+            c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def take_in(c: psycopg.Connection[Any]) -> None:
+    """The intake (outbox_take_in, as every claim runs it) until its cursor has every event: the
+    heads exist, nothing is leased."""
+    while True:
+        c.execute("SELECT outbox_take_in(g.settled, g.last_id, 10000) FROM outbox_commit_guard() g").fetchone()
+        row = c.execute("SELECT intake_id >= (SELECT coalesce(max(id), 0) FROM outbox) FROM outbox_intake").fetchone()
+        if row and row[0]:
+            return
+
+
+_CPU = re.compile(r"!\s+([0-9.]+) s user, ([0-9.]+) s system")
+
+
+def one_claim(dsn: str, shard: str | None) -> tuple[int, int, float]:
+    """(handed out, index entries read, backend CPU ms) of one claim of 100, rolled back."""
+    notices: list[str] = []
+    with psycopg.connect(dsn) as c:
+        c.add_notice_handler(lambda d: notices.append(d.message_detail or ""))
+        c.execute("SELECT count(*) FROM outbox_claim(1, shard => %s)", (shard,))   # plans made
+        c.rollback()
+        c.execute("SET log_statement_stats = on")
+        c.execute("SET client_min_messages = log")
+        entries = ("SELECT coalesce(pg_stat_get_xact_tuples_returned('outbox_heads_bucket_idx'::regclass), 0) "
+                   "+ pg_stat_get_xact_tuples_returned('outbox_heads_ready_idx'::regclass)")
+        before = c.execute(entries).fetchone()[0]  # type: ignore[index]
+        notices.clear()
+        n = len(c.execute("SELECT id FROM outbox_claim(100, shard => %s)", (shard,)).fetchall())
+        cpu = [float(m[1]) + float(m[2]) for s in notices if (m := _CPU.search(s))]
+        after = c.execute(entries).fetchone()[0]  # type: ignore[index]
+        c.rollback()
+    return n, int(after) - int(before), 1000 * cpu[-1] if cpu else float("nan")
+
+
+def part_cost(server: str) -> None:
+    print("\ncost: a claim of 100 by shard 0/2 and without a shard; 10 due aggregates of shard 0/2 (50 events "
+          "each) behind shard 1/2's due heads; median of 5")
+    print(f"  {'shard 1/2 backlog':>18} {'claim':>9} {'handed out':>10} {'entries read':>12} {'CPU ms':>7}  load")
+    for backlog in (0, 100_000):
+        with database(server) as dsn, psycopg.connect(dsn, autocommit=True) as c:
+            b1 = c.execute("SELECT outbox_shard_buckets('1/2')").fetchone()[0]  # type: ignore[index]
+            b0 = c.execute("SELECT outbox_shard_buckets('0/2')").fetchone()[0]  # type: ignore[index]
+            c.execute("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
+                      "SELECT 'acct', a, 'e', '{}' FROM (SELECT 'b' || g AS a FROM generate_series(1, %s) g) s "
+                      "WHERE outbox_aggregate_bucket('acct', a) = ANY (%s) LIMIT %s", (3 * backlog, b1, backlog))
+            take_in(c)
+            time.sleep(0.05)
+            quiet = [r[0] for r in c.execute(
+                "SELECT a FROM (SELECT 'q' || g AS a FROM generate_series(1, 1000) g) s "
+                "WHERE outbox_aggregate_bucket('acct', a) = ANY (%s) LIMIT 10", (b0,)).fetchall()]
+            c.execute("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
+                      "SELECT 'acct', a, 'e', '{}' FROM unnest(%s::text[]) a, generate_series(1, 50)", (quiet,))
+            take_in(c)
+            c.execute("VACUUM ANALYZE outbox_heads")
+            for shard in ("0/2", None):
+                runs = [one_claim(dsn, shard) for _ in range(5)]
+                print(f"  {backlog:>18,} {shard or 'no shard':>9} {runs[0][0]:>10} "
+                      f"{statistics.median(r[1] for r in runs):>12.0f} {statistics.median(r[2] for r in runs):>7.2f}"
+                      f"  {load()}", flush=True)
+
+
+def claimer(dsn: str, shard: str | None, start: Any, done: Any) -> None:
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute("SELECT 1")
+        start.wait()                                          # every claimer connected
+        empty = 0
+        while not done.is_set():
+            rows = c.execute("SELECT id, lease_token FROM outbox_claim(500, shard => %s)", (shard,)).fetchall()
+            if not rows:
+                empty += 1
+                time.sleep(0.002 * min(empty, 10))
+                continue
+            empty = 0
+            c.execute("SELECT outbox_complete(%s::bigint[], %s)", ([r[0] for r in rows], rows[0][1]))
+
+
+def drain(server: str, events: int, aggregates: int, workers: int, sharded: bool) -> float:
+    with database(server) as dsn, psycopg.connect(dsn, autocommit=True) as c:
+        c.execute("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
+                  "SELECT 'acct', 'a' || (g %% %s), 'e', '{\"n\": 1}' FROM generate_series(1, %s) g",
+                  (aggregates, events))
+        c.execute("VACUUM ANALYZE")
+        ctx = mp.get_context("spawn")
+        start, done = ctx.Barrier(workers + 1), ctx.Event()
+        procs = [ctx.Process(target=claimer, args=(dsn, f"{i}/{workers}" if sharded else None, start, done))
+                 for i in range(workers)]
+        for p in procs:
+            p.start()
+        start.wait(120)                                       # all connected: the clock starts
+        t0 = time.monotonic()
+        try:
+            while c.execute("SELECT count(*) FROM outbox WHERE unfinished").fetchone()[0] > 0:  # type: ignore[index]
+                time.sleep(0.05)
+            elapsed = time.monotonic() - t0
+        finally:
+            done.set()
+            for p in procs:
+                p.join(30)
+                if p.is_alive():
+                    p.kill()
+        return events / elapsed
+
+
+def part_drain(server: str, quick: bool) -> None:
+    mixes = [(50_000, 12_500), (20_000, 200)] if quick else [(200_000, 50_000), (20_000, 200)]
+    print("\ndrain: N claimers, each outbox_claim(500) -> outbox_complete; events/s (no broker)")
+    for events, aggregates in mixes:
+        print(f"  {events:,} events over {aggregates:,} aggregates")
+        for workers in (1, 2, 4, 8):
+            rates = {}
+            for sharded in (False, True):
+                rates[sharded] = drain(server, events, aggregates, workers, sharded)
+            print(f"    {workers} claimer{'s' if workers > 1 else ' '}  no shards {rates[False]:>8,.0f}/s   "
+                  f"shards {rates[True]:>8,.0f}/s   load {load()}", flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--server", default="host=127.0.0.1 user=postgres")
+    ap.add_argument("--only", choices=("cost", "drain"))
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args()
+    print(f"bench/shards.py on {os.uname().nodename}, {os.cpu_count()} CPUs, load {load()}")
+    if a.only in (None, "cost"):
+        part_cost(a.server)
+    if a.only in (None, "drain"):
+        part_drain(a.server, a.quick)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
