@@ -78,7 +78,7 @@ class SinkCase(abc.ABC):
     ``settle``      seconds to wait after the worker reported everything before read_back (a server
                     whose stored messages become readable a little later)
     ``slow_latency`` how late the slow-server test makes every answer: enough that a batch of 10 runs
-                    of 8 takes past a third of the 6 s lease (0.3 s for a sink with a round trip
+                    of 7 takes past a third of the 6 s lease (0.3 s for a sink with a round trip
                     per event; a sink that stores a whole run in one round trip sets about 2.5)
     ``proxy``       the TcpProxy (tests/sinks/proxy.py) the worker reaches the server through; the
                     tests set its ``latency`` (a slow server) and the default cut() cuts it

@@ -51,6 +51,12 @@ async def stored_after(case: SinkCase) -> list[Stored]:
     return await case.read_back()
 
 
+def retried(conn: Conn) -> list[Any]:
+    """Events that took more than one attempt or failed once: (id, attempts, last_error), a few."""
+    return conn.execute("SELECT id, attempts, last_error FROM outbox WHERE attempts <> 1 OR last_error IS NOT NULL "
+                        "ORDER BY id LIMIT 5").fetchall()
+
+
 def published(conn: Conn, n: int) -> Any:
     return lambda: count(conn, "state = 'published'") >= n
 
@@ -89,7 +95,7 @@ async def test_every_event_is_stored_once_in_order_with_its_headers_and_ids(sink
                             "outbox-aggregate-id": row.aggregate.split("/", 1)[1],
                             "outbox-event-type": "updated"}.items():
             assert headers.get(name) == value, f"header {name}: {headers.get(name)!r}, not {value!r}: {s}"
-    assert count(conn, "attempts <> 1 OR last_error IS NOT NULL") == 0
+    assert not retried(conn), f"{retried(conn)}\n{worker.text()[-4000:]}"
     assert "event=first_delivery" in worker.text()
 
 
@@ -186,9 +192,10 @@ async def test_a_server_down_longer_than_a_lease_kills_nothing_early_and_loses_n
 
 async def test_a_slow_server_has_the_leases_extended_and_nothing_published_twice(
         sink_case: SinkCase, conn: Conn, dsn: str, tmp_path: Path) -> None:
-    """Every answer of the server the case's ``slow_latency`` late (0.3 s; runs of 8 sent one event
-    at a time: a batch takes about 2.4 s), past a third of the 6 s lease, when the worker extends
-    its leases; a second worker is there to take back any lease that ran out."""
+    """Every answer of the server the case's ``slow_latency`` late (0.3 s; runs of 7 sent one event
+    at a time: a batch takes at least 2.1 s), past a third of the 6 s lease, when the worker extends
+    its leases, and with 0.9 s to spare before the 3 s publish timeout on a busy machine; a second
+    worker is there to take back any lease that ran out."""
     prepared(sink_case, conn)
     workers = [SinkWorker(sink_case, dsn, tmp_path / f"{name}.log", name=name, lease=6.0, publish_timeout=3.0,
                           extra=("--log-level", "DEBUG")) for name in ("w1", "w2")]
@@ -196,7 +203,7 @@ async def test_a_slow_server_has_the_leases_extended_and_nothing_published_twice
         for w in workers:
             await until(lambda w=w: "event=start " in w.text(), 30, "the worker started", w)
         sink_case.proxy.latency = sink_case.slow_latency
-        lengths = {f"s{i}": 8 for i in range(10)}
+        lengths = {f"s{i}": 7 for i in range(10)}
         insert_events(conn, interleaved(lengths))
         total = sum(lengths.values())
         await until(published(conn, total), 60, f"{total} events published", workers[0])
@@ -207,7 +214,7 @@ async def test_a_slow_server_has_the_leases_extended_and_nothing_published_twice
     assert codes == [0, 0], logs
     assert "event=lease_extended" in logs, logs
     assert "event=lease_lost" not in logs, logs
-    assert count(conn, "attempts <> 1 OR last_error IS NOT NULL") == 0
+    assert not retried(conn), f"{retried(conn)}\n{logs[-4000:]}"
     events = rows(conn)
     stored = await stored_after(sink_case)
     same_events(stored, events)
