@@ -357,6 +357,20 @@ DEMO_CREATE_ORDERS = "CREATE TABLE orders (id text PRIMARY KEY, status text NOT 
 DEMO_UPSERT_ORDER = "INSERT INTO orders VALUES (%s, %s, %s) ON CONFLICT (id) DO UPDATE SET status = EXCLUDED.status"
 STATS = "SELECT * FROM outbox_stats"
 
+# -- shard groups (outboxpg.relay.shard_group): a session advisory lock per member -----------------
+
+# The group's key: the first of the two advisory lock keys (the slot is the second).
+SHARD_GROUP_KEY = "SELECT hashtext('outboxpg shard group ' || %s)"
+SHARD_GROUP_TAKE = "SELECT pg_try_advisory_lock(%s, %s)"
+# The slots held in this database, in order. objsubid 2: the two-integer form of the key.
+SHARD_GROUP_MEMBERS = """
+SELECT coalesce(array_agg(l.objid::bigint ORDER BY l.objid::bigint), '{}')
+  FROM pg_locks l
+ WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
+   AND l.classid::bigint = (%s::bigint & 4294967295)
+   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+"""
+
 # -- throwaway clusters (outboxpg.embedded): PUBLIC may not create in schema public, as from 15 on --
 
 SECURE_PUBLIC_SCHEMA = "REVOKE CREATE ON SCHEMA public FROM PUBLIC"

@@ -26,6 +26,7 @@ from typing import Any
 import psycopg
 
 from outboxpg.relay.wakeup import CONNECT_OPTIONS
+from outboxpg.statements import SHARD_GROUP_KEY, SHARD_GROUP_MEMBERS, SHARD_GROUP_TAKE
 
 __all__ = ["ShardGroup", "SLOTS"]
 
@@ -33,17 +34,6 @@ log = logging.getLogger("outboxpg.worker")
 
 SLOTS = 64   # as many members as buckets: beyond that a shard would hold no bucket
 
-# The group's key: the first of the two advisory lock keys (the slot is the second).
-_KEY = "SELECT hashtext('outboxpg shard group ' || %s)"
-_TAKE = "SELECT pg_try_advisory_lock(%s, %s)"
-# The slots held in this database, in order. objsubid 2: the two-integer form of the key.
-_MEMBERS = """
-SELECT coalesce(array_agg(l.objid::bigint ORDER BY l.objid::bigint), '{}')
-  FROM pg_locks l
- WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
-   AND l.classid::bigint = (%s::bigint & 4294967295)
-   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-"""
 
 
 class GroupFull(Exception):
@@ -68,11 +58,11 @@ class ShardGroup:
         conn = await psycopg.AsyncConnection.connect(self.dsn, autocommit=True, **CONNECT_OPTIONS,
                                                      fallback_application_name=self.application_name)
         try:
-            row = await (await conn.execute(_KEY, (self.group,))).fetchone()
+            row = await (await conn.execute(SHARD_GROUP_KEY, (self.group,))).fetchone()
             assert row is not None
             self.key = int(row[0])
             for slot in range(SLOTS):
-                row = await (await conn.execute(_TAKE, (self.key, slot))).fetchone()
+                row = await (await conn.execute(SHARD_GROUP_TAKE, (self.key, slot))).fetchone()
                 if row and row[0]:
                     self.conn, self.slot = conn, slot
                     await self.look()
@@ -86,7 +76,7 @@ class ShardGroup:
     async def look(self) -> str:
         """Read the group's members; returns (and keeps) this member's shard."""
         assert self.conn is not None and self.slot is not None
-        row = await (await self.conn.execute(_MEMBERS, (self.key,))).fetchone()
+        row = await (await self.conn.execute(SHARD_GROUP_MEMBERS, (self.key,))).fetchone()
         slots: list[int] = list(row[0]) if row else []
         if self.slot not in slots:         # not seen (cannot be while the session holds it)
             return self.shard
