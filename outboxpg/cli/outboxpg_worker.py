@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import psycopg
 
@@ -68,6 +67,7 @@ from outboxpg.cli.worker_sink import (
     sink_secrets,
     sink_settings,
     start_sink,
+    url_secrets,
     webhook_secret,
 )
 from outboxpg.cloudevents import SPEC_VERSION, CloudEvents, check_source, default_source
@@ -414,22 +414,6 @@ def _log_databases(args: argparse.Namespace) -> None:
     _add_secrets(_file_secrets(args.dsn_file))
 
 
-def _nats_secrets(url: str) -> list[str]:
-    """The passwords (or tokens) in a NATS URL list, e.g. nats://user:pw@host or nats://token@host."""
-    found = []
-    for part in url.split(","):
-        try:
-            u = urlsplit(part.strip())
-            password, username = u.password, u.username
-        except ValueError:
-            continue
-        if password:
-            found.append(password)
-        elif username:
-            found.append(username)   # a token
-    return found
-
-
 async def _wait_for_nats(servers: list[str], stopping: asyncio.Event) -> bool:
     """Wait until the NATS server answers, logging each failed try and pausing 0.2 s, 0.4 s, ...
     up to 5 s in between; a server that answers but not as NATS is a CliError (exit 3).
@@ -631,14 +615,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                                "cloudevents_source", "sink", "webhook_secret_file"))
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s")
-    nats_secrets = _nats_secrets(args.nats_url)
     try:
         # Read before any line is logged: the secret is redacted from them all.
         args.webhook_secret = webhook_secret(args)
     except CliError as exc:
         print(f"outboxpg-worker: {exc}", file=sys.stderr)
         return exc.code
-    secrets = sorted({*secrets_of(args.dsn), *nats_secrets, *map(unquote, nats_secrets), *sink_secrets(args)} - {""},
+    secrets = sorted({*secrets_of(args.dsn), *url_secrets(args.nats_url, token=True), *sink_secrets(args)} - {""},
                      key=len, reverse=True)
     for handler in logging.getLogger().handlers:
         handler.addFilter(_OneLine())

@@ -12,8 +12,7 @@ import pytest
 from outboxpg.cli.common import number_type, redact, restore_double_dash, secrets_of
 from outboxpg.cli.errors import EXIT_USAGE, CliError
 from outboxpg.cli.options import OneLineParser, add_options, env_name, flag_name, from_args
-from outboxpg.cli.outboxpg_worker import _nats_secrets
-from outboxpg.cli.worker_sink import sink_secrets
+from outboxpg.cli.worker_sink import sink_secrets, url_secrets
 from outboxpg.option import option
 from outboxpg.relay.worker import WorkerConfig
 
@@ -110,7 +109,7 @@ def test_every_form_of_a_password_is_a_secret(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("PGPASSWORD", "envpw")
     assert secrets_of("host=db") == ["envpw"]
     assert redact("connect as app:p@ss failed (p%40ss)", uri) == "connect as app:*** failed (***)"
-    assert _nats_secrets("nats://relay:pw@a:4222, nats://tok3n@b:4222,nats://c:4222") == ["pw", "tok3n"]
+    assert url_secrets("nats://relay:pw@a:4222, nats://tok3n@b:4222,nats://c:4222", token=True) == ["tok3n", "pw"]
 
 
 @dataclass
