@@ -149,9 +149,13 @@ async def test_standby_flushed_publishes_nothing_the_standby_has_not_flushed(rep
             await until(lambda: "event=standby_flush_timeout" in caplog.text, 10, "the batch handed back")
             assert "event=standby_flush_waiting standby=standby1 connected=0" in caplog.text
             assert [m.outbox_id for m in await read_stream(stream)] == [first], "published before the standby had it"
-            assert c.execute("SELECT attempts FROM outbox WHERE id = %s", (held,)).fetchone()[0] == 0  # type: ignore[index]
             await asyncio.to_thread(standby.launch)
             await until(lambda: stream_ids(stream, [first, held]), 15, "the event once the standby flushed it")
+            # Handed back (outbox_release), never failed: however many claims waited for the
+            # standby, only the one that published counts an attempt. (Read now, not while it
+            # waited: a claim holding it again meanwhile counts one until it is handed back.)
+            await until(lambda: _state_is(primary.dsn_for("app"), held, "published"), 10, "the event reported")
+            assert c.execute("SELECT attempts FROM outbox WHERE id = %s", (held,)).fetchone()[0] == 1  # type: ignore[index]
             assert "event=standby_flush_resumed standby=standby1" in caplog.text
             # Now an asynchronous failover: the standby misses the last events, which are lost
             # with the primary; none of them was published.
@@ -261,3 +265,9 @@ def test_standby_flushed_refuses_to_start_for_a_role_that_cannot_read_flush_lsn(
             started.wait(30)
     finally:
         conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+async def _state_is(dsn: str, event_id: int, state: str) -> bool:
+    with psycopg.connect(dsn, autocommit=True) as c:
+        row = c.execute("SELECT state::text FROM outbox WHERE id = %s", (event_id,)).fetchone()
+    return row is not None and row[0] == state
