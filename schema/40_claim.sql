@@ -440,8 +440,8 @@ BEGIN
         -- when it gets there.
         -- The newest events are read backward from the last one, down to newest_id (what an
         -- earlier claim read so), at most a chunk: in a steady flow, what committed since the
-        -- last claim, each event once. What lies below a chunk of them, and an event that
-        -- commits below newest_id after it moved (its transaction was open), is left to the
+        -- last claim, each event once (and what an open transaction still holds back, again on
+        -- each claim, as the cursor does). What lies below a chunk of them is left to the
         -- cursor. Heads that exist are neither locked nor waited for (ON CONFLICT DO NOTHING):
         -- their lines hold the new events already. A parked one comes back, found newest-first
         -- without a lock, then locked by ctid, SKIP LOCKED.
@@ -456,7 +456,10 @@ BEGIN
                          ORDER BY o.id DESC
                          LIMIT chunk) e
                  GROUP BY e.aggregate_type, e.aggregate_id) f;
-        new_top := last_id;
+        -- Up to the horizon only, like the cursor: an event below last_id whose transaction is
+        -- still open is not visible here, and would be left to the cursor (a whole backlog later)
+        -- if newest_id moved past it; the next claim reads it then.
+        new_top := least(last_id, settled);
         IF new_types IS NOT NULL THEN
             WITH made AS (
                 INSERT INTO outbox_heads AS h (aggregate_type, aggregate_id, lock_key, head_id, ready_at, opened_id)
@@ -625,7 +628,8 @@ COMMENT ON FUNCTION outbox_shards_disable() IS
 -- and reclaims expired runs of its own shard only. Without a shard (NULL, or '0/1'), the
 -- claim reads outbox_heads_ready_idx as it always has.
 CREATE OR REPLACE FUNCTION outbox_claim(batch_size integer, lease interval DEFAULT NULL, worker text DEFAULT NULL,
-                                        max_bytes bigint DEFAULT NULL, shard text DEFAULT NULL)
+                                        max_bytes bigint DEFAULT NULL, shard text DEFAULT NULL,
+                                        quiet_only boolean DEFAULT false)
 RETURNS TABLE (
     id             bigint,
     subject        text,
@@ -713,6 +717,7 @@ DECLARE
     hi      timestamptz;
     buckets integer[];      -- the shard's buckets; NULL: no shard, every head
     due_buckets integer[];  -- those with a due head, the one whose first waited longest first
+    window_end timestamptz := 'infinity';   -- quiet_only: the last ready_at of the front read
 BEGIN
     IF batch_size IS NULL OR batch_size < 1 THEN
         RAISE EXCEPTION 'outbox_claim: batch_size must be 1 or more, got %', coalesce(batch_size::text, 'NULL')
@@ -774,18 +779,27 @@ BEGIN
     -- The first due heads (those that hold the floor), read without locks: parked ones whose
     -- second is up are dropped below with the heads found empty (outbox_refresh_heads looks at
     -- their events first); which can be claimed, for the shares below; and whether a pass can
-    -- find any (below).
+    -- find any (below). A claimable one is busy when it has been moved on 3 times or more (its
+    -- events came one after another) and more than 10 of them wait now (a quiet head's share at
+    -- most, below): the line of such a head is read to its 11th event, no further. An aggregate
+    -- that has caught up is quiet again, however busy it was.
     SELECT coalesce(array_agg(p.aggregate_type) FILTER (WHERE p.parked AND p.leased_until < t), '{}'),
            coalesce(array_agg(p.aggregate_id) FILTER (WHERE p.parked AND p.leased_until < t), '{}'),
            coalesce(array_agg(p.lock_key ORDER BY p.ready_at, p.opened_id) FILTER (WHERE p.claimable), '{}'),
-           coalesce(array_agg(p.busy ORDER BY p.ready_at, p.opened_id) FILTER (WHERE p.claimable), '{}'),
-           count(*)
-      INTO empty_types, empty_ids, front, busy_front, front_read
+           coalesce(array_agg(p.moves >= 3 AND EXISTS (SELECT FROM outbox o
+                                                      WHERE o.aggregate_type = p.aggregate_type
+                                                        AND o.aggregate_id = p.aggregate_id
+                                                        AND o.unfinished AND o.id >= least(p.head_id, upto + 1)
+                                                      ORDER BY o.id
+                                                     OFFSET 10)
+                              ORDER BY p.ready_at, p.opened_id) FILTER (WHERE p.claimable), '{}'),
+           count(*), max(p.ready_at)
+      INTO empty_types, empty_ids, front, busy_front, front_read, window_end
       FROM (SELECT h.aggregate_type, h.aggregate_id, h.parked, h.leased_until, h.lock_key, h.ready_at, h.opened_id,
                    NOT h.parked AND (h.leased_until IS NULL OR h.leased_until < t)
                    AND (h.head_id <= g.settled
                         OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys))) AS claimable,
-                   h.moves >= 3 AS busy
+                   h.head_id, h.moves
               FROM (SELECT h.* FROM outbox_heads h
                      WHERE buckets IS NULL
                        AND h.ready_at <= t AND h.ready_at >= floor_at
@@ -797,7 +811,7 @@ BEGIN
                    NOT h.parked AND (h.leased_until IS NULL OR h.leased_until < t)
                    AND (h.head_id <= g.settled
                         OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys))) AS claimable,
-                   h.moves >= 3 AS busy
+                   h.head_id, h.moves
               FROM unnest(due_buckets) AS b(k)
              CROSS JOIN LATERAL (
                    SELECT h.* FROM outbox_heads h
@@ -806,8 +820,10 @@ BEGIN
                     ORDER BY h.ready_at, h.opened_id
                     LIMIT 16) h
              LIMIT 16) p;
-    -- A claim takes one busy head (moved on 3 times or more: an aggregate whose events come one
-    -- after another) and every quiet one among those at the front; the other busy heads there
+    -- A claim takes one busy head (more than 10 events waiting: a backlog, or an aggregate whose
+    -- events come faster than they are published) and every quiet one among those at the front
+    -- (10 events or fewer: a quiet aggregate, however many events it had before, is one as soon
+    -- as it has caught up); the other busy heads there
     -- are left to the next claim. So a busy aggregate's run is long (published as one atomic
     -- batch where the stream allows it, not event by event), the other claims in flight take
     -- the other busy heads side by side, and a quiet aggregate's event goes in the next claim
@@ -820,6 +836,20 @@ BEGIN
       INTO front, skip, busy_key
       FROM (SELECT u.k, u.b, u.i, count(*) FILTER (WHERE u.b) OVER (ORDER BY u.i) AS r
               FROM unnest(front, busy_front) WITH ORDINALITY AS u(k, b, i)) f;
+    -- quiet_only: the quiet heads among the first 16 due ones, none of the busy ones, and no
+    -- head behind them (window_end), so that the claim reads at most the front whatever the
+    -- busy aggregates have queued. A worker whose batches are all out with busy aggregates'
+    -- runs claims so beside them (its lane), and a quiet aggregate's event does not wait for
+    -- one of those batches to come back.
+    IF quiet_only THEN
+        skip := '{}';
+        busy_key := NULL;
+        IF front_read < 16 THEN
+            window_end := 'infinity';      -- every due head was read: none lies behind them
+        END IF;
+    ELSE
+        window_end := 'infinity';
+    END IF;
 
     -- Passes: a pass that reclaimed expired runs looks again for the rest of the batch, so a
     -- worker's crash does not cost the next claim its batch (a short claim tells a worker that
@@ -829,7 +859,7 @@ BEGIN
         -- find none either, under the same conditions (save a head that commits in between,
         -- which the next claim takes), so it is not made. Planned and run, it is about 40% of an
         -- empty claim on a new connection and half of every later empty claim.
-        EXIT WHEN pass = 1 AND cardinality(front) = 0 AND busy_key IS NULL AND front_read < 16;
+        EXIT WHEN pass = 1 AND cardinality(front) = 0 AND busy_key IS NULL AND (front_read < 16 OR quiet_only);
         remaining := n - cardinality(c_ids);
         -- Shares: with a busy head, each quiet head takes up to 10 events (its own share at
         -- most) and the busy one the rest, so that the claim stays full. Without one, a run
@@ -875,6 +905,8 @@ BEGIN
                                AND (h.head_id <= g.settled
                                     OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys)))
                                AND h.lock_key <> ALL (skip)
+                               AND h.ready_at <= window_end
+                               AND (NOT quiet_only OR h.lock_key = ANY (front))
                              ORDER BY h.ready_at, h.opened_id     -- head_id is in no index
                              LIMIT remaining
                                FOR NO KEY UPDATE SKIP LOCKED) u
@@ -892,6 +924,8 @@ BEGIN
                                AND (h.head_id <= g.settled
                                     OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys)))
                                AND h.lock_key <> ALL (skip)
+                               AND h.ready_at <= window_end
+                               AND (NOT quiet_only OR h.lock_key = ANY (front))
                              ORDER BY h.ready_at, h.opened_id
                              LIMIT remaining
                                FOR NO KEY UPDATE SKIP LOCKED) s
@@ -1103,5 +1137,5 @@ BEGIN
 END;
 $$;
 
-COMMENT ON FUNCTION outbox_claim(integer, interval, text, bigint, text) IS
-    'Lease up to batch_size due events (at most max_bytes of them, default outbox_settings.max_claim_bytes; one at least) under a new lease_token: runs of up to max_run consecutive events per aggregate, oldest heads first, rows in id order; reclaims expired runs (one failed attempt for the run''s first event). shard ''I/N'': the aggregates of that shard only (outbox_shards_enable first).';
+COMMENT ON FUNCTION outbox_claim(integer, interval, text, bigint, text, boolean) IS
+    'Lease up to batch_size due events (at most max_bytes of them, default outbox_settings.max_claim_bytes; one at least) under a new lease_token: runs of up to max_run consecutive events per aggregate, oldest heads first, rows in id order; reclaims expired runs (one failed attempt for the run''s first event). shard ''I/N'': the aggregates of that shard only (outbox_shards_enable first). quiet_only: the quiet aggregates'' heads among the first 16 due, no busy one (a lane beside full batches).';

@@ -103,7 +103,7 @@ REVOKE EXECUTE ON FUNCTION
     outbox_retry_delay(integer, interval, interval), outbox_commit_guard(), outbox_commit_horizon(),
     outbox_heads_writing(), outbox_heads_floor(), outbox_take_in(bigint, bigint, integer),
     outbox_aggregate_bucket(text, text), outbox_shard_buckets(text), outbox_shards_enable(),
-    outbox_shards_disable(), outbox_claim(integer, interval, text, bigint, text),
+    outbox_shards_disable(), outbox_claim(integer, interval, text, bigint, text, boolean),
     outbox_refresh_heads(text[], text[]), outbox_complete(bigint[], uuid),
     outbox_fail(bigint, uuid, text, boolean, interval), outbox_release(bigint[], uuid),
     outbox_extend(bigint[], uuid, interval),
@@ -145,7 +145,7 @@ GRANT EXECUTE ON FUNCTION outbox_cancel(bigint[]) TO outbox_producer;
 -- 6. Workers: the functions the worker calls, the two settings it reads at start, and the
 --    one-row outbox_health for its metrics (counts and ages, no event data).
 GRANT EXECUTE ON FUNCTION
-    outbox_claim(integer, interval, text, bigint, text), outbox_complete(bigint[], uuid),
+    outbox_claim(integer, interval, text, bigint, text, boolean), outbox_complete(bigint[], uuid),
     outbox_fail(bigint, uuid, text, boolean, interval), outbox_release(bigint[], uuid),
     outbox_extend(bigint[], uuid, interval),
     outbox_next_wakeup(), outbox_worker_idle(), outbox_worker_busy(), outbox_maintain(boolean),

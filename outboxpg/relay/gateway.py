@@ -33,14 +33,14 @@ log = logging.getLogger("outboxpg.worker")
 
 # The fourth argument: the claim's byte budget (--claim-bytes; NULL: outbox_settings.max_claim_bytes);
 # the fifth, the shard (--shard 'I/N'; NULL: every aggregate).
-_CLAIM = f"SELECT {CLAIM_COLUMNS} FROM outbox_claim(%s, %s, %s, %s::bigint, %s::text)"
+_CLAIM = f"SELECT {CLAIM_COLUMNS} FROM outbox_claim(%s, %s, %s, %s::bigint, %s::text, %s)"
 # With --standby-flushed: also where the WAL ends once the claim has run (evaluated after the
 # function, which returns its rows all at once). Every claimed event's commit record is before
 # it (the claim saw those commits), and so is the claim's own work: its commit record, flushed at
 # commit (synchronous_commit = local on these connections), comes after. So the primary flushes
 # up to this point as the claim commits, and a standby that flushed it holds every claimed event.
 _CLAIM_WITH_LSN = (f"SELECT {CLAIM_COLUMNS}, pg_current_wal_insert_lsn()::text "
-                   "FROM outbox_claim(%s, %s, %s, %s::bigint, %s::text)")
+                   "FROM outbox_claim(%s, %s, %s, %s::bigint, %s::text, %s)")
 # How far the standbys (all, or the one named) have flushed: (how many are connected, the
 # furthest flush_lsn). flush_lsn is NULL to a role without pg_read_all_stats.
 _STANDBY_FLUSH = """
@@ -129,7 +129,7 @@ class Gateway:
         """Create the pool (in the running event loop) and start connecting, without waiting."""
         cfg = self.cfg
         self._pool = _Pool(
-            cfg.dsn, min_size=1, max_size=cfg.concurrency + 2, open=False, timeout=10,
+            cfg.dsn, min_size=1, max_size=cfg.concurrency + 3, open=False, timeout=10,
             kwargs={"autocommit": True, "fallback_application_name": self.application_name, **CONNECT_OPTIONS,
                     **_poll_only_options(cfg)},
             configure=self._configure,
@@ -154,13 +154,15 @@ class Gateway:
             # a pooler in transaction mode would carry a session SET over to other clients.
             await conn.execute("SET synchronous_commit = off")
 
-    async def claim(self, batch_size: int, lease: timedelta, name: str, shard: str | None = None
-                    ) -> list[tuple[Any, ...]]:
+    async def claim(self, batch_size: int, lease: timedelta, name: str, shard: str | None = None,
+                    quiet_only: bool = False) -> list[tuple[Any, ...]]:
         """outbox_claim's rows (CLAIM_COLUMNS, jsonb as raw bytes); psycopg.Error passes through.
-        ``shard``: 'I/N' (--shard, or a shard group's current one); None: every aggregate."""
+        ``shard``: 'I/N' (--shard, or a shard group's current one); None: every aggregate.
+        ``quiet_only``: the quiet aggregates at the front of the queue only (the worker's lane)."""
         statement = _CLAIM_WITH_LSN if self.cfg.standby_flushed else _CLAIM
         async with self.pool.connection() as conn:
-            cur = await conn.execute(statement, (batch_size, lease, name, self.cfg.claim_bytes, shard), prepare=True)
+            cur = await conn.execute(statement, (batch_size, lease, name, self.cfg.claim_bytes, shard, quiet_only),
+                                     prepare=True)
             return await cur.fetchall()
 
     async def replaced_broken_connections(self) -> None:

@@ -5,12 +5,12 @@ an event (order, retries, dead letters, fencing) is made by the SQL functions it
     await worker.run()          # until worker.stop()
 
 Loop: drain (claim after claim until one comes back short; each batch is published and
-completed/failed by a task of its own, up to ``concurrency`` batches in flight). After a short
-claim with batches in flight, wait for the first of them to be reported (its report makes the
-next runs of its aggregates claimable), or 10 to 50 ms for new events, and drain again; with
-none in flight, go idle (take the
-wakeup lock, claim once more, sleep) until a notification, the next retry or lease expiry
-(outbox_next_wakeup), or the fallback poll.
+completed/failed by a task of its own, up to ``concurrency`` batches in flight). With all of them
+out, every 10 to 50 ms claim the quiet aggregates' events beside them (the lane: LANE_BATCH).
+After a short claim with batches in flight, wait for the first of them to be reported (its
+report makes the next runs of its aggregates claimable), or 10 to 50 ms for new events, and
+drain again; with none in flight, go idle (take the wakeup lock, claim once more, sleep) until a
+notification, the next retry or lease expiry (outbox_next_wakeup), or the fallback poll.
 
 A claimed batch holds runs: up to ``outbox_settings.max_run`` consecutive events of one aggregate,
 in id order, under one lease. A batch still being published a third of the lease after it
@@ -74,6 +74,22 @@ log = logging.getLogger("outboxpg.worker")
 LOOK_AGAIN_LEAST = 0.010
 LOOK_AGAIN_MOST = 0.050
 
+# The lane. With every one of the ``concurrency`` batches out (a backlog of busy aggregates fills
+# them, each with a long run), the next claim waits for one of them to come back: a whole
+# publish of a batch. So meanwhile the worker claims, on the same schedule as _look_again,
+# the quiet aggregates at the front of the queue only (outbox_claim's quiet_only), at most
+# LANE_BATCH events, one such batch out at a time: a quiet aggregate's event is published
+# beside the backlog, not behind it. A lane claim that finds nothing costs an index look at the
+# front and the intake's chunk, which the next full claim would otherwise read.
+LANE_BATCH = 100
+
+# A batch that holds both short runs (at most this many events: a quiet aggregate's share of a
+# claim, outbox_claim) and long ones (a busy aggregate's) is published and reported in two
+# parts side by side: the short runs' report does not wait for the long runs' publish. Until a
+# run is reported its aggregate's head stays leased, so a quiet aggregate's next event would
+# otherwise wait for a busy aggregate's thousand.
+SHORT_RUN = 10
+
 # The first summary comes this long after the first delivery, when that is sooner than
 # summary_interval: a newcomer sees the counts move within seconds, not a minute.
 EARLY_SUMMARY = 5.0
@@ -120,6 +136,8 @@ class Worker:
         self._look_again = LOOK_AGAIN_LEAST
         self._looked_again = False    # the last drain started because _look_again ran out
         self._handing_back = 0        # batches in their pause after _hand_back: no looking again
+        self._lane: asyncio.Task[None] | None = None     # the lane's batch out, if any
+        self._lane_wait = LOOK_AGAIN_LEAST
         # What a DBA sees in pg_stat_activity.application_name for each connection (unless the
         # DSN or $PGAPPNAME names one: libpq's fallback_application_name gives way to those).
         self.application_name = application_name(config.name)
@@ -247,8 +265,8 @@ class Worker:
                     self._release_lock_soon()       # in parallel with the claim that follows
         finally:
             # Finish and report every batch already claimed before returning.
-            if self._inflight:
-                await asyncio.gather(*self._inflight, return_exceptions=True)
+            if self._inflight or self._lane is not None:
+                await asyncio.gather(*self._inflight, *([self._lane] if self._lane else []), return_exceptions=True)
             await self._lock_released()
 
     async def _first_reported(self) -> bool:
@@ -321,8 +339,8 @@ class Worker:
         self._wake.clear()
         total = 0
         while not self._stopping:
-            while len(self._inflight) >= self.cfg.concurrency:
-                await asyncio.wait(self._inflight, return_when=asyncio.FIRST_COMPLETED)
+            while len(self._inflight) >= self.cfg.concurrency and not self._stopping:
+                await self._lane_while_full()
             if self._publisher_ready is not None and not self._publisher_ready.is_set():
                 # The publisher cannot publish right now (NatsPublisher: its client was closed
                 # for good and is being replaced): claiming would only spend attempts.
@@ -338,6 +356,22 @@ class Worker:
             if len(rows) < self.cfg.batch_size:
                 break
         return total
+
+    async def _lane_while_full(self) -> None:
+        """Every batch is out: until the first of them is reported, claim the quiet aggregates'
+        events beside them every _lane_wait (see LANE_BATCH)."""
+        done, _ = await asyncio.wait(self._inflight, timeout=self._lane_wait, return_when=asyncio.FIRST_COMPLETED)
+        if done or self._stopping or self._until_idle or self._handing_back:
+            return
+        if self._lane is not None and not self._lane.done():
+            return
+        if self._publisher_ready is not None and not self._publisher_ready.is_set():
+            return
+        rows = await self._claim(min(self.cfg.batch_size, LANE_BATCH), quiet_only=True)
+        # Found something: look again soon; nothing: less often, down to LOOK_AGAIN_MOST.
+        self._lane_wait = LOOK_AGAIN_LEAST if rows else min(2 * self._lane_wait, LOOK_AGAIN_MOST)
+        if rows:
+            self._lane = asyncio.create_task(self._deliver(rows))
 
     async def _publish(self, events: Sequence[OutboxEvent]) -> Sequence[BaseException | None]:
         """The publisher's outcomes for ``events``; with ``slots``, in this database's turn for
@@ -375,9 +409,10 @@ class Worker:
             return self.shard_group.shard or None
         return self.cfg.shard or None
 
-    async def _claim(self) -> list[tuple[Any, ...]]:
+    async def _claim(self, batch_size: int | None = None, *, quiet_only: bool = False) -> list[tuple[Any, ...]]:
         try:
-            rows = await self.gateway.claim(self.cfg.batch_size, self._lease, self.cfg.name, self._shard())
+            rows = await self.gateway.claim(batch_size or self.cfg.batch_size, self._lease, self.cfg.name,
+                                            self._shard(), quiet_only)
         except psycopg.Error as exc:
             if self._until_idle:
                 raise
@@ -398,6 +433,17 @@ class Worker:
     async def _deliver(self, rows: list[tuple[Any, ...]]) -> None:
         token = rows[0][LEASE_TOKEN]
         events = [event_from_row(row) for row in rows]
+        if self.standby is None:
+            short, long = split_short_runs(events, SHORT_RUN)
+            if short and long:
+                await asyncio.gather(self._deliver_events(short, token), self._deliver_events(long, token))
+                return
+        await self._deliver_events(events, token, rows)
+
+    async def _deliver_events(self, events: list[OutboxEvent], token: Any,
+                              rows: list[tuple[Any, ...]] | None = None) -> None:
+        """Publish ``events`` (runs of one claim) and report them. ``rows``: their claim rows,
+        for --standby-flushed."""
         started = time.monotonic()
         # Most batches are reported long before this fires: then it costs a timer, nothing more.
         keeper: list[asyncio.Task[None]] = []
@@ -406,7 +452,7 @@ class Worker:
             self._extend_every, lambda: keeper.append(asyncio.ensure_future(self._keep_leases(events, token,
                                                                                                published))))
         try:
-            if self.standby is not None and not await self._standby_flushed(rows):
+            if self.standby is not None and rows is not None and not await self._standby_flushed(rows):
                 outcomes: Sequence[BaseException | None] | None = None
             else:
                 outcomes = await self._publish(events)
@@ -538,6 +584,15 @@ class Worker:
 def application_name(worker_name: str) -> str:
     """'outboxpg-worker <name>' (PostgreSQL keeps the first 63 bytes of an application_name)."""
     return f"outboxpg-worker {worker_name}"
+
+
+def split_short_runs(events: Sequence[OutboxEvent], most: int) -> tuple[list[OutboxEvent], list[OutboxEvent]]:
+    """(the events of runs of at most ``most`` events, the others), each in batch order."""
+    short: list[OutboxEvent] = []
+    long: list[OutboxEvent] = []
+    for run in runs_of(events):
+        (short if len(run) <= most else long).extend(events[i] for i in run)
+    return sorted(short, key=lambda e: e.id), sorted(long, key=lambda e: e.id)
 
 
 def split_runs(events: Sequence[OutboxEvent], outcomes: Sequence[BaseException | None]

@@ -125,7 +125,7 @@ def test_a_login_without_the_worker_role_exits_1_naming_what_it_lacks(dsn: str, 
 
 
 def test_execute_on_claim_revoked_exits_1_at_start(conn: Conn, worker_login: Any) -> None:
-    conn.execute("REVOKE EXECUTE ON FUNCTION outbox_claim(integer, interval, text, bigint, text) FROM outbox_worker")
+    conn.execute("REVOKE EXECUTE ON FUNCTION outbox_claim(integer, interval, text, bigint, text, boolean) FROM outbox_worker")
     line = one_line(run("--dsn", worker_login["worker"].dsn), 1)
     assert line.endswith("may not execute outbox_claim: make it a member of outbox_worker "
                          f"(GRANT outbox_worker TO \"{worker_login['worker'].name}\"; see docs/privileges.md)"), line
@@ -139,7 +139,7 @@ def test_execute_revoked_while_running_backs_off_and_recovers(conn: Conn, worker
     try:
         w.wait_for("event=start", 20)
         time.sleep(0.3)
-        conn.execute("REVOKE EXECUTE ON FUNCTION outbox_claim(integer, interval, text, bigint, text) FROM outbox_worker")
+        conn.execute("REVOKE EXECUTE ON FUNCTION outbox_claim(integer, interval, text, bigint, text, boolean) FROM outbox_worker")
         # Connections cache nothing about privileges: the next claim is refused.
         i = enqueue(conn, "order", "1", "created", {})
         w.wait_for("event=db_error during=claim", 10)
@@ -149,7 +149,7 @@ def test_execute_revoked_while_running_backs_off_and_recovers(conn: Conn, worker
         # 0.1, 0.2, 0.4, ... up to 5 s between claims: 4 or 5 in 2 s; a spinning loop would make thousands.
         assert 3 <= refused <= 7, w.text()
         assert "permission denied for function outbox_claim" in w.text()
-        conn.execute("GRANT EXECUTE ON FUNCTION outbox_claim(integer, interval, text, bigint, text) TO outbox_worker")
+        conn.execute("GRANT EXECUTE ON FUNCTION outbox_claim(integer, interval, text, bigint, text, boolean) TO outbox_worker")
         took = wait_state(conn, i, "published", 10)
         assert took < 6, "picked up again within the 5 s backoff cap"
         assert time.monotonic() - t0 < 20

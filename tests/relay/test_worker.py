@@ -325,3 +325,82 @@ async def test_a_quiet_aggregate_is_not_held_back_by_a_batch_in_flight(dsn, conn
         slow_may_end.set()
     await wait_until(lambda: equals(count_in(dsn, "published"), 2), 10, "both published")
     await running.stop()
+
+
+async def test_a_quiet_aggregate_goes_out_while_every_batch_is_held_by_busy_runs(dsn, conn):
+    """Every one of the worker's batches is out with a busy aggregate's run that the publisher
+    holds (a slow destination): the worker's lane still claims the quiet aggregates' events beside
+    them (outbox_claim's quiet_only), and the quiet event is published before any of those
+    batches is reported; the busy runs are not touched by the lane."""
+    with conn.transaction():
+        enqueue_many(conn, [Event("order", f"busy-{n % 3}", "step", {"n": n}) for n in range(150)])
+    # Heads made, and marked as moved on many times: three busy aggregates, 50 events waiting each.
+    rows = conn.execute("SELECT id, lease_token FROM outbox_claim(1)").fetchall()
+    conn.execute("SELECT outbox_release(%s, %s)", ([r[0] for r in rows], rows[0][1]))
+    conn.execute("UPDATE outbox_heads SET moves = 3")
+    held = asyncio.Event()
+    busy_out: set[str] = set()
+    seen: list[str] = []
+
+    async def publish(event: OutboxEvent) -> None:
+        if event.aggregate_id.startswith("busy"):
+            busy_out.add(event.aggregate_id)
+            await held.wait()
+        seen.append(event.aggregate_id)
+
+    running = start(dsn, FunctionPublisher(publish), poll_interval=120, publish_timeout=30, lease=90,
+                    concurrency=2, batch_size=40)
+
+    async def both_batches_out() -> bool:
+        return len(busy_out) == 2
+
+    try:
+        await wait_until(both_batches_out, 10, "two batches out, each with one busy aggregate's run")
+        enqueue(conn, "order", "quiet", "created", {})
+
+        async def quiet_seen() -> bool:
+            return "quiet" in seen
+
+        await wait_until(quiet_seen, 5, "the quiet aggregate's event published beside the held batches")
+        assert seen == ["quiet"]
+        assert len(busy_out) == 2                      # the lane took no busy run
+    finally:
+        held.set()
+    await wait_until(lambda: equals(count_in(dsn, "published"), 151), 20, "everything published")
+    await running.stop()
+
+
+async def test_a_quiet_run_is_reported_without_waiting_for_a_long_run_beside_it(dsn, conn):
+    """One batch holds a busy aggregate's long run, which the publisher holds, and a quiet
+    aggregate's event: the quiet run is reported as soon as it is published, so the quiet
+    aggregate's next event goes out while the long run is still held (its head would otherwise
+    stay leased until the whole batch is reported)."""
+    with conn.transaction():
+        enqueue_many(conn, [Event("order", "busy", "step", {"n": n}) for n in range(40)])
+        enqueue(conn, "order", "quiet", "created", {})
+    held = asyncio.Event()
+    seen: list[str] = []
+
+    async def publish(event: OutboxEvent) -> None:
+        if event.aggregate_id == "busy":
+            await held.wait()
+        seen.append(f"{event.aggregate_id}:{event.event_type}")
+
+    running = start(dsn, FunctionPublisher(publish), poll_interval=120, publish_timeout=30, lease=90,
+                    batch_size=50)
+    try:
+        async def first_seen() -> bool:
+            return seen == ["quiet:created"]
+
+        await wait_until(first_seen, 10, "the quiet event published, the busy run held")
+        enqueue(conn, "order", "quiet", "updated", {})
+
+        async def next_seen() -> bool:
+            return "quiet:updated" in seen
+
+        await wait_until(next_seen, 5, "the quiet aggregate's next event published beside the held run")
+        assert seen == ["quiet:created", "quiet:updated"]
+    finally:
+        held.set()
+    await wait_until(lambda: equals(count_in(dsn, "published"), 42), 20, "everything published")
+    await running.stop()

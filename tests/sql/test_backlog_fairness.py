@@ -9,6 +9,7 @@ from typing import Any
 
 import psycopg
 from helpers import claim, complete, entries_read, insert
+from psycopg.rows import dict_row
 
 Conn = psycopg.Connection[Any]
 
@@ -129,3 +130,78 @@ def test_parked_heads_brought_back_ahead_of_the_cursor_are_runs_of_their_own(con
     leased = conn.execute("SELECT aggregate_id FROM outbox_heads WHERE aggregate_id IN ('p1', 'p2') "
                           "AND leased_until > clock_timestamp() ORDER BY 1").fetchall()
     assert leased == [("p1",), ("p2",)]
+
+
+def quiet_claim(conn: Conn, n: int) -> list[dict[str, Any]]:
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute("SELECT * FROM outbox_claim(%s, quiet_only => true)", (n,)).fetchall()
+
+
+def test_a_quiet_only_claim_takes_the_quiet_heads_in_front_and_no_busy_run(conn: Conn) -> None:
+    """The worker's lane: outbox_claim(..., quiet_only => true) beside batches of busy runs hands
+    out the quiet aggregates' events at the front of the queue and nothing of a busy aggregate
+    (its head moved on 3 times or more), however many of those are due."""
+    backlog(conn, 2_000)
+    for _ in range(4):                        # each busy head moved on 3 times: busy from now on
+        claim_and_complete(conn, 10)
+    assert quiet_claim(conn, 100) == []       # ten busy heads due, no quiet one
+    quiet = [insert(conn, "order", "quiet-1", "created"), insert(conn, "order", "quiet-2", "created"),
+             insert(conn, "order", "quiet-2", "updated")]
+    rows = quiet_claim(conn, 100)
+    assert [r["id"] for r in rows] == quiet
+    # The busy heads are still due for the next full claim, which also takes one long run.
+    rows = claim(conn, 100)
+    assert len(rows) == 100 and all(r["aggregate_id"].startswith("busy-") for r in rows)
+
+
+def test_a_quiet_only_claim_reads_only_the_front_of_the_queue(conn: Conn) -> None:
+    """With many busy heads due before a quiet one, a quiet_only claim reads the first 16 due
+    heads and stops: it does not walk every busy head to find a quiet one further back (full
+    claims take that one in its turn)."""
+    backlog(conn, 10_000, aggregates=200)
+    claim_and_complete(conn, 1_000)           # every event taken in: 200 heads
+    # As if each had been moved on 3 times by its reports (what makes a head busy).
+    busy = conn.execute("UPDATE outbox_heads SET moves = 3 WHERE ready_at IS NOT NULL").rowcount
+    assert busy >= 150
+    quiet = insert(conn, "order", "quiet-behind", "created")
+    conn.execute("BEGIN")
+    reads, rows = entries_read(conn, "outbox_heads_ready_idx", lambda: quiet_claim(conn, 100))
+    conn.execute("ROLLBACK")
+    assert rows == []
+    assert reads <= 64, reads
+    # Full claims take it in its turn, behind the busy heads due before it.
+    handed_out: list[int] = []
+    for _ in range(40):
+        handed_out += [r["id"] for r in claim_and_complete(conn, 500)]
+        if quiet in handed_out:
+            break
+    assert quiet in handed_out
+
+
+def test_an_aggregate_that_was_busy_and_caught_up_goes_in_the_next_claim(conn: Conn) -> None:
+    """Busy is what waits now, not what an aggregate did before: one whose head was moved on many
+    times (its events once came one after another) but has one event waiting is served beside the
+    backlog's run in the next claim, not left for its turn among the busy heads."""
+    backlog(conn, 2_000)
+    for _ in range(4):                        # each busy head moved on 3 times: busy from now on
+        claim_and_complete(conn, 10)
+    event = insert(conn, "order", "was-busy", "created")
+    claim_and_complete(conn, 1)               # the intake makes its head (behind the busy ones)
+    conn.execute("UPDATE outbox_heads SET moves = 7 WHERE aggregate_id = 'was-busy'")
+    rows = claim(conn, 100)
+    assert event in [r["id"] for r in rows], sorted({r["aggregate_id"] for r in rows})
+
+
+def test_an_event_that_commits_late_behind_a_backlog_is_not_left_to_the_cursor(dsn: str, conn: Conn) -> None:
+    """A producer's transaction is still open while a claim reads the newest events behind a
+    backlog: its event, committed after that, is handed out within the next two claims, not when
+    the intake cursor reaches it (a whole backlog later) or the next event of its aggregate comes."""
+    backlog(conn, 30_000)
+    claim_and_complete(conn, 100)
+    with psycopg.connect(dsn) as late:
+        late_id = insert(late, "order", "fresh-late", "created")        # open: not committed yet
+        insert(conn, "order", "fresh-early", "created")
+        claim_and_complete(conn, 100)          # reads the newest events: fresh-late is not visible
+        late.commit()
+    got = [r["id"] for r in claim_and_complete(conn, 100)] + [r["id"] for r in claim_and_complete(conn, 100)]
+    assert late_id in got

@@ -1,5 +1,6 @@
 """How a claimed batch falls into runs (runs_of), how the worker reads a batch's outcomes run by
-run (split_runs), and the NotSent outcome of what follows a run's failure (not_sent_after)."""
+run (split_runs), the short runs set apart from the long ones (split_short_runs), and the NotSent
+outcome of what follows a run's failure (not_sent_after)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from workers import event
 
 from outboxpg.events import OutboxEvent, runs_of
 from outboxpg.relay.publishers import NotSent, PermanentError, not_sent_after
-from outboxpg.relay.worker import split_runs
+from outboxpg.relay.worker import split_runs, split_short_runs
 
 
 def batch(aggregates: list[str]) -> list[OutboxEvent]:
@@ -82,3 +83,16 @@ def test_not_sent_after_names_the_failed_event_and_leaves_the_rest_alone() -> No
     assert str(outcomes[1]) == "not sent: event 1 of its aggregate failed before it"
     not_sent_after(events, [], 3, outcomes)   # nothing after the failure: nothing changes
     assert outcomes[3] is None
+
+
+@given(st.lists(st.sampled_from("abcd"), max_size=40), st.integers(min_value=1, max_value=6))
+def test_short_runs_are_set_apart_whole_and_in_order(aggregates: list[str], most: int) -> None:
+    events = batch(aggregates)
+    short, long = split_short_runs(events, most)
+    assert sorted(e.id for e in short + long) == [e.id for e in events]          # each event once
+    assert [e.id for e in short] == sorted(e.id for e in short)
+    assert [e.id for e in long] == sorted(e.id for e in long)
+    for part, fits in ((short, True), (long, False)):
+        for run in runs_of(part):                # whole runs: every event of an aggregate on one side
+            assert (len(run) <= most) is fits
+            assert len(run) == aggregates.count(part[run[0]].aggregate_id)
