@@ -21,9 +21,14 @@ drain  prefilled events (server-side INSERT ... SELECT, then VACUUM ANALYZE): 20
        claimer processes (1, 2, 4, 8), each a loop of outbox_claim(500) -> outbox_complete on its
        own connection (the database side of a worker, without a broker); without shards, and
        with claimer i of N given shard i/N. The time runs from the moment every claimer is
-       connected to the last event published; the rate is events/s. The configurations of a mix run alternated, as
-       close together as the run allows, so that the machine's load weighs on all of them.
-       The load average at each line is printed beside it.
+       connected to the end of the last outbox_complete (each claimer notes when its last one
+       returned); the rate is events/s, the median of --repeat drains (default 3: a drain of
+       20,000 takes well under a second here, and one drain alone moves by tens of percent), and
+       the claim cost per claimer: the mean wall time of its claims that handed out events
+       (median over the claimers, then over the drains).
+       The configurations of a mix run alternated, as close together as the run allows, so that
+       the machine's load weighs on all of them. The load average at each line is printed beside
+       it.
 """
 
 from __future__ import annotations
@@ -131,22 +136,32 @@ def part_cost(server: str) -> None:
                       f"  {load()}", flush=True)
 
 
-def claimer(dsn: str, shard: str | None, start: Any, done: Any) -> None:
+def claimer(dsn: str, shard: str | None, start: Any, done: Any, last: Any, cost: Any, i: int) -> None:
     with psycopg.connect(dsn, autocommit=True) as c:
         c.execute("SELECT 1")
         start.wait()                                          # every claimer connected
         empty = 0
+        claims = 0
+        spent = 0.0
         while not done.is_set():
+            t = time.perf_counter()
             rows = c.execute("SELECT id, lease_token FROM outbox_claim(500, shard => %s)", (shard,)).fetchall()
+            if rows:
+                spent += time.perf_counter() - t
+                claims += 1
+                cost[i] = spent / claims
             if not rows:
                 empty += 1
                 time.sleep(0.002 * min(empty, 10))
                 continue
             empty = 0
             c.execute("SELECT outbox_complete(%s::bigint[], %s)", ([r[0] for r in rows], rows[0][1]))
+            last[i] = time.monotonic()                        # CLOCK_MONOTONIC: one clock for all processes
 
 
-def drain(server: str, events: int, aggregates: int, workers: int, sharded: bool) -> float:
+def drain(server: str, events: int, aggregates: int, workers: int, sharded: bool) -> tuple[float, float]:
+    """(events/s, the mean wall time of a claim that handed out events, in ms, the median over
+    the claimers)."""
     with database(server) as dsn, psycopg.connect(dsn, autocommit=True) as c:
         c.execute("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
                   "SELECT 'acct', 'a' || (g %% %s), 'e', '{\"n\": 1}' FROM generate_series(1, %s) g",
@@ -154,7 +169,8 @@ def drain(server: str, events: int, aggregates: int, workers: int, sharded: bool
         c.execute("VACUUM ANALYZE")
         ctx = mp.get_context("spawn")
         start, done = ctx.Barrier(workers + 1), ctx.Event()
-        procs = [ctx.Process(target=claimer, args=(dsn, f"{i}/{workers}" if sharded else None, start, done))
+        last, cost = ctx.Array("d", workers), ctx.Array("d", workers)
+        procs = [ctx.Process(target=claimer, args=(dsn, f"{i}/{workers}" if sharded else None, start, done, last, cost, i))
                  for i in range(workers)]
         for p in procs:
             p.start()
@@ -163,27 +179,32 @@ def drain(server: str, events: int, aggregates: int, workers: int, sharded: bool
         try:
             while c.execute("SELECT count(*) FROM outbox WHERE unfinished").fetchone()[0] > 0:  # type: ignore[index]
                 time.sleep(0.05)
-            elapsed = time.monotonic() - t0
+            elapsed = max(last) - t0
         finally:
             done.set()
             for p in procs:
                 p.join(30)
                 if p.is_alive():
                     p.kill()
-        return events / elapsed
+        return events / elapsed, 1000 * statistics.median(c for c in cost if c > 0)
 
 
-def part_drain(server: str, quick: bool) -> None:
+def part_drain(server: str, quick: bool, repeat: int) -> None:
     mixes = [(50_000, 12_500), (20_000, 200)] if quick else [(200_000, 50_000), (20_000, 200)]
-    print("\ndrain: N claimers, each outbox_claim(500) -> outbox_complete; events/s (no broker)")
+    print(f"\ndrain: N claimers, each outbox_claim(500) -> outbox_complete; events/s (no broker), "
+          f"median of {repeat} drains")
     for events, aggregates in mixes:
         print(f"  {events:,} events over {aggregates:,} aggregates")
         for workers in (1, 2, 4, 8):
-            rates = {}
-            for sharded in (False, True):
-                rates[sharded] = drain(server, events, aggregates, workers, sharded)
-            print(f"    {workers} claimer{'s' if workers > 1 else ' '}  no shards {rates[False]:>8,.0f}/s   "
-                  f"shards {rates[True]:>8,.0f}/s   load {load()}", flush=True)
+            runs: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+            for _ in range(repeat):
+                for sharded in (False, True):
+                    runs[sharded].append(drain(server, events, aggregates, workers, sharded))
+            rates = {k: statistics.median(r for r, _ in v) for k, v in runs.items()}
+            costs = {k: statistics.median(c for _, c in v) for k, v in runs.items()}
+            print(f"    {workers} claimer{'s' if workers > 1 else ' '}  no shards {rates[False]:>8,.0f}/s "
+                  f"(claim {costs[False]:5.1f} ms)   shards {rates[True]:>8,.0f}/s (claim {costs[True]:5.1f} ms)   "
+                  f"load {load()}", flush=True)
 
 
 def main() -> int:
@@ -191,12 +212,13 @@ def main() -> int:
     ap.add_argument("--server", default="host=127.0.0.1 user=postgres")
     ap.add_argument("--only", choices=("cost", "drain"))
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--repeat", type=int, default=3, help="drains per configuration; the median is shown")
     a = ap.parse_args()
     print(f"bench/shards.py on {os.uname().nodename}, {os.cpu_count()} CPUs, load {load()}")
     if a.only in (None, "cost"):
         part_cost(a.server)
     if a.only in (None, "drain"):
-        part_drain(a.server, a.quick)
+        part_drain(a.server, a.quick, max(1, a.repeat))
     return 0
 
 
