@@ -32,6 +32,7 @@ from types import TracebackType
 from typing import Any
 
 import psycopg
+from debian_packages import apt_install
 
 from outboxpg.embedded import find_pg_bindir, free_port
 
@@ -47,26 +48,13 @@ def _which(name: str) -> str | None:
 
 def ensure_binaries(*names: str) -> tuple[dict[str, str], str]:
     """({name: path}, "") or ({}, why not). Missing ones are installed from Debian's packages
-    when we are root on a machine with apt-get (apt-get update first only if the plain install
-    fails), as tests/pgbouncer.py does for PgBouncer."""
+    (tests/debian_packages.py)."""
     missing = [n for n in names if not _which(n)]
     if missing:
-        packages = sorted({PACKAGES[n] for n in missing})
-        hint = f"apt-get install {' '.join(packages)}"
-        if os.geteuid() != 0:
-            return {}, f"{', '.join(missing)} not installed and not root to install them ({hint})"
-        if not shutil.which("apt-get"):
-            return {}, f"{', '.join(missing)} not installed and no apt-get to install them ({hint})"
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *packages]
-        result = subprocess.run(install, env=env, capture_output=True, text=True, check=False)
-        if result.returncode != 0:
-            subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, text=True, check=False)
-            result = subprocess.run(install, env=env, capture_output=True, text=True, check=False)
+        installed, why = apt_install(*sorted({PACKAGES[n] for n in missing}))
         still = [n for n in names if not _which(n)]
         if still:
-            tail = (result.stderr.strip() or result.stdout.strip()).splitlines()[-1:] or ["no output"]
-            return {}, f"{hint} failed ({result.returncode}): {tail[0]}"
+            return {}, f"{', '.join(still)} not installed: {why or 'installed, but not found'}"
     return {n: str(_which(n)) for n in names}, ""
 
 

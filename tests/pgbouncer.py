@@ -17,6 +17,7 @@ from pathlib import Path
 from types import TracebackType
 
 import psycopg
+from debian_packages import apt_install
 
 from outboxpg.embedded import free_port
 
@@ -33,25 +34,14 @@ def _which() -> str | None:
 def find_pgbouncer() -> tuple[str | None, str]:
     """(path of the pgbouncer binary, "") or (None, why there is none).
 
-    When it is missing and we are root on a machine with apt-get, Debian's package is installed
-    (apt-get update first only if the plain install fails: the lists may be missing or stale).
+    When it is missing, Debian's package is installed (tests/debian_packages.py).
     """
     if found := _which():
         return found, ""
-    if os.geteuid() != 0:
-        return None, "pgbouncer not installed and not root to install it (apt-get install pgbouncer)"
-    if not shutil.which("apt-get"):
-        return None, "pgbouncer not installed and no apt-get to install it"
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "pgbouncer"]
-    result = subprocess.run(install, env=env, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, text=True, check=False)
-        result = subprocess.run(install, env=env, capture_output=True, text=True, check=False)
-    if found := _which():
+    installed, why = apt_install("pgbouncer")
+    if installed and (found := _which()):
         return found, ""
-    tail = (result.stderr.strip() or result.stdout.strip()).splitlines()[-1:] or ["no output"]
-    return None, f"apt-get install pgbouncer failed ({result.returncode}): {tail[0]}"
+    return None, f"pgbouncer not installed: {why or 'installed, but not found'}"
 
 
 class PgBouncer:
