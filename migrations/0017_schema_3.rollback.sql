@@ -24,6 +24,7 @@ DROP FUNCTION outbox_aggregate_bucket(text, text);
 DROP INDEX IF EXISTS outbox_heads_bucket_idx;
 DROP FUNCTION outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean, integer, boolean);
 DROP FUNCTION outbox_replay_candidates(bigint[], text, text, text, timestamptz, timestamptz, boolean);
+DROP FUNCTION outbox_replay_check(bigint[], text, text, text, timestamptz, timestamptz, boolean);
 DROP VIEW outbox_stats;
 DROP FUNCTION outbox_health_row();
 

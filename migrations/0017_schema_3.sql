@@ -1250,6 +1250,33 @@ $$;
 COMMENT ON FUNCTION outbox_fail(bigint, uuid, text, boolean, interval) IS
     'Record a failed attempt: returns ''pending'' (retry scheduled with backoff, or after retry_after if longer, up to backoff_cap), ''dead'' (permanent or out of attempts), or NULL when lease_token no longer holds the event (nothing changed).';
 
+-- The filters both outbox_replay and outbox_replay_candidates refuse, in one place.
+CREATE OR REPLACE FUNCTION outbox_replay_check(ids bigint[], aggregate_type text, aggregate_id text,
+                                               event_type text, since timestamptz, until timestamptz,
+                                               include_replays boolean) RETURNS void
+LANGUAGE plpgsql
+IMMUTABLE
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    IF num_nonnulls(ids, aggregate_type, aggregate_id, event_type, since, until) = 0 THEN
+        RAISE EXCEPTION 'outbox_replay: no filter given: refusing to replay every published event'
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Give ids, aggregate_type, aggregate_id, event_type, since or until (combined with AND).';
+    END IF;
+    IF since >= until THEN
+        RAISE EXCEPTION 'outbox_replay: since (%) is not before until (%)', since, until
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF include_replays IS NULL THEN
+        RAISE EXCEPTION 'outbox_replay: include_replays must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+END;
+$$;
+
+COMMENT ON FUNCTION outbox_replay_check(bigint[], text, text, text, timestamptz, timestamptz, boolean) IS
+    'Called by outbox_replay and outbox_replay_candidates: refuses no filter at all, since not before until, a NULL include_replays.';
+
 CREATE OR REPLACE FUNCTION outbox_replay_candidates(ids bigint[] DEFAULT NULL, aggregate_type text DEFAULT NULL,
                                          aggregate_id text DEFAULT NULL, event_type text DEFAULT NULL,
                                          since timestamptz DEFAULT NULL, until timestamptz DEFAULT NULL,
@@ -1265,18 +1292,7 @@ SET search_path FROM CURRENT
 SET plan_cache_mode = force_custom_plan
 AS $$
 BEGIN
-    IF num_nonnulls(ids, aggregate_type, aggregate_id, event_type, since, until) = 0 THEN
-        RAISE EXCEPTION 'outbox_replay: no filter given: refusing to replay every published event'
-            USING ERRCODE = 'invalid_parameter_value',
-                  HINT = 'Give ids, aggregate_type, aggregate_id, event_type, since or until (combined with AND).';
-    END IF;
-    IF since >= until THEN
-        RAISE EXCEPTION 'outbox_replay: since (%) is not before until (%)', since, until
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-    IF include_replays IS NULL THEN
-        RAISE EXCEPTION 'outbox_replay: include_replays must not be NULL' USING ERRCODE = 'null_value_not_allowed';
-    END IF;
+    PERFORM outbox_replay_check(ids, aggregate_type, aggregate_id, event_type, since, until, include_replays);
     RETURN QUERY
     SELECT o.id, o.created_at
       FROM outbox o
@@ -1312,18 +1328,7 @@ DECLARE
 BEGIN
     -- outbox_replay_candidates' own checks, made here first: the INSERT below may never call it
     -- (a hash join whose outbox side comes out empty does not read the other side).
-    IF num_nonnulls(ids, aggregate_type, aggregate_id, event_type, since, until) = 0 THEN
-        RAISE EXCEPTION 'outbox_replay: no filter given: refusing to replay every published event'
-            USING ERRCODE = 'invalid_parameter_value',
-                  HINT = 'Give ids, aggregate_type, aggregate_id, event_type, since or until (combined with AND).';
-    END IF;
-    IF since >= until THEN
-        RAISE EXCEPTION 'outbox_replay: since (%) is not before until (%)', since, until
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-    IF include_replays IS NULL THEN
-        RAISE EXCEPTION 'outbox_replay: include_replays must not be NULL' USING ERRCODE = 'null_value_not_allowed';
-    END IF;
+    PERFORM outbox_replay_check(ids, aggregate_type, aggregate_id, event_type, since, until, include_replays);
     IF new_msg_id IS NULL THEN
         RAISE EXCEPTION 'outbox_replay: new_msg_id must not be NULL' USING ERRCODE = 'null_value_not_allowed';
     END IF;
@@ -1705,6 +1710,7 @@ REVOKE EXECUTE ON FUNCTION
     outbox_fail(bigint, uuid, text, boolean, interval), outbox_release(bigint[], uuid),
     outbox_extend(bigint[], uuid, interval),
     outbox_requeue(bigint[]), outbox_discard(bigint[], text),
+    outbox_replay_check(bigint[], text, text, text, timestamptz, timestamptz, boolean),
     outbox_replay_candidates(bigint[], text, text, text, timestamptz, timestamptz, boolean),
     outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean, integer, boolean),
     outbox_maintain(boolean), outbox_forget_deleted(), outbox_idempotency_forget(integer),

@@ -105,6 +105,8 @@ SHARDS_ENABLE = _f("outbox_shards_enable")      # the schema owner's
 SHARDS_DISABLE = _f("outbox_shards_disable")
 # -- helpers only the SECURITY DEFINER functions call (PUBLIC's EXECUTE revoked) ----------------
 COMMIT_GUARD = _f("outbox_commit_guard")            # inside claim and outbox_health_row
+# the filters outbox_replay and outbox_replay_candidates refuse
+REPLAY_CHECK = _f("outbox_replay_check", "bigint[]", "text", "text", "text", TS, TS, "boolean")
 COMMIT_HORIZON = _f("outbox_commit_horizon")        # inside claim
 TAKE_IN = _f("outbox_take_in", "bigint", "bigint", "integer", settings=(*PLANNER, "enable_sort=off", *PATH))
 REFRESH_HEADS = _f("outbox_refresh_heads", "text[]", "text[]",   # inside the report and repair functions
@@ -126,7 +128,7 @@ FUNCTIONS: tuple[SqlFunction, ...] = (
     MAINTAIN, HEALTH_ROW, OPEN_PRODUCERS, XMIN_HOLDERS, UNTRUSTED_CREATORS, REQUEUE, DISCARD, REPLAY,
     REPLAY_CANDIDATES, CANCEL, IDEMPOTENCY_EVENT, IDEMPOTENCY_FORGET,
     AGGREGATE_KEY, RETRY_DELAY, AGGREGATE_BUCKET, SHARD_BUCKETS, SHARDS_ENABLE, SHARDS_DISABLE,
-    COMMIT_GUARD, COMMIT_HORIZON, TAKE_IN, REFRESH_HEADS, HEADS_FLOOR, HEADS_WRITING,
+    COMMIT_GUARD, REPLAY_CHECK, COMMIT_HORIZON, TAKE_IN, REFRESH_HEADS, HEADS_FLOOR, HEADS_WRITING,
     WAKE_WORKERS, FORGET_DELETED, ASSIGN_ID, TAKE_IDEMPOTENCY_KEY,
 )
 

@@ -152,6 +152,33 @@ $$;
 COMMENT ON FUNCTION outbox_discard(bigint[], text) IS
     'Take dead (or pending) events out of the flow for good, keeping the reason; returns how many changed. Leased events are left alone.';
 
+-- The filters both outbox_replay and outbox_replay_candidates refuse, in one place.
+CREATE OR REPLACE FUNCTION outbox_replay_check(ids bigint[], aggregate_type text, aggregate_id text,
+                                               event_type text, since timestamptz, until timestamptz,
+                                               include_replays boolean) RETURNS void
+LANGUAGE plpgsql
+IMMUTABLE
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    IF num_nonnulls(ids, aggregate_type, aggregate_id, event_type, since, until) = 0 THEN
+        RAISE EXCEPTION 'outbox_replay: no filter given: refusing to replay every published event'
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Give ids, aggregate_type, aggregate_id, event_type, since or until (combined with AND).';
+    END IF;
+    IF since >= until THEN
+        RAISE EXCEPTION 'outbox_replay: since (%) is not before until (%)', since, until
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF include_replays IS NULL THEN
+        RAISE EXCEPTION 'outbox_replay: include_replays must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+END;
+$$;
+
+COMMENT ON FUNCTION outbox_replay_check(bigint[], text, text, text, timestamptz, timestamptz, boolean) IS
+    'Called by outbox_replay and outbox_replay_candidates: refuses no filter at all, since not before until, a NULL include_replays.';
+
 CREATE OR REPLACE FUNCTION outbox_replay_candidates(ids bigint[] DEFAULT NULL, aggregate_type text DEFAULT NULL,
                                          aggregate_id text DEFAULT NULL, event_type text DEFAULT NULL,
                                          since timestamptz DEFAULT NULL, until timestamptz DEFAULT NULL,
@@ -167,18 +194,7 @@ SET search_path FROM CURRENT
 SET plan_cache_mode = force_custom_plan
 AS $$
 BEGIN
-    IF num_nonnulls(ids, aggregate_type, aggregate_id, event_type, since, until) = 0 THEN
-        RAISE EXCEPTION 'outbox_replay: no filter given: refusing to replay every published event'
-            USING ERRCODE = 'invalid_parameter_value',
-                  HINT = 'Give ids, aggregate_type, aggregate_id, event_type, since or until (combined with AND).';
-    END IF;
-    IF since >= until THEN
-        RAISE EXCEPTION 'outbox_replay: since (%) is not before until (%)', since, until
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-    IF include_replays IS NULL THEN
-        RAISE EXCEPTION 'outbox_replay: include_replays must not be NULL' USING ERRCODE = 'null_value_not_allowed';
-    END IF;
+    PERFORM outbox_replay_check(ids, aggregate_type, aggregate_id, event_type, since, until, include_replays);
     RETURN QUERY
     SELECT o.id, o.created_at
       FROM outbox o
@@ -214,18 +230,7 @@ DECLARE
 BEGIN
     -- outbox_replay_candidates' own checks, made here first: the INSERT below may never call it
     -- (a hash join whose outbox side comes out empty does not read the other side).
-    IF num_nonnulls(ids, aggregate_type, aggregate_id, event_type, since, until) = 0 THEN
-        RAISE EXCEPTION 'outbox_replay: no filter given: refusing to replay every published event'
-            USING ERRCODE = 'invalid_parameter_value',
-                  HINT = 'Give ids, aggregate_type, aggregate_id, event_type, since or until (combined with AND).';
-    END IF;
-    IF since >= until THEN
-        RAISE EXCEPTION 'outbox_replay: since (%) is not before until (%)', since, until
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-    IF include_replays IS NULL THEN
-        RAISE EXCEPTION 'outbox_replay: include_replays must not be NULL' USING ERRCODE = 'null_value_not_allowed';
-    END IF;
+    PERFORM outbox_replay_check(ids, aggregate_type, aggregate_id, event_type, since, until, include_replays);
     IF new_msg_id IS NULL THEN
         RAISE EXCEPTION 'outbox_replay: new_msg_id must not be NULL' USING ERRCODE = 'null_value_not_allowed';
     END IF;

@@ -108,6 +108,7 @@ REVOKE EXECUTE ON FUNCTION
     outbox_fail(bigint, uuid, text, boolean, interval), outbox_release(bigint[], uuid),
     outbox_extend(bigint[], uuid, interval),
     outbox_requeue(bigint[]), outbox_discard(bigint[], text),
+    outbox_replay_check(bigint[], text, text, text, timestamptz, timestamptz, boolean),
     outbox_replay_candidates(bigint[], text, text, text, timestamptz, timestamptz, boolean),
     outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean, integer, boolean),
     outbox_maintain(boolean), outbox_forget_deleted(), outbox_idempotency_forget(integer),
