@@ -11,19 +11,39 @@ its own, deleted after.
 ``prepare``/``stored``/``cleanup``: for the worker's drains, a durable queue ``<prefix>`` bound
 with ``<prefix>.#`` to the URL's exchange (``?exchange=``, default ``outbox``; declared as
 --ensure-sink declares it, and deleted after if this made it), and how many messages it holds.
+
+The broker's own confirm latency, the floor under the worker's commit -> stored latency:
+
+    .venv/bin/python bench/sink_limits/rabbitmq.py latency [--url amqp://guest:guest@127.0.0.1:5672/]
+        [--rate 1000] [--seconds 15] [--repeat 1]
+
+publishes the drain's message at ``--rate`` a second, arrivals spaced as pgbench -R spaces its
+transactions (Poisson), each in a task of its own that does not wait for the others (independent
+aggregates: one event each, nothing pipelined behind it), on one channel in confirm mode with
+the ``mandatory`` flag, to a durable topic exchange and a durable queue of its own (deleted
+after), as ``run`` does; once persistent (the sink's messages: confirmed once on disk), once
+transient (confirmed once enqueued: the same path without the disk). For each it prints
+publish -> confirm p50 / p99 / max, and how late the publishes started against their schedule
+(the client's own event loop falling behind). ``--repeat`` alternates the two that many times.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import os
+import random
+import sys
 import time
 import uuid
+from pathlib import Path
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 import aio_pika
 from aio_pika.abc import AbstractConnection
 
 INFLIGHT = 200
+DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/"
 WORKER_ARGS: list[str] = ["--ensure-sink"]
 
 _connections: dict[str, AbstractConnection] = {}
@@ -84,6 +104,16 @@ async def cleanup(url: str, prefix: str) -> None:
         _connections.pop(server, None)
 
 
+def _message(payload: bytes, i: int, aggregate: str, persistent: bool = True) -> aio_pika.Message:
+    """The message the sink sends for event ``i`` (body, properties, headers)."""
+    mode = aio_pika.DeliveryMode.PERSISTENT if persistent else aio_pika.DeliveryMode.NOT_PERSISTENT
+    return aio_pika.Message(payload, content_type="application/json", delivery_mode=mode,
+                            message_id=f"lim-{i}-{uuid.uuid4()}", type="updated", timestamp=time.time(),
+                            headers={"Outbox-Id": str(i), "Outbox-Event-Type": "updated",
+                                     "Outbox-Aggregate-Type": "order", "Outbox-Aggregate-Id": aggregate,
+                                     "Outbox-Attempt": "1"})
+
+
 async def run(url: str, count: int, payload: bytes) -> float:
     server, _ = _split(url)
     name = f"lim{uuid.uuid4().hex[:8]}"
@@ -98,12 +128,8 @@ async def run(url: str, count: int, payload: bytes) -> float:
 
         async def lane() -> None:
             for i in next_id:
-                message = aio_pika.Message(
-                    payload, content_type="application/json", delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-                    message_id=f"lim-{i}-{uuid.uuid4()}", type="updated", timestamp=time.time(),
-                    headers={"Outbox-Id": str(i), "Outbox-Event-Type": "updated", "Outbox-Aggregate-Type": "order",
-                             "Outbox-Aggregate-Id": str(i % INFLIGHT), "Outbox-Attempt": "1"})
-                await exchange.publish(message, routing_key=routing_key, mandatory=True)
+                await exchange.publish(_message(payload, i, str(i % INFLIGHT)), routing_key=routing_key,
+                                       mandatory=True)
 
         try:
             t0 = time.monotonic()
@@ -119,3 +145,91 @@ async def run(url: str, count: int, payload: bytes) -> float:
     finally:
         await connection.close()
     return count / elapsed
+
+
+async def latency(url: str, rate: float, seconds: float, payload: bytes, persistent: bool) -> dict[str, float]:
+    """Publish -> confirm of one message at a time at ``rate`` a second (see the module's docstring)."""
+    server, _ = _split(url)
+    name = f"lat{uuid.uuid4().hex[:8]}"
+    connection = await aio_pika.connect(server)
+    try:
+        channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+        exchange = await channel.declare_exchange(name, aio_pika.ExchangeType.TOPIC, durable=True)
+        queue = await channel.declare_queue(name, durable=True)
+        await queue.bind(exchange, "#")
+        routing_key = f"{name}.order.updated"
+        confirmed: list[float] = []
+        late: list[float] = []
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def one(i: int, due: float) -> None:
+            message = _message(payload, i, str(i), persistent)
+            start = time.perf_counter()
+            late.append(start - due)
+            await exchange.publish(message, routing_key=routing_key, mandatory=True)
+            confirmed.append(time.perf_counter() - start)
+
+        arrivals = random.Random(27)
+        try:
+            t0 = due = time.perf_counter()
+            i = 0
+            while True:
+                due += arrivals.expovariate(rate)
+                if due - t0 >= seconds:
+                    break
+                wait = due - time.perf_counter()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                i += 1
+                task = asyncio.create_task(one(i, due))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            elapsed = time.perf_counter() - t0
+            await asyncio.gather(*tasks)
+            check = await connection.channel()
+            held = (await check.declare_queue(name, passive=True)).declaration_result.message_count
+            assert held == i, f"the queue holds {held} of {i}"
+        finally:
+            cleanup_channel = await connection.channel()
+            await cleanup_channel.queue_delete(name)
+            await cleanup_channel.exchange_delete(name)
+    finally:
+        await connection.close()
+    confirmed.sort()
+    late.sort()
+    return {"sent": i, "achieved": i / elapsed, "p50": 1000 * _pct(confirmed, 0.5),
+            "p99": 1000 * _pct(confirmed, 0.99), "max": 1000 * confirmed[-1], "late_p99": 1000 * _pct(late, 0.99)}
+
+
+def _pct(ordered: list[float], q: float) -> float:
+    """The nearest-rank percentile (PostgreSQL's percentile_disc, as bench/sink_drain.py takes it)."""
+    return ordered[max(0, min(len(ordered) - 1, int(q * len(ordered) + 0.999999) - 1))]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description="RabbitMQ's publish -> confirm latency, one message at a time at a "
+                                 "steady rate (see the module's docstring)")
+    ap.add_argument("mode", choices=["latency"])
+    ap.add_argument("--url", default=DEFAULT_URL, help=f"the broker (default {DEFAULT_URL})")
+    ap.add_argument("--rate", type=float, default=1000.0, help="messages a second (default 1000)")
+    ap.add_argument("--seconds", type=float, default=15.0, help="seconds of each measurement (default 15)")
+    ap.add_argument("--repeat", type=int, default=1, help="persistent and transient alternated this many times")
+    a = ap.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from sink_drain import PAYLOAD
+
+    print(f"rabbitmq latency {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: {a.rate:,.0f} messages/s for {a.seconds:g} s, "
+          "one at a time, confirm mode, mandatory, a durable topic exchange and a durable queue", flush=True)
+    for n in range(a.repeat):
+        for persistent in (True, False):
+            load = os.getloadavg()[0]
+            r = asyncio.run(latency(a.url, a.rate, a.seconds, PAYLOAD, persistent))
+            kind = "persistent" if persistent else "transient "
+            print(f"  {n + 1}. {kind} (load {load:.1f}): {r['sent']:,} at {r['achieved']:,.0f}/s, publish -> "
+                  f"confirm p50 {r['p50']:.1f} ms, p99 {r['p99']:.1f} ms, max {r['max']:.1f} ms (publishes started "
+                  f"late by up to {r['late_p99']:.1f} ms at p99)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
