@@ -37,6 +37,7 @@ import argparse
 import multiprocessing as mp
 import os
 import re
+import signal
 import statistics
 import sys
 import time
@@ -137,13 +138,14 @@ def part_cost(server: str) -> None:
 
 
 def claimer(dsn: str, shard: str | None, start: Any, done: Any, last: Any, cost: Any, i: int) -> None:
+    parent = os.getppid()
     with psycopg.connect(dsn, autocommit=True) as c:
         c.execute("SELECT 1")
         start.wait()                                          # every claimer connected
         empty = 0
         claims = 0
         spent = 0.0
-        while not done.is_set():
+        while not done.is_set() and os.getppid() == parent:   # the bench gone (killed): stop too
             t = time.perf_counter()
             rows = c.execute("SELECT id, lease_token FROM outbox_claim(500, shard => %s)", (shard,)).fetchall()
             if rows:
@@ -170,7 +172,8 @@ def drain(server: str, events: int, aggregates: int, workers: int, sharded: bool
         ctx = mp.get_context("spawn")
         start, done = ctx.Barrier(workers + 1), ctx.Event()
         last, cost = ctx.Array("d", workers), ctx.Array("d", workers)
-        procs = [ctx.Process(target=claimer, args=(dsn, f"{i}/{workers}" if sharded else None, start, done, last, cost, i))
+        procs = [ctx.Process(target=claimer,
+                             args=(dsn, f"{i}/{workers}" if sharded else None, start, done, last, cost, i))
                  for i in range(workers)]
         for p in procs:
             p.start()
@@ -214,6 +217,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--repeat", type=int, default=3, help="drains per configuration; the median is shown")
     a = ap.parse_args()
+    # SIGTERM as Ctrl-C: the claimers are told to stop and joined, the databases dropped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     print(f"bench/shards.py on {os.uname().nodename}, {os.cpu_count()} CPUs, load {load()}")
     if a.only in (None, "cost"):
         part_cost(a.server)
