@@ -61,7 +61,7 @@ being sent: a host that is down costs a batch one publish timeout, not one per e
 HTTPS is verified against certifi's CAs unless ``$SSL_CERT_FILE`` / ``$SSL_CERT_DIR`` name
 others; ``$HTTPS_PROXY`` and the like are followed (httpx's ``trust_env``).
 
-Start. ``start()`` opens the clients and tries a TCP connection to each host (not behind a
+Start. ``start()`` loads the CAs the clients share and tries a TCP connection to each host (not behind a
 proxy); one that cannot be reached is logged (``event=webhook_unreachable``), not an exit: a receiver being down, or not
 yet deployed, when the worker starts is ordinary, and the outbox is made for exactly that: the
 events wait in the table, in order, and are retried with backoff until it answers. A worker
@@ -276,6 +276,7 @@ class WebhookSink:
         return [self.endpoint, *(e for _, e in self.routes)]
 
     async def start(self) -> None:
+        self._tls_context()   # the slow part of making a client, done before the first event waits for it
         for endpoint in self.endpoints():
             self._host(endpoint)
         if urllib.request.getproxies():
@@ -309,12 +310,15 @@ class WebhookSink:
             found = self._hosts[endpoint.origin] = _Host(asyncio.Semaphore(self.connections))
         return found
 
-    def _new_client(self) -> httpx.AsyncClient:
+    def _tls_context(self) -> ssl.SSLContext:
         if self._tls is None:
             self._tls = httpx.create_ssl_context()   # what httpx.AsyncClient() makes: certifi, or $SSL_CERT_*
+        return self._tls
+
+    def _new_client(self) -> httpx.AsyncClient:
         one = httpx.Limits(max_connections=1, max_keepalive_connections=1)
         # Each step of a request (connect, send, each read) within the publish timeout.
-        return httpx.AsyncClient(limits=one, follow_redirects=False, timeout=self.timeout, verify=self._tls)
+        return httpx.AsyncClient(limits=one, follow_redirects=False, timeout=self.timeout, verify=self._tls_context())
 
     def endpoint_for(self, subject: str) -> Endpoint:
         """The endpoint of the longest routed prefix ``subject`` starts with (whole tokens), else
