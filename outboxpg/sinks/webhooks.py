@@ -61,10 +61,11 @@ being sent: a host that is down costs a batch one publish timeout, not one per e
 HTTPS is verified against certifi's CAs unless ``$SSL_CERT_FILE`` / ``$SSL_CERT_DIR`` name
 others; ``$HTTPS_PROXY`` and the like are followed (httpx's ``trust_env``).
 
-Start. ``start()`` loads the CAs the clients share and tries a TCP connection to each host (not behind a
-proxy); one that cannot be reached is logged (``event=webhook_unreachable``), not an exit: a receiver being down, or not
-yet deployed, when the worker starts is ordinary, and the outbox is made for exactly that: the
-events wait in the table, in order, and are retried with backoff until it answers. A worker
+Start. ``start()`` loads the CAs the clients share and tries a TCP connection to each host (not
+behind a proxy); one that cannot be reached is logged (``event=webhook_unreachable``), not an
+exit: a receiver being down, or not yet deployed, when the worker starts is ordinary, and the
+outbox is made for exactly that: the events wait in the table, in order, and are retried with
+backoff until it answers. A worker
 that exited instead would only restart in a loop under its supervisor. So ``start()`` raises
 nothing for an unreachable host (exit 3 is never given), and a bad URL or routes file is a
 ValueError at open_sink (exit 2). ``--ensure-sink`` has nothing to declare here and changes
