@@ -45,7 +45,11 @@ long): one that would wait longer than the publish timeout fails without being s
 
 Order. The events of one aggregate are posted one after another, each once the one before has
 its 2xx, and a run stops at its first failure (the rest ``NotSent``); different aggregates are
-posted in parallel, at most ``connections`` at a time per host (one httpx client per host).
+posted in parallel, at most ``connections`` at a time per host: ``connections`` httpx clients of
+one connection each, made as they are needed, sharing one TLS context. Not one client with a pool
+of that many: httpx's pool walks all of its connections, and every request queued for one, each
+time a request starts or ends, and with 16 connections and a batch's runs queued for them that
+walk costs more CPU than the requests themselves.
 
 Time. Each request has the publish timeout for each of its steps (connect, send, the answer);
 the batch as a whole has no deadline of its own: a batch of many runs queues for the host's
@@ -57,10 +61,11 @@ being sent: a host that is down costs a batch one publish timeout, not one per e
 HTTPS is verified against certifi's CAs unless ``$SSL_CERT_FILE`` / ``$SSL_CERT_DIR`` name
 others; ``$HTTPS_PROXY`` and the like are followed (httpx's ``trust_env``).
 
-Start. ``start()`` opens the clients and tries a TCP connection to each host (not behind a
-proxy); one that cannot be reached is logged (``event=webhook_unreachable``), not an exit: a receiver being down, or not
-yet deployed, when the worker starts is ordinary, and the outbox is made for exactly that: the
-events wait in the table, in order, and are retried with backoff until it answers. A worker
+Start. ``start()`` loads the CAs the clients share and tries a TCP connection to each host (not
+behind a proxy); one that cannot be reached is logged (``event=webhook_unreachable``), not an
+exit: a receiver being down, or not yet deployed, when the worker starts is ordinary, and the
+outbox is made for exactly that: the events wait in the table, in order, and are retried with
+backoff until it answers. A worker
 that exited instead would only restart in a loop under its supervisor. So ``start()`` raises
 nothing for an unreachable host (exit 3 is never given), and a bad URL or routes file is a
 ValueError at open_sink (exit 2). ``--ensure-sink`` has nothing to declare here and changes
@@ -74,10 +79,11 @@ import contextlib
 import email.utils
 import logging
 import math
+import ssl
 import time
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
@@ -258,7 +264,8 @@ class WebhookSink:
         self._key = key
         self.timeout = timeout
         self.connections = connections
-        self._clients: dict[tuple[str, str, int], tuple[httpx.AsyncClient, asyncio.Semaphore]] = {}
+        self._hosts: dict[tuple[str, str, int], _Host] = {}
+        self._tls: ssl.SSLContext | None = None                # one for every client: loading the CAs is slow
         self._holds: dict[tuple[str, str, int], float] = {}    # origin -> loop time its requests wait for
         self._route_of: dict[str, Endpoint] = {}               # subject -> endpoint, as looked up
 
@@ -270,8 +277,9 @@ class WebhookSink:
         return [self.endpoint, *(e for _, e in self.routes)]
 
     async def start(self) -> None:
+        self._tls_context()   # the slow part of making a client, done before the first event waits for it
         for endpoint in self.endpoints():
-            self._client(endpoint)
+            self._host(endpoint)
         if urllib.request.getproxies():
             return   # requests go through a proxy ($HTTPS_PROXY, ...): a direct connection proves nothing
         origins = {e.origin: e for e in self.endpoints()}
@@ -291,22 +299,27 @@ class WebhookSink:
                         "events wait in the outbox and are retried until it answers")
 
     async def close(self) -> None:
-        clients, self._clients = list(self._clients.values()), {}
-        for client, _ in clients:
-            with contextlib.suppress(Exception):
-                await client.aclose()
+        hosts, self._hosts = list(self._hosts.values()), {}
+        for host in hosts:
+            for client in host.clients:
+                with contextlib.suppress(Exception):
+                    await client.aclose()
 
-    def _client(self, endpoint: Endpoint) -> tuple[httpx.AsyncClient, asyncio.Semaphore]:
-        """The host's client, and its ``connections`` slots: a request takes one before it is
-        sent (the client's pool never makes one wait), so that it can look at the batch's
-        failures once it is its turn."""
-        found = self._clients.get(endpoint.origin)
+    def _host(self, endpoint: Endpoint) -> _Host:
+        found = self._hosts.get(endpoint.origin)
         if found is None:
-            limits = httpx.Limits(max_connections=self.connections, max_keepalive_connections=self.connections)
-            # Each step of a request (connect, send, each read) within the publish timeout.
-            client = httpx.AsyncClient(limits=limits, follow_redirects=False, timeout=self.timeout)
-            found = self._clients[endpoint.origin] = (client, asyncio.Semaphore(self.connections))
+            found = self._hosts[endpoint.origin] = _Host(asyncio.Semaphore(self.connections))
         return found
+
+    def _tls_context(self) -> ssl.SSLContext:
+        if self._tls is None:
+            self._tls = httpx.create_ssl_context()   # what httpx.AsyncClient() makes: certifi, or $SSL_CERT_*
+        return self._tls
+
+    def _new_client(self) -> httpx.AsyncClient:
+        one = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+        # Each step of a request (connect, send, each read) within the publish timeout.
+        return httpx.AsyncClient(limits=one, follow_redirects=False, timeout=self.timeout, verify=self._tls_context())
 
     def endpoint_for(self, subject: str) -> Endpoint:
         """The endpoint of the longest routed prefix ``subject`` starts with (whole tokens), else
@@ -362,8 +375,8 @@ class WebhookSink:
 
     async def _post(self, event: OutboxEvent, endpoint: Endpoint,
                     down: dict[tuple[str, str, int], str]) -> BaseException | None:
-        client, slots = self._client(endpoint)
-        async with slots:
+        host = self._host(endpoint)
+        async with host.slots:
             # Looked at again once a connection is free: the request that held it may have failed.
             if endpoint.origin in down:
                 return WebhookFailed(f"POST {endpoint.shown}: not sent, an earlier request of this batch to this "
@@ -371,6 +384,8 @@ class WebhookSink:
             headers = request_headers(event, self._key, int(time.time()))
             if isinstance(headers, PermanentError):
                 return headers
+            # The slot guarantees a free client, or room for one more.
+            client = host.free.pop() if host.free else host.add(self._new_client())
             try:
                 async with client.stream("POST", endpoint.url, content=event.payload, headers=headers) as response:
                     body = await _read_some(response)
@@ -382,7 +397,24 @@ class WebhookSink:
                 why = f"{type(exc).__name__}: {endpoint.redact(printable(str(exc).strip())) or 'failed'}"
                 down[endpoint.origin] = why
                 return WebhookFailed(f"POST {endpoint.shown}: {why}")
+            finally:
+                host.free.append(client)
         return _outcome(endpoint, response, body)
+
+
+@dataclass
+class _Host:
+    """One host's ``connections`` slots and its clients of one connection each. A request takes a
+    slot before it is sent, so that it can look at the batch's failures once it is its turn, then
+    a free client (the last one given back: its connection is the likeliest still open)."""
+
+    slots: asyncio.Semaphore
+    clients: list[httpx.AsyncClient] = field(default_factory=list)
+    free: list[httpx.AsyncClient] = field(default_factory=list)
+
+    def add(self, client: httpx.AsyncClient) -> httpx.AsyncClient:
+        self.clients.append(client)
+        return client
 
 
 async def _read_some(response: httpx.Response) -> bytes:

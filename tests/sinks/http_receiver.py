@@ -64,6 +64,7 @@ class HttpReceiver:
         self.lock = threading.Lock()
         self.in_flight = 0
         self.most_in_flight = 0
+        self.posted_on: set[int] = set()   # the client ports of the connections that carried requests
         self.port = port
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -122,6 +123,7 @@ class HttpReceiver:
                 request = Request(self.path, list(self.headers.items()), body, receiver._verify(self.headers, body))
                 with receiver.lock:
                     receiver.requests.append(request)
+                    receiver.posted_on.add(self.client_address[1])
                     receiver.in_flight += 1
                     receiver.most_in_flight = max(receiver.most_in_flight, receiver.in_flight)
                 try:

@@ -190,6 +190,7 @@ async def test_runs_keep_order_and_go_in_parallel_up_to_the_connection_limit(rec
     assert {k: sorted(v) for k, v in per_aggregate.items()} == per_aggregate
     assert len(per_aggregate) == 8
     assert receiver.most_in_flight == 4
+    assert len(receiver.posted_on) == 4   # kept alive: 48 requests over 4 connections
 
 
 async def test_a_run_stops_at_its_first_failure(receiver: HttpReceiver) -> None:
