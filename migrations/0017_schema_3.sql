@@ -875,13 +875,12 @@ BEGIN
     -- A claim takes one busy head (more than 10 events waiting: a backlog, or an aggregate whose
     -- events come faster than they are published) and every quiet one among those at the front
     -- (10 events or fewer: a quiet aggregate, however many events it had before, is one as soon
-    -- as it has caught up); the other busy heads there
-    -- are left to the next claim. So a busy aggregate's run is long (published as one atomic
-    -- batch where the stream allows it, not event by event), the other claims in flight take
-    -- the other busy heads side by side, and a quiet aggregate's event goes in the next claim
-    -- after it is due, whatever the busy ones have queued. Left only in the first pass: one
-    -- that comes back short takes them in the next (a short claim still means that nothing
-    -- more is claimable).
+    -- as it has caught up); the other busy heads there are left to the next claim. So a busy
+    -- aggregate's run is long (published as one atomic batch where the stream allows it, not
+    -- event by event), the other claims in flight take the other busy heads side by side, and a
+    -- quiet aggregate's event goes in the next claim after it is due, whatever the busy ones
+    -- have queued. Left only in the first pass: one that comes back short takes them in the
+    -- next (a short claim still means that nothing more is claimable).
     SELECT coalesce(array_agg(f.k ORDER BY f.i) FILTER (WHERE NOT f.b), '{}'),
            coalesce(array_agg(f.k) FILTER (WHERE f.b AND f.r > 1), '{}'),
            min(f.k) FILTER (WHERE f.b AND f.r = 1)
