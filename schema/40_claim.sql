@@ -730,6 +730,7 @@ BEGIN
         RAISE EXCEPTION 'outbox_claim: lease must be positive, got %', lease
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
+    quiet_only := coalesce(quiet_only, false);    -- NULL: as the default, like the other arguments
     budget := coalesce(max_bytes, cfg.max_claim_bytes);
     IF budget < 1 THEN
         RAISE EXCEPTION 'outbox_claim: max_bytes must be 1 or more, got %', budget

@@ -149,6 +149,9 @@ def test_a_quiet_only_claim_takes_the_quiet_heads_in_front_and_no_busy_run(conn:
              insert(conn, "order", "quiet-2", "updated")]
     rows = quiet_claim(conn, 100)
     assert [r["id"] for r in rows] == quiet
+    # NULL is the default (false), as for the claim's other arguments: a full claim.
+    with conn.cursor(row_factory=dict_row) as cur:
+        assert len(cur.execute("SELECT * FROM outbox_claim(10, quiet_only => NULL)").fetchall()) == 10
     # The busy heads are still due for the next full claim, which also takes one long run.
     rows = claim(conn, 100)
     assert len(rows) == 100 and all(r["aggregate_id"].startswith("busy-") for r in rows)
