@@ -67,7 +67,9 @@ async def test_a_locked_database_holds_back_only_itself(more_databases: Callable
     holder = await psycopg.AsyncConnection.connect(locked)
     try:
         await wait_until(lambda: _all_idle(fleet), 15, "every database's worker idle")
-        await holder.execute("LOCK TABLE outbox, outbox_intake IN ACCESS EXCLUSIVE MODE")   # what a claim reads
+        # What a claim reads, in the order a claim takes them (the intake row, then the events):
+        # the other order deadlocks with a claim that holds the intake row and waits for outbox.
+        await holder.execute("LOCK TABLE outbox_intake, outbox IN ACCESS EXCLUSIVE MODE")
         # Within a poll interval (0.5 s) the locked database's worker sends a statement that waits.
         await wait_until(lambda: _waits_on_lock(locked), 10, "the locked database's worker stuck on the lock")
         for n, dsn in enumerate(others):
