@@ -31,16 +31,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import sys
 import time
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 import aio_pika
-from aio_pika.abc import AbstractConnection
+from aio_pika.abc import AbstractConnection, AbstractExchange
 
 INFLIGHT = 200
 DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/"
@@ -114,16 +117,35 @@ def _message(payload: bytes, i: int, aggregate: str, persistent: bool = True) ->
                                      "Outbox-Attempt": "1"})
 
 
-async def run(url: str, count: int, payload: bytes) -> float:
+@contextlib.asynccontextmanager
+async def _bound_exchange(url: str, prefix: str) -> AsyncIterator[tuple[AbstractExchange, str, Any]]:
+    """(a durable topic exchange of its own in confirm mode, a routing key it routes to a durable
+    queue, how many messages that queue holds: an async function); both deleted afterwards."""
     server, _ = _split(url)
-    name = f"lim{uuid.uuid4().hex[:8]}"
+    name = f"{prefix}{uuid.uuid4().hex[:8]}"
     connection = await aio_pika.connect(server)
     try:
         channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
         exchange = await channel.declare_exchange(name, aio_pika.ExchangeType.TOPIC, durable=True)
         queue = await channel.declare_queue(name, durable=True)
         await queue.bind(exchange, "#")
-        routing_key = f"{name}.order.updated"
+
+        async def held() -> int:
+            check = await connection.channel()
+            return (await check.declare_queue(name, passive=True)).declaration_result.message_count or 0
+
+        try:
+            yield exchange, f"{name}.order.updated", held
+        finally:
+            cleanup_channel = await connection.channel()
+            await cleanup_channel.queue_delete(name)
+            await cleanup_channel.exchange_delete(name)
+    finally:
+        await connection.close()
+
+
+async def run(url: str, count: int, payload: bytes) -> float:
+    async with _bound_exchange(url, "lim") as (exchange, routing_key, held):
         next_id = iter(range(1, count + 1))
 
         async def lane() -> None:
@@ -131,33 +153,17 @@ async def run(url: str, count: int, payload: bytes) -> float:
                 await exchange.publish(_message(payload, i, str(i % INFLIGHT)), routing_key=routing_key,
                                        mandatory=True)
 
-        try:
-            t0 = time.monotonic()
-            await asyncio.gather(*(lane() for _ in range(INFLIGHT)))
-            elapsed = time.monotonic() - t0
-            check = await connection.channel()
-            held = (await check.declare_queue(name, passive=True)).declaration_result.message_count
-            assert held == count, f"the queue holds {held} of {count}"
-        finally:
-            cleanup_channel = await connection.channel()
-            await cleanup_channel.queue_delete(name)
-            await cleanup_channel.exchange_delete(name)
-    finally:
-        await connection.close()
+        t0 = time.monotonic()
+        await asyncio.gather(*(lane() for _ in range(INFLIGHT)))
+        elapsed = time.monotonic() - t0
+        stored = await held()
+        assert stored == count, f"the queue holds {stored} of {count}"
     return count / elapsed
 
 
 async def latency(url: str, rate: float, seconds: float, payload: bytes, persistent: bool) -> dict[str, float]:
     """Publish -> confirm of one message at a time at ``rate`` a second (see the module's docstring)."""
-    server, _ = _split(url)
-    name = f"lat{uuid.uuid4().hex[:8]}"
-    connection = await aio_pika.connect(server)
-    try:
-        channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
-        exchange = await channel.declare_exchange(name, aio_pika.ExchangeType.TOPIC, durable=True)
-        queue = await channel.declare_queue(name, durable=True)
-        await queue.bind(exchange, "#")
-        routing_key = f"{name}.order.updated"
+    async with _bound_exchange(url, "lat") as (exchange, routing_key, held):
         confirmed: list[float] = []
         late: list[float] = []
         tasks: set[asyncio.Task[None]] = set()
@@ -170,31 +176,23 @@ async def latency(url: str, rate: float, seconds: float, payload: bytes, persist
             confirmed.append(time.perf_counter() - start)
 
         arrivals = random.Random(27)
-        try:
-            t0 = due = time.perf_counter()
-            i = 0
-            while True:
-                due += arrivals.expovariate(rate)
-                if due - t0 >= seconds:
-                    break
-                wait = due - time.perf_counter()
-                if wait > 0:
-                    await asyncio.sleep(wait)
-                i += 1
-                task = asyncio.create_task(one(i, due))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-            elapsed = time.perf_counter() - t0
-            await asyncio.gather(*tasks)
-            check = await connection.channel()
-            held = (await check.declare_queue(name, passive=True)).declaration_result.message_count
-            assert held == i, f"the queue holds {held} of {i}"
-        finally:
-            cleanup_channel = await connection.channel()
-            await cleanup_channel.queue_delete(name)
-            await cleanup_channel.exchange_delete(name)
-    finally:
-        await connection.close()
+        t0 = due = time.perf_counter()
+        i = 0
+        while True:
+            due += arrivals.expovariate(rate)
+            if due - t0 >= seconds:
+                break
+            wait = due - time.perf_counter()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            i += 1
+            task = asyncio.create_task(one(i, due))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        elapsed = time.perf_counter() - t0
+        await asyncio.gather(*tasks)
+        stored = await held()
+        assert stored == i, f"the queue holds {stored} of {i}"
     confirmed.sort()
     late.sort()
     return {"sent": i, "achieved": i / elapsed, "p50": 1000 * _pct(confirmed, 0.5),
