@@ -532,7 +532,7 @@ class Bench:
             while seen < expect:
                 try:
                     msgs = await sub.fetch(batch=5000, timeout=2.0)
-                except nats.errors.TimeoutError:
+                except TimeoutError:          # nats-py's own, or asyncio's: both are TimeoutError
                     break
                 for m in msgs:
                     h = m.headers or {}

@@ -57,7 +57,9 @@ async def consume(dsn: str, nats_url: str, stream: str, subject: str, durable: s
             while idle_exit is None or idle < idle_exit:
                 try:
                     msgs = await sub.fetch(batch, timeout=0.5)
-                except nats.errors.TimeoutError:
+                # Nothing came: nats-py raises its own TimeoutError, or asyncio's when the time ran
+                # out before it asked; both are TimeoutError.
+                except TimeoutError:
                     idle += 0.5
                     continue
                 idle = 0.0

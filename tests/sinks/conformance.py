@@ -80,6 +80,10 @@ class SinkCase(abc.ABC):
     ``slow_latency`` how late the slow-server test makes every answer: enough that a batch of 10 runs
                     of 7 takes past a third of the 6 s lease (0.3 s for a sink with a round trip
                     per event; a sink that stores a whole run in one round trip sets about 2.5)
+    ``strike_latency`` how late every answer is in the cut / restart test, so that the strike
+                    comes in the middle of the run: 0.003 s for a sink with a round trip per event
+                    (600 events in runs of 20: about 1.5 s of publishing); a sink that stores a
+                    whole run in one round trip sets about 0.1
     ``proxy``       the TcpProxy (tests/sinks/proxy.py) the worker reaches the server through; the
                     tests set its ``latency`` (a slow server) and the default cut() cuts it
     """
@@ -94,6 +98,7 @@ class SinkCase(abc.ABC):
     dedups: bool = False
     settle: float = 0.0
     slow_latency: float = 0.3
+    strike_latency: float = 0.003
     proxy: TcpProxy
 
     @abc.abstractmethod

@@ -107,7 +107,7 @@ async def test_a_connection_cut_or_a_server_restart_mid_run_loses_nothing_and_ke
     lengths = {f"r{i}": 150 for i in range(4)}
     insert_events(conn, interleaved(lengths))
     total = sum(lengths.values())
-    sink_case.proxy.latency = 0.003     # about 1.5 s of publishing in all: room to strike mid-run
+    sink_case.proxy.latency = sink_case.strike_latency   # about 1.5 s of publishing: room to strike mid-run
     worker = SinkWorker(sink_case, dsn, tmp_path / "worker.log")
     try:
         await until(published(conn, 60), 30, "the first events published", worker, interval=0.01)

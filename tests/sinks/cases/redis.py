@@ -33,6 +33,8 @@ class RedisCase(SinkCase):
     # (2 s), and early enough to leave room before the 3 s publish timeout on a busy machine. A
     # timeout costs more than one late answer here: the new connection's handshake is late too.
     slow_latency = 2.2
+    # A run is one script call: 30 calls, about 8 one after another per aggregate, for 600 events.
+    strike_latency = 0.1
 
     def __init__(self, server: RedisServer, proxy: TcpProxy) -> None:
         self.server = server
