@@ -295,7 +295,10 @@ async def test_standby_flushed_behind_haproxy_loses_no_published_event_when_the_
             await asyncio.to_thread(cluster.start_node, "node1")
             await asyncio.to_thread(cluster.wait_streaming, "node1", 60)
             rejoined = time.time()
-            resumed = await marker_delivered(stream, cluster.nodes["node2"].dsn_for("app"), rejoined)
+            try:
+                resumed = await marker_delivered(stream, cluster.nodes["node2"].dsn_for("app"), rejoined)
+            except AssertionError as exc:   # what the worker was doing meanwhile, for the next reader
+                raise AssertionError(f"{exc}\n{worker_log.read_text()[-4000:]}") from None
             await asyncio.sleep(1)
             producers.finish()
             with psycopg.connect(cluster.nodes["node2"].dsn_for("app"), autocommit=True) as c:
