@@ -48,7 +48,10 @@ Phases (one line of figures per measurement, old and new side by side):
            committed, one worker starts, and one second later pgbench commits 100 events/s over
            50 OTHER aggregates while the backlog drains: the fresh events' commit -> JetStream
            latency during the drain (p50 / p99 / max; target p99 <= 50 ms), after it, and how long
-           the backlog took to drain (the rate of each side, new/old).
+           the backlog took to drain (the rate of each side, new/old). Where the wait went: until
+           a claim handed the event out (claimed_at), until JetStream stored it (the message's
+           own timestamp; the latency above is the bench's receipt, 1-2 ms later), and until the
+           worker reported it published (published_at, after the ack).
 
 CPU per event (drains) and per transaction (pgbench) come from /proc (bench/proc_cpu.py's
 CpuMeter): worker process, PostgreSQL backends of the measured database, nats-server; "foreign"
@@ -752,6 +755,7 @@ class Bench:
 
     async def _backlog(self, s: Side, n: int, cap: float) -> dict[str, Any]:
         fresh: list[tuple[float, float]] = []            # (commit, latency)
+        stored: dict[float, float] = {}                  # commit -> JetStream's store time - commit
         nc = await nats.connect(self.nats_url)
         js = nc.jetstream()
 
@@ -759,6 +763,7 @@ class Bench:
             now = time.time()
             t = orjson.loads(m.data)["t"]
             fresh.append((t, now - t))
+            stored[t] = m.metadata.timestamp.timestamp() - t
 
         sub = await js.subscribe(f"{s.prefix}.order.fresh", ordered_consumer=True, cb=on_msg,
                                  deliver_policy=DeliverPolicy.NEW)
@@ -804,13 +809,21 @@ class Bench:
         after = [lat for t, lat in fresh if drained_at is not None and t >= drained_at]
         # Where the wait of the fresh events during the drain went: until a claim handed them out
         # (claimed_at, the database's clock) and from there to JetStream.
+        # Then until the worker reported it published (published_at), and JetStream's own store
+        # time (the message's timestamp) beside the bench's receipt.
         waited: list[float] = []
+        reported: list[float] = []
         with contextlib.suppress(psycopg.Error), psycopg.connect(s.dsn) as c:
-            waited = [float(w) for (w,) in c.execute(
-                "SELECT extract(epoch FROM o.claimed_at) - (o.payload->>'t')::float8 FROM outbox o "
+            rows = c.execute(
+                "SELECT extract(epoch FROM o.claimed_at) - (o.payload->>'t')::float8, "
+                "       extract(epoch FROM o.published_at) - (o.payload->>'t')::float8 FROM outbox o "
                 "WHERE o.event_type = 'fresh' AND o.claimed_at IS NOT NULL AND (o.payload->>'t')::float8 < %s",
-                (drained_at or float("inf"),))]
-        return {"n": n, "drain_s": elapsed, "drained": got, "during": during, "after": after, "waited": waited}
+                (drained_at or float("inf"),)).fetchall()
+            waited = [float(w) for w, _ in rows]
+            reported = [float(p) for _, p in rows if p is not None]
+        in_store = [lat for t, lat in stored.items() if drained_at is None or t < drained_at]
+        return {"n": n, "drain_s": elapsed, "drained": got, "during": during, "after": after, "waited": waited,
+                "reported": reported, "stored": in_store}
 
     # -- phase 5: producer INSERT --------------------------------------------------------------
 
@@ -1123,6 +1136,11 @@ def phase_backlog(b: Bench, q: bool) -> None:
                 w = r["waited"]
                 log(f"  {'':>9} {lab}: of which until a claim handed them out: p50 {pct(w, 0.5) * 1000:8.1f} "
                     f"p99 {pct(w, 0.99) * 1000:8.1f} ms")
+            for key, what in (("stored", "until JetStream stored them"), ("reported", "until reported published")):
+                if r.get(key):
+                    w = r[key]
+                    log(f"  {'':>9} {lab}: {what}: p50 {pct(w, 0.5) * 1000:8.1f} p99 {pct(w, 0.99) * 1000:8.1f} "
+                        f"max {max(w) * 1000:8.1f} ms")
         if res.get("old", {}).get("drain_s") and res.get("new", {}).get("drain_s"):
             log(f"  {'':>9} drain rate new/old {res['old']['drain_s'] / res['new']['drain_s']:.2f}x")
 
