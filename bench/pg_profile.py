@@ -1,0 +1,82 @@
+"""Where PostgreSQL's time goes in a drain, statement by statement, the functions' inner
+statements included.
+
+    .venv/bin/python bench/pg_profile.py                          # 200,000 events over 50,000 aggregates
+    .venv/bin/python bench/pg_profile.py --events 20000 --aggregates 200 --batch 500
+
+A throwaway cluster of its own (outboxpg.embedded.EmbeddedPostgres, the tests' settings) with
+pg_stat_statements loaded (track = all: the statements inside the PL/pgSQL functions count
+apart) and track_functions = all; the current schema installed; the events inserted
+server-side, VACUUM ANALYZE; then one connection claims `--batch` and completes what it got
+until a claim comes back empty (the database side of a worker, no broker). Printed: the rate,
+and the statements and functions by total execution time, each also in µs per event. The
+cluster is stopped and removed at the end (also on Ctrl-C). pg_stat_statements costs time of
+its own: the rate is lower than without it; the shares are what this is for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from pathlib import Path
+
+import psycopg
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from outboxpg.embedded import EmbeddedPostgres  # noqa: E402
+from outboxpg.schema import migrate  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--events", type=int, default=200_000)
+    ap.add_argument("--aggregates", type=int, default=50_000)
+    ap.add_argument("--batch", type=int, default=500, help="outbox_claim's batch_size (default 500, the worker's)")
+    ap.add_argument("--top", type=int, default=20, help="statements shown (default 20)")
+    args = ap.parse_args()
+    if args.events < 1 or args.aggregates < 1 or args.batch < 1:
+        ap.error("--events, --aggregates and --batch must be 1 or more")
+    settings = {"shared_preload_libraries": "pg_stat_statements", "pg_stat_statements.track": "all",
+                "pg_stat_statements.max": "10000", "track_functions": "all"}
+    with EmbeddedPostgres(settings=settings) as pg, psycopg.connect(pg.dsn, autocommit=True) as c:
+        migrate(pg.dsn)
+        c.execute("CREATE EXTENSION pg_stat_statements")
+        c.execute("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
+                  "SELECT 'order', 'a' || (g %% %s), 'e', jsonb_build_object('n', g) "
+                  "FROM generate_series(1, %s) g", (args.aggregates, args.events))
+        c.execute("VACUUM ANALYZE")
+        c.execute("SELECT pg_stat_statements_reset()")
+        c.execute("SELECT pg_stat_reset()")
+        n = claims = 0
+        t0 = time.perf_counter()
+        while True:
+            rows = c.execute("SELECT id, lease_token FROM outbox_claim(%s)", (args.batch,)).fetchall()
+            claims += 1
+            if not rows:
+                break
+            n += len(rows)
+            c.execute("SELECT outbox_complete(%s::bigint[], %s)", ([r[0] for r in rows], rows[0][1]))
+        seconds = time.perf_counter() - t0
+        print(f"{n:,} events over {args.aggregates:,} aggregates in {seconds:.2f} s ({n / seconds:,.0f} events/s), "
+              f"{claims} claims of up to {args.batch}; PostgreSQL {c.info.server_version // 10000}")
+        print(f"\n{'ms':>9} {'µs/event':>9} {'calls':>7} {'rows':>8}  statement")
+        for ms, calls, nrows, query in c.execute(
+                "SELECT total_exec_time, calls, rows, query FROM pg_stat_statements "
+                "WHERE query NOT LIKE '%%pg_stat_statements%%' ORDER BY total_exec_time DESC LIMIT %s", (args.top,)):
+            text = re.sub(r"\s+", " ", re.sub(r"--[^\n]*", "", query)).strip()
+            print(f"{ms:9.1f} {ms * 1000 / max(n, 1):9.2f} {calls:7} {nrows:8}  {text[:110]}")
+        print(f"\n{'self ms':>9} {'µs/event':>9} {'calls':>7}  function (time in its own statements)")
+        for name, calls, self_ms in c.execute(
+                "SELECT funcname, calls, self_time FROM pg_stat_user_functions WHERE calls > 0 "
+                "ORDER BY self_time DESC LIMIT 10"):
+            print(f"{self_ms:9.1f} {self_ms * 1000 / max(n, 1):9.2f} {calls:7}  {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        sys.exit(130)
