@@ -284,6 +284,8 @@ DECLARE
     k_tids    tid[];                            -- the versions locked,
     k_change  boolean[];                        -- and whether the head moves (parked, or head_id above)
     k_moved   bigint[];
+    k_missing bigint;                           -- those with no head
+    k_made    bigint[];                         -- the heads made for them (their opened_id)
     seen    bigint;
     top     bigint;
     at      timestamptz := clock_timestamp();   -- one time for all the heads made here
@@ -365,51 +367,63 @@ BEGIN
         -- exist, all in key order in one statement (below), waiting for a report that holds them.
         -- The rest never waits (SKIP LOCKED, ON CONFLICT DO NOTHING): holding that pass's
         -- heads, a wait there could close a circle with a report that holds one of them and
-        -- waits for another. The new heads are inserted before that pass; no one else sees them
-        -- until this transaction commits, so no one waits for them either.
+        -- waits for another. New heads inserted before that pass are seen by no one else until
+        -- this transaction commits, so no one waits for them either.
         -- A head that exists is locked FOR KEY SHARE: that is what a report must wait for (its
         -- FOR UPDATE), and all; the claims' locks (FOR NO KEY UPDATE, and their updates, which
         -- change no key) pass beside it. So the other claims go on taking these heads while this
         -- one runs, where a stronger lock (an ON CONFLICT update's) kept every head of the
         -- chunk from them until this claim committed: behind a backlog of a few aggregates,
         -- every claim but the one taking in found all of them locked and came back empty.
+        -- Which comes first, the insert or the look for existing heads, follows what most keys
+        -- are: in a flow (fewer than a chunk read), aggregates whose head was dropped since their
+        -- last event, inserted first (the look would read all of a dropped key's entries, and the
+        -- insert's check again); catching up on a backlog, aggregates whose head is there (a
+        -- chunk's events are the later ones of aggregates not handed out yet), looked for first,
+        -- and the insert is for the others only: one look at each key either way.
         -- opened_id, the first event's id, orders the heads made here among themselves.
-        WITH made AS (
-            INSERT INTO outbox_heads AS h (aggregate_type, aggregate_id, lock_key, head_id, ready_at, opened_id)
-            -- The clock, not now(): a head's ready_at is never below the time its writer
-            -- announced (outbox_heads_writing); the claim reads its own time after this.
-            SELECT s.t, s.i, outbox_aggregate_key(s.t, s.i), s.f, at, s.f
-              FROM unnest(types, ids, firsts) WITH ORDINALITY AS s(t, i, f, n)
-             WHERE s.n <> ALL (busy)
-            ON CONFLICT (aggregate_type, aggregate_id) DO NOTHING
-            RETURNING h.opened_id)
-        -- The others: an aggregate's first event here is its own (one per aggregate), and a head
-        -- made here has it as opened_id; counted in a hash table, not compared pair by pair.
-        SELECT array_agg(x.n) INTO known
-          FROM (SELECT u.f, max(u.n) AS n, count(*) AS c
-                  FROM (SELECT s.f, s.n
-                          FROM unnest(firsts) WITH ORDINALITY AS s(f, n)
-                         WHERE s.n <> ALL (busy)
-                         UNION ALL
-                        SELECT m.opened_id, NULL FROM made m) u
-                 GROUP BY u.f) x
-         WHERE x.c = 1;
+        IF seen < chunk THEN
+            WITH made AS (
+                INSERT INTO outbox_heads AS h (aggregate_type, aggregate_id, lock_key, head_id, ready_at, opened_id)
+                -- The clock, not now(): a head's ready_at is never below the time its writer
+                -- announced (outbox_heads_writing); the claim reads its own time after this.
+                SELECT s.t, s.i, outbox_aggregate_key(s.t, s.i), s.f, at, s.f
+                  FROM unnest(types, ids, firsts) WITH ORDINALITY AS s(t, i, f, n)
+                 WHERE s.n <> ALL (busy)
+                ON CONFLICT (aggregate_type, aggregate_id) DO NOTHING
+                RETURNING h.opened_id)
+            -- The others: an aggregate's first event here is its own (one per aggregate), and a
+            -- head made here has it as opened_id; counted in a hash table, not pair by pair.
+            SELECT array_agg(x.n) INTO known
+              FROM (SELECT u.f, max(u.n) AS n, count(*) AS c
+                      FROM (SELECT s.f, s.n
+                              FROM unnest(firsts) WITH ORDINALITY AS s(f, n)
+                             WHERE s.n <> ALL (busy)
+                             UNION ALL
+                            SELECT m.opened_id, NULL FROM made m) u
+                     GROUP BY u.f) x
+             WHERE x.c = 1;
+        ELSE
+            known := ARRAY(SELECT generate_series(1, cardinality(types)::bigint));   -- busy is empty
+        END IF;
 
         IF known IS NOT NULL THEN
             -- Their heads, each from the newest entry of its key down to the first version this
-            -- sees (the newest, once locked: a head updated meanwhile is read as it is now).
-            SELECT array_agg(s.n), array_agg(h.tid), array_agg(h.parked OR h.head_id > firsts[s.n])
-              INTO k_ns, k_tids, k_change
+            -- sees (the newest, once locked: a head updated meanwhile is read as it is now); NULL
+            -- where there is none.
+            SELECT array_agg(s.n), array_agg(h.tid), array_agg(h.parked OR h.head_id > firsts[s.n]),
+                   count(*) FILTER (WHERE h.tid IS NULL)
+              INTO k_ns, k_tids, k_change, k_missing
               FROM (SELECT types[k.n] COLLATE "C" AS t, ids[k.n] COLLATE "C" AS i, k.n
                       FROM unnest(known) AS k(n)
                      ORDER BY 1, 2) s
-             CROSS JOIN LATERAL (
+              LEFT JOIN LATERAL (
                    SELECT h.ctid AS tid, h.parked, h.head_id FROM outbox_heads h
                     WHERE h.aggregate_type = s.t
                       AND h.aggregate_id >= s.i AND h.aggregate_id <= s.i
                     ORDER BY h.aggregate_type DESC, h.aggregate_id DESC
                     LIMIT 1
-                      FOR KEY SHARE) h;
+                      FOR KEY SHARE) h ON true;
             IF true = ANY (k_change) THEN
                 -- A parked head comes back (due again at the ready_at it kept, no longer
                 -- leased), and an event that committed late below its aggregate's head (held
@@ -435,20 +449,22 @@ BEGIN
                 held_from := (SELECT min(firsts[c.n]) FROM unnest(k_ns, k_change) AS c(n, moves)
                                WHERE c.moves AND c.n <> ALL (coalesce(k_moved, '{}')));
             END IF;
-            IF coalesce(cardinality(k_ns), 0) < cardinality(known) THEN
-                -- Heads gone since the insert above (a report dropped one while this waited for
-                -- it): made now, or left to the next intake if one is there again.
+            IF k_missing > 0 THEN
+                -- No head: made now (catching up, the new aggregates; in a flow, heads gone since
+                -- the insert above, a report dropped one while this waited for it). One that is
+                -- there again is left to the next intake.
                 WITH made AS (
                     INSERT INTO outbox_heads AS h (aggregate_type, aggregate_id, lock_key, head_id, ready_at, opened_id)
                     SELECT types[k.n], ids[k.n], outbox_aggregate_key(types[k.n], ids[k.n]), firsts[k.n], at, firsts[k.n]
-                      FROM unnest(known) AS k(n)
-                     WHERE k.n <> ALL (coalesce(k_ns, '{}'))
+                      FROM unnest(k_ns, k_tids) AS k(n, tid)
+                     WHERE k.tid IS NULL
                     ON CONFLICT (aggregate_type, aggregate_id) DO NOTHING
                     RETURNING h.opened_id)
-                SELECT least(held_from, min(firsts[k.n])) INTO held_from
-                  FROM unnest(known) AS k(n)
-                 WHERE k.n <> ALL (coalesce(k_ns, '{}'))
-                   AND firsts[k.n] <> ALL (ARRAY(SELECT m.opened_id FROM made m));
+                SELECT array_agg(m.opened_id) INTO k_made FROM made m;
+                IF coalesce(cardinality(k_made), 0) < k_missing THEN
+                    held_from := least(held_from, (SELECT min(firsts[k.n]) FROM unnest(k_ns, k_tids) AS k(n, tid)
+                                                    WHERE k.tid IS NULL AND firsts[k.n] <> ALL (coalesce(k_made, '{}'))));
+                END IF;
             END IF;
         END IF;
 
