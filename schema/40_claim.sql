@@ -279,6 +279,13 @@ DECLARE
     live_tids tid[];                            -- their heads, found and locked
     live_ns   bigint[];                         -- their places
     held_from bigint;                           -- the first event of one whose head another holds
+    known     bigint[];                         -- places of the other aggregates whose head exists
+    k_ns      bigint[];                         -- those whose head was found and locked, in key order,
+    k_tids    tid[];                            -- the versions locked,
+    k_change  boolean[];                        -- and whether the head moves (parked, or head_id above)
+    k_moved   bigint[];
+    k_missing bigint;                           -- those with no head
+    k_made    bigint[];                         -- the heads made for them (their opened_id)
     seen    bigint;
     top     bigint;
     at      timestamptz := clock_timestamp();   -- one time for all the heads made here
@@ -326,9 +333,9 @@ BEGIN
 
     IF types IS NOT NULL THEN
         -- New heads are inserted; a head that exists is locked (in key order, as reports lock
-        -- them), so that a report about to drop it because it saw no more events of its
-        -- aggregate waits for this transaction and then sees these events
-        -- (outbox_refresh_heads). An event that committed late below its aggregate's head (it
+        -- them; against reports, not claims: below), so that a report about to drop it because
+        -- it saw no more events of its aggregate waits for this transaction and then sees these
+        -- events (outbox_refresh_heads). An event that committed late below its aggregate's head (it
         -- was held back by the commit-order guard meanwhile) moves the head back to it.
         -- A new head is due now, whatever this statement's snapshot said of its event: while
         -- the cursor is held back, events read here may have been claimed, or even published
@@ -356,24 +363,110 @@ BEGIN
         END IF;
 
         -- Lock order. Reports lock heads in one pass in key order, and wait. The intake may wait
-        -- only in a pass of the same kind, holding no head yet: the other aggregates first, all
-        -- in key order in the insert below (new heads made, the others locked by its conflict
-        -- update, waiting for a report that holds them). The busy ones after that never wait
-        -- (SKIP LOCKED, ON CONFLICT DO NOTHING): holding the first pass's heads, a wait there
-        -- could close a circle with a report that holds a busy head and waits for one of those.
+        -- only in a pass of the same kind, holding no head yet: the other aggregates' heads that
+        -- exist, all in key order in one statement (below), waiting for a report that holds them.
+        -- The rest never waits (SKIP LOCKED, ON CONFLICT DO NOTHING): holding that pass's
+        -- heads, a wait there could close a circle with a report that holds one of them and
+        -- waits for another. New heads inserted before that pass are seen by no one else until
+        -- this transaction commits, so no one waits for them either.
+        -- A head that exists is locked FOR KEY SHARE: that is what a report must wait for (its
+        -- FOR UPDATE), and all; the claims' locks (FOR NO KEY UPDATE, and their updates, which
+        -- change no key) pass beside it. So the other claims go on taking these heads while this
+        -- one runs, where a stronger lock (an ON CONFLICT update's) kept every head of the
+        -- chunk from them until this claim committed: behind a backlog of a few aggregates,
+        -- every claim but the one taking in found all of them locked and came back empty.
+        -- Which comes first, the insert or the look for existing heads, follows what most keys
+        -- are: in a flow (fewer than a chunk read), aggregates whose head was dropped since their
+        -- last event, inserted first (the look would read all of a dropped key's entries, and the
+        -- insert's check again); catching up on a backlog, aggregates whose head is there (a
+        -- chunk's events are the later ones of aggregates not handed out yet), looked for first,
+        -- and the insert is for the others only: one look at each key either way.
         -- opened_id, the first event's id, orders the heads made here among themselves.
-        INSERT INTO outbox_heads AS h (aggregate_type, aggregate_id, lock_key, head_id, ready_at, opened_id)
-        -- The clock, not now(): a head's ready_at is never below the time its writer
-        -- announced (outbox_heads_writing); the claim reads its own time after this.
-        SELECT s.t, s.i, outbox_aggregate_key(s.t, s.i), s.f, at, s.f
-          FROM unnest(types, ids, firsts) WITH ORDINALITY AS s(t, i, f, n)
-         WHERE s.n <> ALL (busy)
-        ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE
-           SET head_id = least(h.head_id, excluded.head_id),
-               -- a parked head (an aggregate whose events paused) comes back here too
-               leased_until = CASE WHEN h.parked THEN NULL ELSE h.leased_until END,
-               parked = false
-         WHERE h.parked OR h.head_id > excluded.head_id;
+        IF seen < chunk THEN
+            WITH made AS (
+                INSERT INTO outbox_heads AS h (aggregate_type, aggregate_id, lock_key, head_id, ready_at, opened_id)
+                -- The clock, not now(): a head's ready_at is never below the time its writer
+                -- announced (outbox_heads_writing); the claim reads its own time after this.
+                SELECT s.t, s.i, outbox_aggregate_key(s.t, s.i), s.f, at, s.f
+                  FROM unnest(types, ids, firsts) WITH ORDINALITY AS s(t, i, f, n)
+                 WHERE s.n <> ALL (busy)
+                ON CONFLICT (aggregate_type, aggregate_id) DO NOTHING
+                RETURNING h.opened_id)
+            -- The others: an aggregate's first event here is its own (one per aggregate), and a
+            -- head made here has it as opened_id; counted in a hash table, not pair by pair.
+            SELECT array_agg(x.n) INTO known
+              FROM (SELECT u.f, max(u.n) AS n, count(*) AS c
+                      FROM (SELECT s.f, s.n
+                              FROM unnest(firsts) WITH ORDINALITY AS s(f, n)
+                             WHERE s.n <> ALL (busy)
+                             UNION ALL
+                            SELECT m.opened_id, NULL FROM made m) u
+                     GROUP BY u.f) x
+             WHERE x.c = 1;
+        ELSE
+            known := ARRAY(SELECT generate_series(1, cardinality(types)::bigint));   -- busy is empty
+        END IF;
+
+        IF known IS NOT NULL THEN
+            -- Their heads, each from the newest entry of its key down to the first version this
+            -- sees (the newest, once locked: a head updated meanwhile is read as it is now); NULL
+            -- where there is none.
+            SELECT array_agg(s.n), array_agg(h.tid), array_agg(h.parked OR h.head_id > firsts[s.n]),
+                   count(*) FILTER (WHERE h.tid IS NULL)
+              INTO k_ns, k_tids, k_change, k_missing
+              FROM (SELECT types[k.n] COLLATE "C" AS t, ids[k.n] COLLATE "C" AS i, k.n
+                      FROM unnest(known) AS k(n)
+                     ORDER BY 1, 2) s
+              LEFT JOIN LATERAL (
+                   SELECT h.ctid AS tid, h.parked, h.head_id FROM outbox_heads h
+                    WHERE h.aggregate_type = s.t
+                      AND h.aggregate_id >= s.i AND h.aggregate_id <= s.i
+                    ORDER BY h.aggregate_type DESC, h.aggregate_id DESC
+                    LIMIT 1
+                      FOR KEY SHARE) h ON true;
+            IF true = ANY (k_change) THEN
+                -- A parked head comes back (due again at the ready_at it kept, no longer
+                -- leased), and an event that committed late below its aggregate's head (held
+                -- back by the commit-order guard meanwhile) moves the head back to it. Only
+                -- columns in no index change: a HOT update. Locked first, SKIP LOCKED: one that
+                -- another transaction holds (or changed since) keeps the cursor below (held_from).
+                WITH moved AS (
+                    UPDATE outbox_heads h
+                       SET head_id = least(h.head_id, firsts[l.n]),
+                           leased_until = CASE WHEN h.parked THEN NULL ELSE h.leased_until END,
+                           parked = false
+                      FROM (SELECT c.tid, c.n FROM unnest(k_tids, k_ns, k_change) AS c(tid, n, moves)
+                             WHERE c.moves) l
+                     WHERE h.ctid = ANY (ARRAY(SELECT x.ctid FROM outbox_heads x
+                                                WHERE x.ctid = ANY (ARRAY(SELECT c.tid
+                                                                            FROM unnest(k_tids, k_change) AS c(tid, moves)
+                                                                           WHERE c.moves))
+                                                  FOR NO KEY UPDATE SKIP LOCKED))
+                       AND h.ctid = l.tid
+                       AND (h.parked OR h.head_id > firsts[l.n])
+                 RETURNING l.n)
+                SELECT array_agg(m.n) INTO k_moved FROM moved m;
+                held_from := (SELECT min(firsts[c.n]) FROM unnest(k_ns, k_change) AS c(n, moves)
+                               WHERE c.moves AND c.n <> ALL (coalesce(k_moved, '{}')));
+            END IF;
+            IF k_missing > 0 THEN
+                -- No head: made now (catching up, the new aggregates; in a flow, heads gone since
+                -- the insert above, a report dropped one while this waited for it). One that is
+                -- there again is left to the next intake.
+                WITH made AS (
+                    INSERT INTO outbox_heads AS h (aggregate_type, aggregate_id, lock_key, head_id, ready_at, opened_id)
+                    SELECT types[k.n], ids[k.n], outbox_aggregate_key(types[k.n], ids[k.n]), firsts[k.n], at, firsts[k.n]
+                      FROM unnest(k_ns, k_tids) AS k(n, tid)
+                     WHERE k.tid IS NULL
+                    ON CONFLICT (aggregate_type, aggregate_id) DO NOTHING
+                    RETURNING h.opened_id)
+                SELECT array_agg(m.opened_id) INTO k_made FROM made m;
+                IF coalesce(cardinality(k_made), 0) < k_missing THEN
+                    held_from := least(held_from, (SELECT min(firsts[k.n]) FROM unnest(k_ns, k_tids) AS k(n, tid)
+                                                    WHERE k.tid IS NULL AND firsts[k.n] <> ALL (coalesce(k_made, '{}'))));
+                END IF;
+            END IF;
+        END IF;
 
         IF cardinality(busy) > 0 THEN
             -- The busy aggregates' heads, each from the newest entry of its key down to the
@@ -419,7 +512,7 @@ BEGIN
                      WHERE s.n = ANY (busy) AND s.n <> ALL (coalesce(live_ns, '{}'))
                     ON CONFLICT (aggregate_type, aggregate_id) DO NOTHING
                     RETURNING h.aggregate_type, h.aggregate_id)
-                SELECT min(s.f) INTO held_from
+                SELECT least(held_from, min(s.f)) INTO held_from
                   FROM unnest(types, ids, firsts) WITH ORDINALITY AS s(t, i, f, n)
                  WHERE s.n = ANY (busy) AND s.n <> ALL (coalesce(live_ns, '{}'))
                    AND NOT EXISTS (SELECT FROM made m WHERE m.aggregate_type = s.t AND m.aggregate_id = s.i);

@@ -1,0 +1,89 @@
+"""The intake locks the heads that exist among the aggregates it takes in against reports (a
+report about to drop or park one waits, and then sees the new events), not against claims: the
+other claims go on taking those heads while the claim that takes in is still running. Behind a
+backlog of a few aggregates, every chunk the intake reads holds all of them; a lock that kept
+claims out (an ON CONFLICT update's) left every other claim empty-handed until the one taking in
+committed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+import pytest
+from helpers import claim, claim_ids, complete, connect, insert
+
+Conn = psycopg.Connection[Any]
+
+
+def backlog(conn: Conn, n: int, aggregates: int, start: int = 1) -> None:
+    conn.execute("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
+                 "SELECT 'order', 'agg-' || (g %% %s), 'updated', '{}' FROM generate_series(%s::integer, %s::integer) g",
+                 (aggregates, start, start + n - 1))
+
+
+def cursor(conn: Conn) -> int:
+    (value,) = conn.execute("SELECT intake_id FROM outbox_intake").fetchone()  # type: ignore[misc]
+    return int(value)
+
+
+def test_a_claim_beside_an_intake_takes_the_heads_the_intake_did_not_lease(dsn: str, conn: Conn) -> None:
+    """Two claims at once behind a backlog of 40 aggregates: the first takes in a chunk holding
+    all 40 (their heads exist) and leases 16 of them; the second, while the first is still
+    open, leases others."""
+    backlog(conn, 1_500, aggregates=40)                 # claim(100) reads chunks of 500
+    first = claim(conn, 100)                             # the heads are made, the cursor moves
+    for token in {r["lease_token"] for r in first}:
+        complete(conn, [r["id"] for r in first if r["lease_token"] == token], token)
+    taken_in = cursor(conn)
+    assert taken_in == 500
+    with connect(dsn, autocommit=False) as a, connect(dsn, lock_timeout="2s") as b:
+        got_a = claim(a, 100)                            # takes in ids 501-1000: every aggregate
+        got_b = claim(b, 100)                            # the intake row is a's: b takes in nothing
+        assert cursor(b) == taken_in                     # a's intake is not committed yet
+        a.commit()
+    assert cursor(conn) > taken_in                       # a did take the chunk in
+    assert len(got_a) == 100
+    assert len(got_b) > 0, "every head was locked by the other claim's intake"
+    assert not {r["aggregate_id"] for r in got_a} & {r["aggregate_id"] for r in got_b}
+
+
+def test_the_intake_still_holds_back_a_report_on_a_head_it_took_in(dsn: str, conn: Conn) -> None:
+    """What a report does first (outbox_refresh_heads: its heads FOR UPDATE) waits for the claim
+    that took in new events of the aggregate, so that it sees them before it drops the head."""
+    backlog(conn, 1_500, aggregates=40)
+    claim_ids(conn, 100)
+    with connect(dsn, autocommit=False) as a, connect(dsn, autocommit=False, lock_timeout="200ms") as report:
+        leased = {r["aggregate_id"] for r in claim(a, 100)}
+        other = next(f"agg-{i}" for i in range(40) if f"agg-{i}" not in leased)
+        with pytest.raises(psycopg.errors.LockNotAvailable):
+            report.execute("SELECT 1 FROM outbox_heads WHERE aggregate_type = 'order' AND aggregate_id = %s "
+                           "FOR UPDATE", (other,))
+        report.rollback()
+        a.commit()
+
+
+def test_a_head_to_bring_back_that_another_holds_is_not_waited_for(dsn: str, conn: Conn) -> None:
+    """A parked head among a full chunk's aggregates, locked by another transaction: the intake
+    does not wait for it, and the cursor stays below its aggregate's event, for the next intake,
+    which brings the head back."""
+    for _ in range(4):
+        insert(conn, "order", "busy")
+    for _ in range(4):                                   # moved on 3 times, then its line runs empty
+        (row,) = claim(conn, 1)
+        assert complete(conn, [row["id"]], row["lease_token"]) == 1
+    assert conn.execute("SELECT parked FROM outbox_heads WHERE aggregate_id = 'busy'").fetchone() == (True,)
+    event = insert(conn, "order", "busy")
+    backlog(conn, 600, aggregates=600)                   # a full chunk (500) from the busy event on
+    with connect(dsn, autocommit=False) as holder, connect(dsn, lock_timeout="1s") as worker:
+        holder.execute("SELECT 1 FROM outbox_heads WHERE aggregate_id = 'busy' FOR NO KEY UPDATE")
+        ids = claim_ids(worker, 100)                     # no wait: no lock_timeout error
+        assert event not in ids
+        assert cursor(conn) < event
+        holder.rollback()
+    got: list[int] = []
+    for _ in range(20):                                  # claims of 100 over 601 aggregates
+        got += claim_ids(conn, 100)
+        if event in got:
+            break
+    assert event in got
