@@ -47,6 +47,8 @@ PubAck = tuple[int, str | None]   # the PUBACK's reason code and its reason stri
 # "unsupported protocol version"), 0x01 (an MQTT 3.1.1 broker's "unacceptable protocol level").
 _NOT_MQTT5 = {0x84, 0x01}
 
+_QUICKACK: int = getattr(socket, "TCP_QUICKACK", 0)   # Linux only; see MqttConnection._ack_now
+
 
 class MqttUnreachable(Exception):
     """No connection: the broker cannot be reached, does not answer as an MQTT broker, or refuses
@@ -316,6 +318,21 @@ class MqttConnection:
         except Exception as exc:  # noqa: BLE001 - anything paho raises while reading means the connection is over
             self._end(ConnectionLost(f"the connection to the MQTT broker failed: {_os_error(exc)}"))
             self._close_socket()
+            return
+        self._ack_now()
+
+    def _ack_now(self) -> None:
+        """TCP-acknowledge what was just read, now (Linux's TCP_QUICKACK, which lasts until the
+        kernel's next own choice, hence after every read). A broker with Nagle's algorithm on
+        (mosquitto's default, set_tcp_nodelay false) writes its next PUBACK only once the one
+        before is acknowledged, and Linux delays that ACK to carry it on the client's next
+        packet: when that packet waits for these PUBACKs (the rest of a run, the next batch),
+        the PUBACKs come only after the delayed-ACK timer, 40 ms."""
+        sock = self._sock
+        if sock is None or not _QUICKACK:
+            return
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, _QUICKACK, 1)
 
     def _writable(self) -> None:
         try:
