@@ -171,6 +171,20 @@ async def test_what_mqtt_cannot_carry_is_permanent_before_sending_and_the_rest_f
     assert sorted(r.property("Outbox-Id") for r in got) == ["7", "8"]   # the 2048 bytes went through
 
 
+@pytest.mark.parametrize("text, refused", [
+    ("plain ascii ~!", None), ("caf\u00e9 \u4e2d", None), ("\U0001f600", None),
+    ("del\x7f", "U+007F"), ("esc\x1b", "U+001B"), ("c1\x85", "U+0085"), ("\ufdd0", "U+FDD0"),
+    ("\U0001fffe", "U+1FFFE"), ("tab\t", "U+0009"),
+])
+def test_every_string_is_checked_for_what_mosquitto_refuses(text: str, refused: str | None) -> None:
+    for event in (ev(1, text), ev(1, "a", headers={"h": text}), ev(1, "a", subject=f"outbox.{text}")):
+        message = message_of(event, MQTT_MAX_PACKET)
+        if refused is None:
+            assert not isinstance(message, PermanentError), message
+        else:
+            assert isinstance(message, PermanentError) and f"the character {refused}" in str(message)
+
+
 async def test_a_lower_max_packet_size_option_is_the_limit(broker: Mosquitto) -> None:
     s = sink(broker.url, max_packet_size="300")
     await s.start()
