@@ -23,7 +23,7 @@ from outboxpg.relay.publishers import NotSent, PermanentError
 from outboxpg.sinks import open_sink
 from outboxpg.sinks.base import SinkSettings, SinkUnreachable
 from outboxpg.sinks.mqtt import MqttSink
-from outboxpg.sinks.mqtt_connection import ConnectionLost, MqttConnection, Slots
+from outboxpg.sinks.mqtt_connection import ConnectionLost, MqttConnection
 from outboxpg.sinks.mqtt_messages import MQTT_MAX_PACKET, MSG_ID, message_of, publish_packet_bytes
 
 Outcomes = Sequence[BaseException | None]
@@ -156,7 +156,7 @@ async def test_what_mqtt_cannot_carry_is_permanent_before_sending_and_the_rest_f
         assert not isinstance(over, PermanentError)
         assert publish_packet_bytes(over.topic, over.properties, len(fits) + 3) == 2051
         with pytest.raises(ConnectionLost, match="Packet too large"):
-            await asyncio.wait_for(await connection.send(over.topic, fits + b"   ", over.properties), 5)
+            await asyncio.wait_for(connection.send(over.topic, fits + b"   ", over.properties), 5)
         await connection.close()
     reasons = {i: str(outcomes[n]) for n, i in enumerate(bad)}
     assert all(isinstance(outcomes[n], PermanentError) for n in range(len(bad))), outcomes
@@ -320,27 +320,35 @@ async def test_a_small_batch_is_acknowledged_at_once_by_a_broker_with_nagle_on(b
     assert took[len(took) // 2] < 0.010, [f"{t * 1000:.1f} ms" for t in took]
 
 
-async def test_a_free_slot_goes_to_the_run_with_most_events_left_then_in_order() -> None:
-    slots = Slots(1)
-    await slots.acquire()
-    order: list[str] = []
+async def test_a_free_slot_goes_to_the_run_with_most_events_left_then_in_order(mosquitto_binary: str) -> None:
+    # One slot: the broker receives the PUBLISHes in the order the sink hands them out.
+    with Mosquitto(mosquitto_binary, "max_inflight_messages 1") as b, Subscriber(b.port) as sub:
+        s = sink(b.url)
+        await s.start()
+        try:
+            # c (1 event), b (2), a (3): a goes first (most left); then b and a both have 2 left,
+            # and b has waited longer; and so on.
+            events = [ev(1, "c"), ev(2, "b"), ev(3, "a"), ev(4, "b"), ev(5, "a"), ev(6, "a")]
+            assert await s.publish_batch(events) == [None] * 6
+            # Single PUBLISHes: one that takes the slot, one whose caller stops waiting while it
+            # is in line (never sent), one after.
+            assert s.connection is not None
+            connection = s.connection
 
-    async def want(name: str, priority: int) -> None:
-        await slots.acquire(priority)
-        order.append(name)
+            def send(i: int) -> asyncio.Future[tuple[int, str | None]]:
+                message = message_of(ev(i, "s"), MQTT_MAX_PACKET)
+                assert not isinstance(message, PermanentError)
+                return connection.send(message.topic, b"{}", message.properties)
 
-    waiters = [asyncio.ensure_future(want(name, p)) for name, p in (("a", 1), ("b", 5), ("c", 5), ("d", 2))]
-    gone = asyncio.ensure_future(want("gone", 9))
-    await asyncio.sleep(0)
-    gone.cancel()             # a waiter that stopped waiting is passed over
-    for _ in range(4):
-        slots.release()
-        await asyncio.sleep(0)
-    await asyncio.gather(*waiters)
-    assert order == ["b", "c", "d", "a"]
-    assert gone.cancelled() and slots.free == 0
-    slots.release()
-    assert slots.free == 1
+            first, gone = send(7), send(8)
+            gone.cancel()
+            assert await first == (0, None) and await send(9) == (0, None)
+            assert connection.peak_in_flight == 1
+        finally:
+            await s.close()
+        got = await sub.wait_for(8)
+    assert [(r.property("Outbox-Aggregate-Id"), r.property("Outbox-Id")) for r in got] == [
+        ("a", "3"), ("b", "2"), ("a", "5"), ("c", "1"), ("b", "4"), ("a", "6"), ("s", "7"), ("s", "9")]
 
 
 async def test_a_connection_lost_mid_batch_fails_what_waits_and_the_next_batch_reconnects(broker: Mosquitto) -> None:
