@@ -10,12 +10,14 @@ subscriber falls behind, and the drain then never sees the last event; run the b
 broker with ``max_queued_messages 0``.
 
 ``run``: the sink's own client, no database: paho-mqtt on the asyncio loop as the sink drives it
-(outboxpg.sinks.mqtt_connection), ``count`` QoS 1 PUBLISHes of ``payload`` to
-``<prefix>/order/updated`` with the user properties and content type the worker sends (encoded as
-the sink encodes them, outboxpg.sinks.mqtt_messages.PublishProperties), each
-awaiting its PUBACK, as many at once as the broker's Receive Maximum lets the sink have (the
-sink's shape with more aggregates than that: one unacknowledged message per aggregate), timed
-from the first PUBLISH to the last PUBACK, the same subscriber receiving them (checked after).
+(outboxpg.sinks.mqtt_connection: senders queued on the connection, each handing out its next
+message once the PUBACK of the one before came, as the sink's runs do), ``count`` QoS 1
+PUBLISHes of ``payload`` to ``<prefix>/order/updated`` with the user properties and content
+type the worker sends (encoded as the sink encodes them,
+outboxpg.sinks.mqtt_messages.PublishProperties), as many awaiting their PUBACK at once as the
+broker's Receive Maximum lets the sink have (the sink's shape with more aggregates than that:
+one unacknowledged message per aggregate), timed from the first PUBLISH to the last PUBACK, the
+same subscriber receiving them (checked after).
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ import subprocess
 import tempfile
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from outboxpg.sinks.base import SinkSettings
 from outboxpg.sinks.mqtt import MqttSink
+from outboxpg.sinks.mqtt_connection import ConnectionLost, MqttConnection
 from outboxpg.sinks.mqtt_messages import PublishProperties
 
 WORKER_ARGS: list[str] = []
@@ -95,7 +99,7 @@ async def prepare(url: str, prefix: str) -> None:
         while not sub.ready:
             if sub.proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"sink_limits/mqtt: mosquitto_sub did not subscribe (exit {sub.proc.poll()})")
-            await connection.send(f"{prefix}/ready", b"ready", PublishProperties([]))
+            connection.send(f"{prefix}/ready", b"ready", PublishProperties([]))
             await asyncio.sleep(0.05)
             sub.read()
     finally:
@@ -122,6 +126,39 @@ async def cleanup(url: str, prefix: str) -> None:
     sub.out.unlink(missing_ok=True)
 
 
+class _Lane:
+    """Messages one after another, each once the PUBACK of the one before came: a Sender of the
+    sink's connection (outboxpg.sinks.mqtt_connection), driven as the sink drives its runs."""
+
+    def __init__(self, connection: MqttConnection, topic: str, payload: bytes, ids: Iterator[int],
+                 done: Callable[[BaseException | None], None]) -> None:
+        self.connection, self.topic, self.payload, self.ids, self.done = connection, topic, payload, ids, done
+        self.priority = 0
+
+    def message(self) -> tuple[str, bytes, PublishProperties] | None:
+        i = next(self.ids, None)
+        if i is None:
+            self.done(None)
+            return None
+        # The properties as the sink encodes them (Content Type, the user properties).
+        return self.topic, self.payload, PublishProperties([
+            ("Outbox-Msg-Id", f"lim-{i}-{uuid.uuid4()}"), ("Outbox-Id", str(i)),
+            ("Outbox-Event-Type", "updated"), ("Outbox-Aggregate-Type", "order"),
+            ("Outbox-Aggregate-Id", str(i % INFLIGHT)), ("Outbox-Attempt", "1")])
+
+    def acked(self, code: int, reason: str | None) -> None:
+        if code >= 0x80:
+            self.done(RuntimeError(f"PUBACK 0x{code:02X} {reason or ''}"))
+            return
+        self.connection.queue(self)
+
+    def refused(self, exc: ValueError) -> None:
+        self.done(exc)
+
+    def lost(self, exc: ConnectionLost) -> None:
+        self.done(exc)
+
+
 async def run(url: str, count: int, payload: bytes) -> float:
     prefix = f"lim{uuid.uuid4().hex[:8]}"
     await prepare(url, prefix)
@@ -131,20 +168,24 @@ async def run(url: str, count: int, payload: bytes) -> float:
         connection = sink.connection
         assert connection is not None
         topic = f"{prefix}/order/updated"
-        next_id = iter(range(1, count + 1))
+        ids = iter(range(1, count + 1))
+        finished: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        lanes = min(INFLIGHT, connection.receive_maximum)
+        left = [lanes]
 
-        async def lane() -> None:
-            for i in next_id:
-                # The properties as the sink encodes them (Content Type, the user properties).
-                properties = PublishProperties([
-                    ("Outbox-Msg-Id", f"lim-{i}-{uuid.uuid4()}"), ("Outbox-Id", str(i)),
-                    ("Outbox-Event-Type", "updated"), ("Outbox-Aggregate-Type", "order"),
-                    ("Outbox-Aggregate-Id", str(i % INFLIGHT)), ("Outbox-Attempt", "1")])
-                code, _ = await (await connection.send(topic, payload, properties))
-                assert code < 0x80, f"PUBACK 0x{code:02X}"
+        def done(failure: BaseException | None) -> None:
+            left[0] -= 1
+            if finished.done():
+                return
+            if failure is not None:
+                finished.set_exception(failure)
+            elif left[0] == 0:
+                finished.set_result(None)
 
+        senders = [_Lane(connection, topic, payload, ids, done) for _ in range(lanes)]
         t0 = time.monotonic()
-        await asyncio.gather(*(lane() for _ in range(min(INFLIGHT, connection.receive_maximum))))
+        connection.queue_all(senders)
+        await finished
         elapsed = time.monotonic() - t0
         deadline = time.monotonic() + 60
         while await stored(url, prefix) < count and time.monotonic() < deadline:

@@ -91,6 +91,8 @@ import ssl
 from collections.abc import Sequence
 from urllib.parse import unquote, urlsplit
 
+from paho.mqtt.properties import Properties
+
 from outboxpg.events import OutboxEvent, runs_of
 from outboxpg.relay.publishers import NotSent, PermanentError, not_sent_after
 from outboxpg.sinks.base import SinkRefused, SinkSettings, SinkUnreachable, url_options, without_credentials
@@ -262,51 +264,24 @@ class MqttSink:
         limit = connection.max_packet
         if self.max_packet_size:
             limit = min(limit, self.max_packet_size)
+        batch = _Batch(self, connection, events, outcomes, limit, loop.create_future())
+        publishing = [_Run(batch, run) for run in runs]
+        batch.open = len(publishing)
+        connection.queue_all(publishing)
         try:
-            async with asyncio.timeout_at(deadline):
-                await asyncio.gather(*(self._publish_run(connection, events, run, outcomes, limit) for run in runs))
+            if batch.open:
+                async with asyncio.timeout_at(deadline):
+                    await batch.done
         except TimeoutError:
-            pass   # every run has set its outcomes on its way out
-        return outcomes
-
-    async def _publish_run(self, connection: MqttConnection, events: Sequence[OutboxEvent], run: list[int],
-                           outcomes: list[BaseException | None], limit: int) -> None:
-        n, waiting = 0, False
-        try:
-            for n, i in enumerate(run):
-                event = events[i]
-                message = message_of(event, limit)
-                outcome: BaseException | None
-                if isinstance(message, PermanentError):
-                    outcome = message
-                else:
-                    try:
-                        # The run with the most events left first: it is the batch's critical path.
-                        ack = await connection.send(message.topic, event.payload, message.properties,
-                                                    priority=len(run) - n)
-                    except ValueError as exc:   # paho-mqtt refuses what the checks above let through
-                        outcome = PermanentError(f"paho-mqtt refused the message: {describe(exc)}")
-                    else:
-                        waiting = True
-                        code, reason = await ack
-                        waiting = False
-                        outcome = puback_outcome(code, reason)
-                        if code == NO_MATCHING_SUBSCRIBERS:
-                            self._unheard_of(message.topic)
-                if outcome is not None:
-                    outcomes[i] = outcome
-                    not_sent_after(events, run[n + 1:], event.id, outcomes)
-                    return
-        except ConnectionLost as exc:
-            outcomes[run[n]] = exc
-            not_sent_after(events, run[n + 1:], events[run[n]].id, outcomes)
-        except asyncio.CancelledError:
+            pass
+        finally:
             # Out of time (or the worker is stopping): the event waiting for its PUBACK failed,
-            # the rest of the run was not sent.
-            outcomes[run[n]] = (TimeoutError(f"no PUBACK from the MQTT broker within {self.timeout:g}s") if waiting
-                                else NotSent("not sent: the batch ran out of time first"))
-            not_sent_after(events, run[n + 1:], events[run[n]].id, outcomes)
-            raise
+            # the rest of its run was not sent; a run still in line sent nothing more.
+            for left in publishing:
+                if not left.finished:
+                    left.finish(TimeoutError(f"no PUBACK from the MQTT broker within {self.timeout:g}s")
+                                if left.waiting else NotSent("not sent: the batch ran out of time first"))
+        return outcomes
 
     def _unheard_of(self, topic: str) -> None:
         self.no_subscribers += 1
@@ -314,6 +289,82 @@ class MqttSink:
             self._unheard.add(topic)
             log.warning("event=mqtt_no_subscribers topic=%r note=%r", topic,
                         "the broker acknowledged the message and gave it to nobody (no subscription matches)")
+
+
+class _Batch:
+    """What the runs of one publish_batch share: the events, their outcomes, the runs not
+    finished yet (``open``) and the future set when none is left."""
+
+    __slots__ = ("sink", "connection", "events", "outcomes", "limit", "done", "open")
+
+    def __init__(self, sink: MqttSink, connection: MqttConnection, events: Sequence[OutboxEvent],
+                 outcomes: list[BaseException | None], limit: int, done: asyncio.Future[None]) -> None:
+        self.sink, self.connection, self.events, self.outcomes = sink, connection, events, outcomes
+        self.limit, self.done, self.open = limit, done, 0
+
+
+class _Run:
+    """One aggregate's events of a batch, as a Sender of MqttConnection: event n+1 is handed out
+    only after the PUBACK of event n said it was taken; the first failure ends the run (that
+    event gets it, the rest NotSent)."""
+
+    __slots__ = ("batch", "positions", "n", "priority", "waiting", "finished", "topic")
+
+    def __init__(self, batch: _Batch, positions: list[int]) -> None:
+        self.batch, self.positions = batch, positions
+        self.n = 0                      # the event being published, or next to be
+        self.priority = len(positions)  # events left: the run with the most goes first (the batch's critical path)
+        self.waiting = False            # its PUBLISH is out, the PUBACK not in
+        self.finished = False
+        self.topic = ""
+
+    def message(self) -> tuple[str, bytes, Properties] | None:
+        if self.finished:
+            return None
+        event = self.batch.events[self.positions[self.n]]
+        message = message_of(event, self.batch.limit)
+        if isinstance(message, PermanentError):
+            self.finish(message)
+            return None
+        self.waiting, self.topic = True, message.topic
+        return message.topic, event.payload, message.properties
+
+    def acked(self, code: int, reason: str | None) -> None:
+        if self.finished:
+            return   # the batch stopped waiting for it (out of time)
+        self.waiting = False
+        outcome = puback_outcome(code, reason)
+        if code == NO_MATCHING_SUBSCRIBERS:
+            self.batch.sink._unheard_of(self.topic)
+        if outcome is not None:
+            self.finish(outcome)
+            return
+        self.n += 1
+        if self.n == len(self.positions):
+            self.finish(None)
+            return
+        self.priority = len(self.positions) - self.n
+        self.batch.connection.queue(self)
+
+    def refused(self, exc: ValueError) -> None:
+        self.finish(PermanentError(f"paho-mqtt refused the message: {describe(exc)}"))
+
+    def lost(self, exc: ConnectionLost) -> None:
+        self.finish(exc)
+
+    def finish(self, outcome: BaseException | None) -> None:
+        """The run is over: ``outcome`` for its event n (None: every event was published)."""
+        if self.finished:
+            return
+        self.finished, self.waiting = True, False
+        batch = self.batch
+        if outcome is not None:
+            i = self.positions[self.n]
+            batch.outcomes[i] = outcome
+            not_sent_after(batch.events, self.positions[self.n + 1:], batch.events[i].id, batch.outcomes)
+        batch.open -= 1
+        if batch.open == 0 and not batch.done.done():
+            batch.done.set_result(None)
 
 
 def _int_option(options: dict[str, str], name: str, default: int, low: int, high: int) -> int:

@@ -8,12 +8,18 @@ connection drops (not at a timeout). A connection is used once: after it drops, 
 a new one, with a new paho client (clean start, no session: nothing is re-sent by paho behind
 the sink's back; see outboxpg.sinks.mqtt on what a consumer sees).
 
-In flight: at most the broker's Receive Maximum (CONNACK; 65535 when it names none) PUBLISHes
-without their PUBACK (Slots), a slot freed only by the PUBACK or by the connection's end, never
-by a caller that stopped waiting: a broker that sees more closes the connection (0x93, receive
-maximum exceeded). A free slot goes to the waiting PUBLISH with the highest priority (the sink
-gives the number of events its run still has to send: the longest run is a batch's critical
-path, one round trip per event), first come first served among equals.
+What is published comes from senders (``Sender``: the sink's runs, one message at a time, the
+next one only after the PUBACK of the one before): ``queue(sender)`` puts a sender in line, and
+its next message goes out once a slot is free. In flight: at most the broker's Receive Maximum
+(CONNACK; 65535 when it names none) PUBLISHes without their PUBACK, a slot freed only by the
+PUBACK or by the connection's end, never by a sender that stopped waiting: a broker that sees
+more closes the connection (0x93, receive maximum exceeded). A free slot goes to the sender in
+line with the highest ``priority`` (the sink gives the number of events its run still has to
+send: the longest run is a batch's critical path, one round trip per event), first come first
+served among equals. The PUBLISHes are made from the loop's callbacks (the PUBACKs of one read
+first, then as many PUBLISHes as slots came free), with no task or future per message: at some
+twenty thousand messages a second, the loop's wakeups of a task per message were a large part
+of the sink's CPU.
 """
 
 from __future__ import annotations
@@ -26,8 +32,8 @@ import logging
 import socket
 import ssl
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 from uuid import uuid4
 
 import paho.mqtt.client as paho
@@ -37,7 +43,7 @@ from paho.mqtt.reasoncodes import ReasonCode
 
 from outboxpg.sinks.mqtt_messages import MQTT_MAX_PACKET
 
-__all__ = ["ConnectionLost", "MqttConnection", "MqttRefused", "MqttUnreachable", "PubAck"]
+__all__ = ["ConnectionLost", "MqttConnection", "MqttRefused", "MqttUnreachable", "PubAck", "Sender"]
 
 log = logging.getLogger("outboxpg.mqtt")
 
@@ -46,6 +52,9 @@ PubAck = tuple[int, str | None]   # the PUBACK's reason code and its reason stri
 # CONNACK reason codes that say the broker does not speak MQTT 5: 0x84 (an MQTT 5 broker's
 # "unsupported protocol version"), 0x01 (an MQTT 3.1.1 broker's "unacceptable protocol level").
 _NOT_MQTT5 = {0x84, 0x01}
+
+_QUICKACK: int = getattr(socket, "TCP_QUICKACK", 0)   # Linux only; see MqttConnection._ack_now
+_READS_PER_WAKEUP = 64   # loop_read() calls at most, before the loop's other callbacks get a turn
 
 
 class MqttUnreachable(Exception):
@@ -62,34 +71,52 @@ class ConnectionLost(ConnectionError):
     """The connection dropped (or was closed) before the PUBACK came."""
 
 
-class Slots:
-    """A counting semaphore whose waiters are served by priority (highest first), then in order."""
+class Sender(Protocol):
+    """What MqttConnection.queue() takes: a source of PUBLISHes, one at a time. Its methods are
+    called in the loop's thread and must not block; ``acked`` may queue the sender again (its
+    next message), the others end it."""
 
-    def __init__(self, n: int) -> None:
-        self.free = n
-        self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []
-        self._order = itertools.count()
+    priority: int   # read when it is queued: the higher, the sooner it gets a free slot
 
-    async def acquire(self, priority: int = 0) -> None:
-        if self.free > 0 and not self._waiting:
-            self.free -= 1
-            return
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._waiting, (-priority, next(self._order), future))
-        try:
-            await future
-        except asyncio.CancelledError:
-            if future.done() and not future.cancelled():
-                self.release()   # handed a slot, but cancelled before taking it: pass it on
-            raise
+    def message(self) -> tuple[str, bytes, Properties] | None:
+        """Its next PUBLISH (topic, payload, properties), now that it has a slot; None: nothing
+        to send after all (it finished meanwhile), the slot goes to the next in line."""
 
-    def release(self) -> None:
-        while self._waiting:
-            _, _, future = heapq.heappop(self._waiting)
-            if not future.done():   # a waiter cancelled meanwhile is skipped
-                future.set_result(None)
-                return
-        self.free += 1
+    def acked(self, code: int, reason: str | None) -> None:
+        """The PUBACK of the message it gave last (its reason code, its reason string)."""
+
+    def refused(self, exc: ValueError) -> None:
+        """paho-mqtt refused the message it gave last (nothing was sent)."""
+
+    def lost(self, exc: ConnectionLost) -> None:
+        """The connection ended before the PUBACK of its message, or before it was sent."""
+
+
+class _One:
+    """A single PUBLISH whose PUBACK is a future (MqttConnection.send)."""
+
+    def __init__(self, topic: str, payload: bytes, properties: Properties, priority: int,
+                 future: asyncio.Future[PubAck]) -> None:
+        self.topic, self.payload, self.properties, self.priority = topic, payload, properties, priority
+        self.future = future
+
+    def message(self) -> tuple[str, bytes, Properties] | None:
+        return None if self.future.done() else (self.topic, self.payload, self.properties)
+
+    def acked(self, code: int, reason: str | None) -> None:
+        if not self.future.done():
+            self.future.set_result((code, reason))
+
+    def refused(self, exc: ValueError) -> None:
+        self._fail(exc)
+
+    def lost(self, exc: ConnectionLost) -> None:
+        self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(exc)
+            self.future.exception()   # retrieved here: a caller that stopped waiting never will
 
 
 class MqttConnection:
@@ -110,8 +137,12 @@ class MqttConnection:
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self._connack: asyncio.Future[tuple[ReasonCode, Properties | None]] = self._loop.create_future()
-        self._inflight: dict[int, asyncio.Future[PubAck]] = {}
-        self._slots = Slots(self.receive_maximum)
+        self._inflight: dict[int, Sender] = {}        # by packet identifier: the PUBLISHes awaiting their PUBACK
+        self._line: list[tuple[int, int, Sender]] = []   # a heap of (-priority, arrival, sender)
+        self._arrival = itertools.count()
+        self._free = 0              # slots: the Receive Maximum less what is in flight (0 until the CONNACK)
+        self._holding = False       # reading or publishing: queue() leaves the publishing to it
+        self._write_after = False   # paho asked to write while _holding: _publish() writes at its end
         self._sock: Any = None
         self._misc: asyncio.Task[None] | None = None
         client = paho.Client(CallbackAPIVersion.VERSION2, client_id=self.client_id,
@@ -177,31 +208,83 @@ class MqttConnection:
                 await self.close()
                 raise MqttRefused(f"the MQTT broker at {self.target} takes QoS 0 messages only (CONNACK "
                                   "Maximum QoS 0): nothing would say a message was received")
-        self._slots = Slots(self.receive_maximum)
+        self._free = self.receive_maximum
+        self._publish()
 
-    async def send(self, topic: str, payload: bytes, properties: Properties,
-                   priority: int = 0) -> asyncio.Future[PubAck]:
-        """Send a QoS 1 PUBLISH once a slot of the broker's Receive Maximum is free (``priority``:
-        see Slots); the future of its PUBACK. ConnectionLost when the connection is gone.
-        Cancelling the future stops waiting, nothing more (the slot stays taken until the PUBACK
-        or the connection's end)."""
-        await self._slots.acquire(priority)
+    def queue(self, sender: Sender) -> None:
+        """Put ``sender`` in line: its next message goes out once a slot is free (at once when
+        one is). When the connection has ended, ``sender.lost`` is called at once instead."""
         if self.lost is not None:
-            self._slots.release()
-            raise self.lost
+            sender.lost(self.lost)
+            return
+        heapq.heappush(self._line, (-sender.priority, next(self._arrival), sender))
+        if not self._holding:
+            self._publish()
+
+    def queue_all(self, senders: Sequence[Sender]) -> None:
+        """queue() each of them, then publish: the first free slots go to the highest priority
+        among them all, not to whichever came first."""
+        holding, self._holding = self._holding, True
         try:
-            info = self.client.publish(topic, payload, qos=1, properties=properties)
-        except BaseException:
-            self._slots.release()
-            raise
-        if info.rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
-            self._slots.release()
-            raise self.lost or ConnectionLost(f"cannot publish to the MQTT broker: {paho.error_string(info.rc)}")
+            for sender in senders:
+                self.queue(sender)
+        finally:
+            self._holding = holding
+        if not holding:
+            self._publish()
+
+    def send(self, topic: str, payload: bytes, properties: Properties, priority: int = 0) -> asyncio.Future[PubAck]:
+        """One QoS 1 PUBLISH, sent once a slot is free: the future of its PUBACK, failed with
+        ConnectionLost when the connection ends first, or with the ValueError of paho-mqtt
+        refusing the message. Cancelling the future stops waiting, nothing more (the slot stays
+        taken until the PUBACK or the connection's end)."""
         future: asyncio.Future[PubAck] = self._loop.create_future()
-        self._inflight[info.mid] = future
-        if len(self._inflight) > self.peak_in_flight:
-            self.peak_in_flight = len(self._inflight)
+        self.queue(_One(topic, payload, properties, priority, future))
         return future
+
+    def _publish(self) -> None:
+        """Hand paho a PUBLISH for each free slot, to the senders in line by priority."""
+        if self._holding:
+            return
+        self._holding = True
+        try:
+            line, client = self._line, self.client
+            while self._free > 0 and line and self.lost is None:
+                sender = heapq.heappop(line)[2]
+                message = sender.message()
+                if message is None:
+                    continue
+                topic, payload, properties = message
+                try:
+                    info = client.publish(topic, payload, qos=1, properties=properties)
+                except ValueError as exc:   # a topic or payload paho-mqtt refuses: nothing was sent
+                    sender.refused(exc)
+                    continue
+                if info.rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
+                    sender.lost(self.lost or ConnectionLost(f"cannot publish to the MQTT broker: "
+                                                            f"{paho.error_string(info.rc)}"))
+                    continue
+                self._free -= 1
+                self._inflight[info.mid] = sender
+                if len(self._inflight) > self.peak_in_flight:
+                    self.peak_in_flight = len(self._inflight)
+        finally:
+            self._holding = False
+        if self._write_after:
+            self._write_after = False
+            self._write_now()
+
+    def _write_now(self) -> None:
+        """Write what paho queued, now, rather than from the loop's writer callback on its next
+        turn (two epoll_ctl calls and a loop iteration per burst saved); the writer callback
+        only for what the socket's buffer does not take."""
+        if self._sock is None:
+            return
+        self._writable()
+        sock = self._sock
+        if sock is not None and self.client.want_write():
+            # paho asked for the writer already (and does not ask twice): add it here.
+            self._loop.add_writer(sock.fileno(), self._writable)
 
     async def close(self) -> None:
         """Say DISCONNECT (when connected) and close the socket; every PUBLISH still waiting fails."""
@@ -240,13 +323,12 @@ class MqttConnection:
 
     def _on_publish(self, client: paho.Client, userdata: Any, mid: int, reason: ReasonCode,
                     properties: Properties | None) -> None:
-        future = self._inflight.pop(mid, None)
-        if future is None:
+        sender = self._inflight.pop(mid, None)
+        if sender is None:
             return
-        self._slots.release()
-        if not future.done():
-            said = getattr(properties, "ReasonString", None) if properties is not None else None
-            future.set_result((int(reason.value), said))
+        self._free += 1
+        said = getattr(properties, "ReasonString", None) if properties is not None else None
+        sender.acked(int(reason.value), said)
 
     def _end(self, lost: ConnectionLost) -> None:
         """The connection is over: fail the CONNACK's wait and every PUBLISH still waiting."""
@@ -258,11 +340,9 @@ class MqttConnection:
             self._connack.set_exception(self.lost)
             self._connack.exception()   # retrieved: connect() may have stopped waiting
         inflight, self._inflight = self._inflight, {}
-        for future in inflight.values():
-            self._slots.release()
-            if not future.done():
-                future.set_exception(self.lost)
-                future.exception()      # retrieved here: a caller that stopped waiting never will
+        line, self._line = self._line, []
+        for sender in [*inflight.values(), *(entry[2] for entry in line)]:
+            sender.lost(self.lost)
         if self._misc is not None:
             self._misc.cancel()
 
@@ -295,7 +375,10 @@ class MqttConnection:
 
     def _want_write(self, sock: Any) -> None:
         if sock is self._sock and sock.fileno() >= 0:
-            self._loop.add_writer(sock.fileno(), self._writable)
+            if self._holding:
+                self._write_after = True   # _publish() writes it all at its end
+            else:
+                self._loop.add_writer(sock.fileno(), self._writable)
 
     def _on_unregister_write(self, client: paho.Client, userdata: Any, sock: Any) -> None:
         self._call(self._done_writing, sock)
@@ -306,16 +389,39 @@ class MqttConnection:
 
     def _readable(self) -> None:
         client = self.client
+        # The PUBACKs read first (their senders queue their next messages), then the PUBLISHes.
+        self._holding = True
         try:
-            while True:
+            # paho reads as many packets as it has PUBLISHes in flight, at least one: after the
+            # last PUBACK, what follows it (the broker closing the connection after a refusal)
+            # would wait for another wakeup, and a batch finished by that PUBACK could send its
+            # successor onto the closing connection first. So: until nothing is left to read.
+            for _ in range(_READS_PER_WAKEUP):
                 client.loop_read()
-                # A TLS socket may hold decrypted bytes that select() does not see.
                 sock = self._sock
-                if sock is None or not hasattr(sock, "pending") or sock.pending() <= 0:
+                if sock is None or not _more_to_read(sock):
                     break
         except Exception as exc:  # noqa: BLE001 - anything paho raises while reading means the connection is over
+            self._holding = False
             self._end(ConnectionLost(f"the connection to the MQTT broker failed: {_os_error(exc)}"))
             self._close_socket()
+            return
+        self._holding = False
+        self._ack_now()
+        self._publish()
+
+    def _ack_now(self) -> None:
+        """TCP-acknowledge what was just read, now (Linux's TCP_QUICKACK, which lasts until the
+        kernel's next own choice, hence after every read). A broker with Nagle's algorithm on
+        (mosquitto's default, set_tcp_nodelay false) writes its next PUBACK only once the one
+        before is acknowledged, and Linux delays that ACK to carry it on the client's next
+        packet: when that packet waits for these PUBACKs (the rest of a run, the next batch),
+        the PUBACKs come only after the delayed-ACK timer, 40 ms."""
+        sock = self._sock
+        if sock is None or not _QUICKACK:
+            return
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, _QUICKACK, 1)
 
     def _writable(self) -> None:
         try:
@@ -340,6 +446,20 @@ class MqttConnection:
         self._forget_socket(sock)
         with contextlib.suppress(OSError):
             sock.close()
+
+
+def _more_to_read(sock: Any) -> bool:
+    """Whether ``sock`` has bytes (or its end) waiting to be read, without reading them."""
+    if hasattr(sock, "pending"):
+        # TLS: decrypted bytes that select() does not see (more records come as another wakeup).
+        return bool(sock.pending() > 0)
+    try:
+        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)   # b"" at the end: paho reads it as such
+    except BlockingIOError:
+        return False
+    except OSError:
+        pass   # paho's next read meets the error and ends the connection
+    return True
 
 
 def _os_error(exc: BaseException) -> str:

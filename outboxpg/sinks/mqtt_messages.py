@@ -101,7 +101,9 @@ def message_of(event: OutboxEvent, max_packet: int) -> Message | PermanentError:
     strings = [topic, event.msg_id, event.event_type, event.aggregate_type, event.aggregate_id]
     if row_headers:
         strings.extend(k + str(v) for k, v in row_headers.items())
-    if _BAD_CHARS.search("".join(strings)):
+    joined = "".join(strings)
+    # Printable ASCII (the usual case) holds none of them: str's own checks, without the regex.
+    if not (joined.isascii() and joined.isprintable()) and _BAD_CHARS.search(joined):
         return PermanentError(_bad_string(topic, pairs))
     try:
         properties = PublishProperties(pairs)
