@@ -89,7 +89,15 @@ async def prepare(url: str, prefix: str) -> None:
     out = Path(tempfile.mkstemp(prefix=f"outboxpg-{prefix}-", suffix=".out")[1])
     sub = _Sub(subprocess.Popen(args, stdout=out.open("wb"), stderr=subprocess.DEVNULL), out)
     _subs[prefix] = sub
-    # Subscribed once a message published after the start comes back.
+    try:
+        await _until_subscribed(url, prefix, sub)
+    except BaseException:
+        await cleanup(url, prefix)     # mosquitto_sub stopped (by its PID) when the start fails
+        raise
+
+
+async def _until_subscribed(url: str, prefix: str, sub: _Sub) -> None:
+    """Subscribed once a message published after the start comes back."""
     sink = _sink(url)
     await sink.start()
     try:
