@@ -406,10 +406,11 @@ class HAProxy:
         self.port = free_port()
         self.base = Path(tempfile.mkdtemp(prefix="outboxpg-haproxy-"))
         self.cfg, self.log = self.base / "haproxy.cfg", self.base / "haproxy.log"
+        self.stats = self.base / "stats.sock"
         servers = "\n".join(f"    server {n} 127.0.0.1:{node.port} maxconn 100 check port {node.rest_port}"
                             for n, node in cluster.nodes.items())
         self.cfg.write_text(
-            "global\n    maxconn 200\n"
+            f"global\n    maxconn 200\n    stats socket {self.stats}\n"
             "defaults\n    mode tcp\n    timeout connect 2s\n    timeout client 30m\n    timeout server 30m\n"
             f"listen primary\n    bind 127.0.0.1:{self.port}\n"
             "    option httpchk OPTIONS /primary\n    http-check expect status 200\n"
@@ -426,10 +427,40 @@ class HAProxy:
                                          stderr=subprocess.STDOUT)
         try:
             _wait_port(self.port, self.proc, "haproxy", self.log)
+            self._wait_settled()
         except BaseException:
             self.stop()
             raise
         return self
+
+    def routed(self) -> set[str]:
+        """The servers haproxy's checks hold UP (``show stat``, its CSV's ``status`` column)."""
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(2)
+            s.connect(str(self.stats))
+            s.sendall(b"show stat\n")
+            out = b""
+            while chunk := s.recv(65536):
+                out += chunk
+        lines = out.decode().splitlines()
+        header = lines[0].lstrip("# ").split(",")
+        name, status = header.index("svname"), header.index("status")
+        rows = [line.split(",") for line in lines[1:] if line]
+        return {r[name] for r in rows if r[name] in self.cluster.nodes and r[status] == "UP"}
+
+    def _wait_settled(self, timeout: float = 20) -> None:
+        # A server starts UP until its checks say otherwise: a session opened through haproxy
+        # before then may land on a standby and be shut down when that standby is marked down
+        # (on-marked-down shutdown-sessions). Wait until the leader alone is routed.
+        deadline = time.monotonic() + timeout
+        while True:
+            leader, routed = self.cluster.leader(), self.routed()
+            if leader is not None and routed == {leader}:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"haproxy routes to {sorted(routed)}, not the leader {leader}, "
+                                   f"after {timeout:g} s: {_tail(self.log)}")
+            time.sleep(0.1)
 
     def stop(self) -> None:
         _stop(self.proc)   # SIGTERM: hard stop, open sessions closed
