@@ -51,7 +51,9 @@ Phases (one line of figures per measurement, old and new side by side):
            the backlog took to drain (the rate of each side, new/old). Where the wait went: until
            a claim handed the event out (claimed_at), until JetStream stored it (the message's
            own timestamp; the latency above is the bench's receipt, 1-2 ms later), and until the
-           worker reported it published (published_at, after the ack).
+           worker reported it published (published_at, after the ack). --backlogs N,N picks the
+           depths; --timeline DIR writes every fresh event's times and what autovacuum and the
+           checkpointer did every 100 ms (DIR/backlog-N-SIDE.jsonl), to see where a tail comes from.
 
 CPU per event (drains) and per transaction (pgbench) come from /proc (bench/proc_cpu.py's
 CpuMeter): worker process, PostgreSQL backends of the measured database, nats-server; "foreign"
@@ -774,6 +776,9 @@ class Bench:
         conn = conninfo_to_dict(s.dsn)
         env = {**os.environ, "PGOPTIONS": "-c synchronous_commit=off"}
         t0, t0_wall = time.monotonic(), time.time()
+        background: list[tuple[float, int, str, str]] = []
+        sampler = (asyncio.create_task(self._sample_background(s, background))
+                   if self.args.timeline else None)
         p = self.start_worker(s, "backlog")
         pg = None
         drained_at: float | None = None          # wall clock, as the fresh events' commit times
@@ -799,6 +804,10 @@ class Bench:
                 await asyncio.sleep(0.05)
             elapsed = drained_at - t0_wall if drained_at else None
         finally:
+            if sampler is not None:
+                sampler.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sampler
             if pg is not None and pg.returncode is None:
                 pg.terminate()
                 await pg.wait()
@@ -822,8 +831,52 @@ class Bench:
             waited = [float(w) for w, _ in rows]
             reported = [float(p) for _, p in rows if p is not None]
         in_store = [lat for t, lat in stored.items() if drained_at is None or t < drained_at]
+        if self.args.timeline:
+            self.write_timeline(s, n, t0_wall, drained_at, fresh, stored, background)
         return {"n": n, "drain_s": elapsed, "drained": got, "during": during, "after": after, "waited": waited,
                 "reported": reported, "stored": in_store}
+
+    async def _sample_background(self, s: Side, into: list[tuple[float, int, str, str]]) -> None:
+        """Every 100 ms: (time, autovacuum workers, what they vacuum, what the checkpointer
+        does), for --timeline."""
+        async with await psycopg.AsyncConnection.connect(s.dsn, autocommit=True) as c:
+            while True:
+                row = await (await c.execute(
+                    "SELECT count(*) FILTER (WHERE backend_type = 'autovacuum worker'), "
+                    "       coalesce(string_agg(left(query, 60), '; ') "
+                    "                FILTER (WHERE backend_type = 'autovacuum worker'), ''), "
+                    "       coalesce(max(coalesce(wait_event, 'running')) "
+                    "                FILTER (WHERE backend_type = 'checkpointer'), '') "
+                    "FROM pg_stat_activity")).fetchone()
+                assert row is not None
+                into.append((time.time(), int(row[0]), str(row[1]), str(row[2])))
+                await asyncio.sleep(0.1)
+
+    def write_timeline(self, s: Side, n: int, t0: float, drained_at: float | None,
+                       fresh: list[tuple[float, float]], stored: dict[float, float],
+                       background: list[tuple[float, int, str, str]]) -> None:
+        """--timeline: each fresh event (its aggregate; commit, seconds from the worker's start;
+        until claimed, stored, reported, received) and the server's background work, one JSON line each."""
+        rows: dict[float, tuple[str, float, float | None]] = {}   # commit -> aggregate, until claimed, reported
+        with contextlib.suppress(psycopg.Error), psycopg.connect(s.dsn) as c:
+            for t, a, w, r in c.execute(
+                    "SELECT (payload->>'t')::float8, aggregate_id, "
+                    "       extract(epoch FROM claimed_at) - (payload->>'t')::float8, "
+                    "       extract(epoch FROM published_at) - (payload->>'t')::float8 "
+                    "FROM outbox WHERE event_type = 'fresh' AND claimed_at IS NOT NULL"):
+                rows[float(t)] = (str(a), float(w), None if r is None else float(r))
+        out = Path(self.args.timeline) / f"backlog-{n}-{s.label}.jsonl"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("wb") as f:
+            f.write(orjson.dumps({"start": t0, "drained_at": drained_at}) + b"\n")
+            for t, lat in sorted(fresh):
+                a, w, r = rows.get(t, (None, None, None))
+                f.write(orjson.dumps({"at": t - t0, "aggregate": a, "claimed": w, "stored": stored.get(t),
+                                      "reported": r, "received": lat}) + b"\n")
+            for at, vacuums, what, checkpointer in background:
+                f.write(orjson.dumps({"bg": at - t0, "autovacuum": vacuums, "what": what,
+                                      "checkpointer": checkpointer}) + b"\n")
+        log(f"            {s.label}: timeline in {out}")
 
     # -- phase 5: producer INSERT --------------------------------------------------------------
 
@@ -1107,7 +1160,7 @@ def phase_snapshot(b: Bench, q: bool) -> None:
 
 
 def phase_backlog(b: Bench, q: bool) -> None:
-    depths = (50_000,) if q else (200_000, 1_000_000)
+    depths = b.args.backlogs or ((50_000,) if q else (200_000, 1_000_000))
     cap = 60.0 if q else 240.0
     log("\n7. a backlog of 10 aggregates drains while pgbench commits 100 events/s over 50 OTHER aggregates "
         f"(from 1 s after the worker's start); one worker; cap {cap:.0f} s; latency = JetStream receipt - commit")
@@ -1187,6 +1240,11 @@ def main() -> int:
     ap.add_argument("--quiet-wait", type=float, default=None,
                     help="seconds in all (default 30, quick 0) that the run may spend waiting, before a drain, "
                          "for a second in which other users take < 10%% of the CPU")
+    ap.add_argument("--backlogs", type=lambda t: [int(x) for x in t.split(",")], default=None, metavar="N,N",
+                    help="phase 7: the backlogs to drain (default 200000,1000000; quick 50000)")
+    ap.add_argument("--timeline", default=None, metavar="DIR",
+                    help="phase 7: write each fresh event's latency and the server's background work "
+                         "(autovacuum, checkpointer) over time to DIR/backlog-N-SIDE.jsonl")
     args = ap.parse_args()
     if args.check_order is None:
         args.check_order = args.quick
