@@ -5,7 +5,8 @@ the worker sends (Nats-Msg-Id and the Outbox-* ids), each counted once its PubAc
 stream stored it: the worker's acknowledgement level), through the client's own pipelined API
 (``js.publish_async``, up to PENDING unacknowledged at once), into a stream of its own (deleted
 after). ``prepare``/``stored``/``cleanup``: the stream
-the worker publishes into (as ``--ensure-stream`` makes it) and how many messages it holds.
+the worker publishes into (as ``--ensure-stream`` makes it) and how many messages it holds;
+``stored_at``: when the stream stored each event (its messages' own timestamps, by Nats-Msg-Id).
 """
 
 from __future__ import annotations
@@ -48,6 +49,22 @@ async def prepare(url: str, prefix: str) -> None:
 async def stored(url: str, prefix: str) -> int:
     nc = await _client(url)
     return int((await nc.jetstream().stream_info(_stream(prefix))).state.messages)
+
+
+async def stored_at(url: str, prefix: str) -> dict[str, float]:
+    nc = await _client(url)
+    js = nc.jetstream()
+    held = (await js.stream_info(_stream(prefix))).state.messages
+    times: dict[str, float] = {}
+    sub = await js.subscribe(f"{prefix}.>", ordered_consumer=True)
+    try:
+        for _ in range(held):
+            m = await sub.next_msg(timeout=10)
+            if m.headers and "Nats-Msg-Id" in m.headers:
+                times[m.headers["Nats-Msg-Id"]] = m.metadata.timestamp.timestamp()
+    finally:
+        await sub.unsubscribe()
+    return times
 
 
 async def cleanup(url: str, prefix: str) -> None:

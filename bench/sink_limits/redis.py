@@ -11,8 +11,9 @@ costs more client CPU per command than the sink does), 4 batches in flight at on
 default --concurrency), each on a connection of its own. events/s.
 
 ``stored``/``cleanup``: the streams of the worker's subjects (a stream per subject, the sink's
-default: ``<prefix>.*``), their entries counted; cleanup deletes them and the dedupe keys of the
-events they hold (``outboxpg:dedupe:<msg_id>``).
+default: ``<prefix>.*``), their entries counted; ``stored_at``: when Redis stored each event
+(the millisecond of its entry id, which XADD takes from the server's clock); cleanup deletes
+them and the dedupe keys of the events they hold (``outboxpg:dedupe:<msg_id>``).
 """
 
 from __future__ import annotations
@@ -49,6 +50,21 @@ async def stored(url: str, prefix: str) -> int:
         return sum([int(await client.xlen(key)) for key in await _streams(client, prefix)])
     finally:
         await client.aclose()
+
+
+async def stored_at(url: str, prefix: str) -> dict[str, float]:
+    client = _client(url)
+    times: dict[str, float] = {}
+    try:
+        for key in await _streams(client, prefix):
+            last = b"-"
+            while entries := await client.xrange(key, min=last, count=1000):
+                for entry_id, fields in entries:
+                    times[fields[b"msg_id"].decode()] = int(entry_id.split(b"-", 1)[0]) / 1000
+                last = b"(" + entries[-1][0]
+    finally:
+        await client.aclose()
+    return times
 
 
 async def cleanup(url: str, prefix: str, dedupe_prefix: str = DEFAULT_DEDUPE_PREFIX) -> None:

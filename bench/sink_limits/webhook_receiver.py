@@ -2,7 +2,8 @@
 process, HTTP/1.1 keep-alive; checks each request's Standard Webhooks signature (HMAC-SHA256 over
 "id.timestamp.body") and answers 204, or 401. ``GET /count?prefix=P`` answers how many distinct
 webhook-ids it took whose Outbox-Subject starts with ``P.`` (bench/sink_limits/webhooks.py's
-``stored``).
+``stored``); ``GET /times?prefix=P`` a JSON object of those webhook-ids and the Unix time each
+first arrived, read as it arrived (``stored_at``: the latency's commit -> stored).
 
     export OUTBOXPG_WEBHOOK_SECRET="whsec_$(head -c 32 /dev/urandom | base64)"
     .venv/bin/python bench/sink_limits/webhook_receiver.py --port 8099 &
@@ -19,8 +20,10 @@ import asyncio
 import base64
 import hashlib
 import hmac
+import json
 import os
 import sys
+import time
 from collections import defaultdict
 from urllib.parse import parse_qs, urlsplit
 
@@ -39,13 +42,15 @@ def key_of(secret: bytes) -> bytes:
 class Receiver:
     def __init__(self, key: bytes) -> None:
         self.key = key
-        self.ids: dict[str, set[str]] = defaultdict(set)   # subject's first token -> webhook-ids
+        # subject's first token -> webhook-id -> when it first arrived
+        self.ids: dict[str, dict[str, float]] = defaultdict(dict)
         self.refused = 0
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
+                arrived = time.time()
                 lines = head.decode("latin-1").split("\r\n")
                 method, target, _ = lines[0].split(" ", 2)
                 headers = {}
@@ -55,12 +60,13 @@ class Receiver:
                         headers[name.strip().lower()] = value.strip()
                 body = await reader.readexactly(int(headers.get("content-length", "0")))
                 if method == "GET":
-                    prefix = parse_qs(urlsplit(target).query).get("prefix", [""])[0]
-                    answer = str(len(self.ids.get(prefix, ()))).encode()
+                    parts = urlsplit(target)
+                    taken = self.ids.get(parse_qs(parts.query).get("prefix", [""])[0], {})
+                    answer = json.dumps(taken).encode() if parts.path == "/times" else str(len(taken)).encode()
                     writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(answer), answer))
                 elif self.verified(headers, body):
                     subject = headers.get("outbox-subject", "")
-                    self.ids[subject.split(".", 1)[0]].add(headers["webhook-id"])
+                    self.ids[subject.split(".", 1)[0]].setdefault(headers["webhook-id"], arrived)
                     writer.write(b"HTTP/1.1 204 No Content\r\nContent-Length: 0\r\n\r\n")
                 else:
                     self.refused += 1

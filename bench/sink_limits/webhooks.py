@@ -6,7 +6,8 @@ in $OUTBOXPG_WEBHOOK_SECRET for the worker and for this module alike.
 (the Standard Webhooks signature, computed per request, and the Outbox-* ids), each awaiting its
 2xx, with as many requests in flight as the sink allows per host (its default ``connections``),
 each lane over an httpx client of one connection, as the sink holds them. ``stored``: the
-distinct webhook-ids the receiver took for the run's subject prefix.
+distinct webhook-ids the receiver took for the run's subject prefix; ``stored_at``: when the
+receiver first had each (its clock, this machine's).
 """
 
 from __future__ import annotations
@@ -46,6 +47,12 @@ def _count_url(url: str, prefix: str) -> str:
 async def stored(url: str, prefix: str) -> int:
     async with httpx.AsyncClient() as client:
         return int((await client.get(_count_url(url, prefix))).text)
+
+
+async def stored_at(url: str, prefix: str) -> dict[str, float]:
+    async with httpx.AsyncClient(timeout=30) as client:
+        answer = await client.get(_count_url(url, prefix).replace("/count?", "/times?"))
+        return {str(k): float(v) for k, v in answer.json().items()}
 
 
 async def run(url: str, count: int, payload: bytes) -> float:
