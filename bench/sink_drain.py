@@ -317,8 +317,7 @@ class Bench:
 
 
 def sink_row(r: Result, quick: bool) -> list[str]:
-    big = r.drains[-1]
-    share = f"{100 * big.rate / r.limit:.0f} %" if r.limit else "-"
+    share = f"{100 * r.drains[-1].rate / r.limit:.0f} %" if r.limit and r.drains else "-"
     lines = [f"{without_credentials(r.url)}"]
     for d in r.drains:
         lines.append(f"  drain {d.n:>7,} over {d.aggregates:>6,} aggregates: {d.rate:>9,.0f} events/s "
@@ -335,8 +334,9 @@ def sink_row(r: Result, quick: bool) -> list[str]:
                      f"commit -> {'reported' if st else 'stored'} p50 {lat['p50']:.1f} ms, p99 {lat['p99']:.1f} ms, "
                      f"max {lat['max']:.1f} ms ({'' if st else 'target p99 <= 20 ms; '}"
                      f"foreign CPU {lat['foreign']:.0f} %)")
-    lines.append(f"  limit, the client alone: {r.limit:>9,.0f} events/s (foreign CPU {r.limit_foreign:.0f} %); "
-                 f"outboxpg at {share} of it on the larger drain (target >= 70 %)")
+    if r.limit:
+        lines.append(f"  limit, the client alone: {r.limit:>9,.0f} events/s (foreign CPU {r.limit_foreign:.0f} %); "
+                     f"outboxpg at {share} of it on the larger drain (target >= 70 %)")
     return lines
 
 
@@ -344,15 +344,16 @@ async def run_sink(b: Bench, url: str, a: argparse.Namespace) -> Result:
     family = family_of(url)
     r = Result(url)
     drains = [(5_000, 200), (20_000, 5_000)] if a.quick else [(20_000, 200), (200_000, 50_000)]
-    for n, aggregates in drains:
+    for n, aggregates in drains if a.only in (None, "drain") else []:
         log(f"  draining {n:,} over {aggregates:,} ...")
         r.drains.append(await b.drain(url, family, n, aggregates, cap=a.cap))
-    if not a.no_latency:
+    if not a.no_latency and a.only in (None, "latency"):
         log(f"  latency at {a.rate}/s for {a.seconds} s ...")
         r.latency = await b.latency(url, family, a.rate, a.seconds)
-    count = a.limit_count or drains[-1][0]
-    log(f"  the client alone, {count:,} messages ...")
-    r.limit, r.limit_foreign = await b.limit(url, family, count)
+    if a.only in (None, "limit"):
+        count = a.limit_count or drains[-1][0]
+        log(f"  the client alone, {count:,} messages ...")
+        r.limit, r.limit_foreign = await b.limit(url, family, count)
     return r
 
 
@@ -366,6 +367,8 @@ def main() -> int:
     ap.add_argument("--rate", type=int, default=1000, help="events/s of the latency measurement")
     ap.add_argument("--seconds", type=int, default=None, help="seconds of the latency measurement (15; --quick 5)")
     ap.add_argument("--no-latency", action="store_true")
+    ap.add_argument("--only", choices=["drain", "latency", "limit"], default=None,
+                    help="run only the drains, only the latency or only the client alone")
     ap.add_argument("--cap", type=float, default=300.0, help="stop a drain after this many seconds, marked CAPPED")
     ap.add_argument("--limit-count", type=int, default=None, help="messages the client alone publishes "
                     "(default: the larger drain's count)")

@@ -43,7 +43,10 @@ has in flight, share one channel and are all pipelined there. RabbitMQ keeps the
 publishes on one channel, but a failure in the middle (a return, a nack, the connection going
 down with k written and k+1 queued behind it) could still leave k+1 stored without k; waiting
 for k's confirm rules that out: k+1 leaves this process only after RabbitMQ said k is stored.
-A run stops at its first failure; the rest of the run get ``NotSent``. The whole batch has
+Each publish is handed to the connection's writer without waiting for the socket to drain, so
+the runs' messages leave together, not a few event-loop iterations apart; a run's next event
+still waits for the confirm. A run stops at its first failure; the rest of the run get
+``NotSent``. The whole batch has
 ``publish_timeout`` seconds: an event still unconfirmed then fails with a TimeoutError, the rest
 of its run get ``NotSent``.
 
@@ -68,7 +71,7 @@ import contextlib
 import logging
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 from urllib.parse import unquote, urlencode, urlsplit, urlunsplit
 
 import aio_pika
@@ -285,11 +288,11 @@ class RabbitMQSink:
             log.info("event=rabbitmq_reconnected url=%s", self._where)
             return
 
-    async def _publishing_exchange(self) -> AbstractExchange:
-        """The exchange on an open channel; a channel RabbitMQ closed is reopened."""
+    async def _publishing_exchange(self) -> tuple[AbstractChannel, AbstractExchange]:
+        """The open channel and the exchange on it; a channel RabbitMQ closed is reopened."""
         channel, exchange = self._channel, self._exchange
         if channel is not None and exchange is not None and not channel.is_closed:
-            return exchange
+            return channel, exchange
         async with self._channel_lock:
             connection = self._connection
             if connection is None or connection.is_closed:
@@ -299,7 +302,7 @@ class RabbitMQSink:
             if self._channel is None or self._channel.is_closed or self._exchange is None:
                 self._channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
                 self._exchange = await self._bind_exchange(self._channel)
-            return self._exchange
+            return self._channel, self._exchange
 
     # -- publishing ------------------------------------------------------------------------
 
@@ -309,7 +312,7 @@ class RabbitMQSink:
         timeout = self.settings.publish_timeout
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        exchange: AbstractExchange | None = None
+        target: tuple[AbstractChannel, AbstractExchange] | None = None
         failure: BaseException | None = None
         if not self.ready.is_set():
             with contextlib.suppress(TimeoutError):
@@ -318,12 +321,12 @@ class RabbitMQSink:
             if not self.ready.is_set():
                 raise ConnectionError(self._problem or f"not connected to RabbitMQ at {self._where}")
             async with asyncio.timeout_at(deadline):
-                exchange = await self._publishing_exchange()
+                target = await self._publishing_exchange()
         except TimeoutError:
             failure = TimeoutError(f"no channel to RabbitMQ within {timeout:g}s")
         except Exception as exc:  # noqa: BLE001 - not connected, or the channel cannot be opened
             failure = ConnectionError(self._reason(exc)) if not isinstance(exc, ConnectionError) else exc
-        if exchange is None:
+        if target is None:
             for run in runs:
                 outcomes[run[0]] = failure
                 not_sent_after(events, run[1:], events[run[0]].id, outcomes)
@@ -335,7 +338,7 @@ class RabbitMQSink:
             run = runs[r]
             for n, i in enumerate(run):
                 at[r] = n
-                outcome = await self._publish(events[i], exchange)
+                outcome = await self._publish(events[i], *target)
                 if outcome is not None:
                     outcomes[i] = outcome
                     not_sent_after(events, run[n + 1:], events[i].id, outcomes)
@@ -353,13 +356,23 @@ class RabbitMQSink:
                     not_sent_after(events, run[at[r] + 1:], events[i].id, outcomes)
         return outcomes
 
-    async def _publish(self, event: OutboxEvent, exchange: AbstractExchange) -> BaseException | None:
+    async def _publish(self, event: OutboxEvent, channel: AbstractChannel,
+                       exchange: AbstractExchange) -> BaseException | None:
         """Publish one event and wait for its confirm: None once stored, else why not."""
         message = self._message(event)
         if isinstance(message, PermanentError):
             return message
         try:
-            await exchange.publish(message, routing_key=event.subject, mandatory=True)
+            if channel.is_closed:
+                raise aiormq.exceptions.ChannelInvalidStateError("the channel is closed")
+            # aiormq's channel itself, not Exchange.publish: that waits, holding the channel's
+            # lock, until the writer task has written and drained each publish, so a batch's
+            # runs reached RabbitMQ a few loop iterations apart, one after the other. Without the
+            # wait each publish is queued to the writer at once (the queue is bounded: a full
+            # one still waits); the run's next event still waits for this one's confirm.
+            underlay = cast(aiormq.Channel, await channel.get_underlay_channel())   # its abc lacks ``wait``
+            await underlay.basic_publish(message.body, exchange=exchange.name, routing_key=event.subject,
+                                         properties=message.properties, mandatory=True, wait=False)
         except aiormq.exceptions.PublishError as exc:
             return RuntimeError(f"unroutable: exchange {self.exchange_name!r} routes routing key "
                                 f"{event.subject!r} to no queue (RabbitMQ returned it: {_returned(exc)}); "

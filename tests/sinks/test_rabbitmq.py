@@ -207,6 +207,55 @@ async def test_a_batch_is_stored_in_order_per_aggregate_with_its_id_headers_and_
     assert all(ids == sorted(ids) for ids in per_aggregate.values()), per_aggregate
 
 
+async def test_a_batchs_runs_leave_together_each_next_event_only_after_its_confirm(target: Target) -> None:
+    """Every run's first event is handed to the connection at once, without waiting for the
+    socket to drain (aio-pika's Exchange.publish waits, one publish after the other); an event
+    is published only once the one before it in its run is confirmed."""
+    sink = target.sink()
+    await sink.start()
+    assert sink._channel is not None
+    channel = await sink._channel.get_underlay_channel()
+    real = channel.basic_publish
+    events = [event(i, f"outbox.order.e{i}", aggregate_id=str(i % 20)) for i in range(1, 61)]
+    by_msg_id = {e.msg_id: e for e in events}
+    waits: list[bool] = []
+    confirmed: set[str] = set()
+    early: list[int] = []   # events published before the one before them in their run was confirmed
+    pending = most_pending = 0
+
+    async def spy(body: bytes, **kwargs: Any) -> Any:
+        nonlocal pending, most_pending
+        e = by_msg_id[kwargs["properties"].message_id]
+        if any(p.msg_id not in confirmed for p in events if p.aggregate_id == e.aggregate_id and p.id < e.id):
+            early.append(e.id)
+        waits.append(kwargs.get("wait", True))
+        pending += 1
+        most_pending = max(most_pending, pending)
+        try:
+            return await real(body, **kwargs)
+        finally:
+            pending -= 1
+            confirmed.add(e.msg_id)
+
+    channel.basic_publish = spy  # type: ignore[method-assign]
+    try:
+        outcomes = await sink.publish_batch(events)
+    finally:
+        del channel.basic_publish
+        await sink.close()
+    assert list(outcomes) == [None] * 60
+    assert waits == [False] * 60
+    assert most_pending == 20, "every run's first event out before any confirm came back"
+    assert early == []
+    messages = await target.read()
+    assert sorted(m.message_id for m in messages) == sorted(by_msg_id)  # type: ignore[type-var]
+    per_aggregate: dict[str, list[int]] = defaultdict(list)
+    for m in messages:
+        e = by_msg_id[m.message_id]  # type: ignore[index]
+        per_aggregate[e.aggregate_id].append(e.id)
+    assert all(ids == sorted(ids) for ids in per_aggregate.values()), per_aggregate
+
+
 async def test_an_unroutable_event_fails_with_the_reason_the_rest_of_its_run_not_sent() -> None:
     async with target_on(AMQP_URL, bind="outbox.order.*") as t:
         sink = t.sink()
