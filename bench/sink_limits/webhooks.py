@@ -55,7 +55,7 @@ async def stored(url: str, prefix: str) -> int:
 async def stored_at(url: str, prefix: str) -> dict[str, float]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as client, \
             client.get(_count_url(url, prefix).replace("/count?", "/times?")) as answer:
-        return {str(k): float(v) for k, v in (await answer.json()).items()}
+        return {str(k): float(v) for k, v in (await answer.json(content_type=None)).items()}   # sent as no type
 
 
 async def run(url: str, count: int, payload: bytes) -> float:
