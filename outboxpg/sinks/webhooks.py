@@ -318,9 +318,11 @@ class WebhookSink:
         if self._session is None:
             # limit_per_host as the slots are: a request holding a slot always finds a connection.
             connector = aiohttp.TCPConnector(limit=0, limit_per_host=self.connections, ssl=self._tls_context())
-            # Each step within the publish timeout: the connection (TLS included), then each wait
-            # for the answer's bytes; no deadline for the whole (total=None, aiohttp's default is 5 min).
-            timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout, sock_read=self.timeout)
+            # Each step within the publish timeout: the connection (the name looked up, TCP and TLS:
+            # connect; the socket's own: sock_connect), then each wait for the answer's bytes; no
+            # deadline for the whole (total=None: aiohttp's default is 5 min).
+            timeout = aiohttp.ClientTimeout(total=None, connect=self.timeout, sock_connect=self.timeout,
+                                            sock_read=self.timeout)
             self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False,
                                                   cookie_jar=aiohttp.DummyCookieJar())
         return self._session
@@ -444,8 +446,9 @@ class _Target:
         headers = {}
         if authorization := _basic_auth(parts.username, parts.password):
             headers["Authorization"] = authorization
-        bare = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
-        url = URL(quote(bare, safe="!#$%&'()*+,/:;=?@[]~"), encoded=True)
+        origin = str(URL(f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}"))   # an IDN host as IDNA
+        rest = urlunsplit(("", "", parts.path, parts.query, ""))
+        url = URL(origin.rstrip("/") + quote(rest, safe="!$%&'()*+,/:;=?@[]~"), encoded=True)
         proxy, proxy_headers = None, None
         proxies = urllib.request.getproxies()
         named = proxies.get(parts.scheme.lower()) or proxies.get("all")
