@@ -1,5 +1,5 @@
 """Signed webhooks: ``outboxpg-worker --sink https://HOST/PATH`` POSTs every event to an HTTP
-endpoint with httpx (extra ``webhooks``), signed as Standard Webhooks specifies.
+endpoint with aiohttp's client (extra ``webhooks``), signed as Standard Webhooks specifies.
 
 The request. ``POST`` of the event's payload (the stored JSON, byte for byte) with
 ``Content-Type: application/json``; ``webhook-id`` (the event's msg_id: the same on every retry,
@@ -15,7 +15,8 @@ a dead letter's reason. Without one, open_sink is a usage error: every request i
 no unsigned mode.
 
 The URL. The ``--sink`` URL is the endpoint, user and password included (HTTP Basic auth).
-Its query is the endpoint's, sent as it is, except the sink's own options, which are taken out:
+Its query is the endpoint's, sent as it is (only what cannot stand in a request line, a space or
+non-ASCII text, percent-encoded), except the sink's own options, which are taken out:
 
     routes=PATH        a file mapping subject prefixes to endpoints, one ``PREFIX URL`` a line
                        (``#`` comments, blank lines); an event goes to the endpoint of the
@@ -45,13 +46,14 @@ long): one that would wait longer than the publish timeout fails without being s
 
 Order. The events of one aggregate are posted one after another, each once the one before has
 its 2xx, and a run stops at its first failure (the rest ``NotSent``); different aggregates are
-posted in parallel, at most ``connections`` at a time per host: ``connections`` httpx clients of
-one connection each, made as they are needed, sharing one TLS context. Not one client with a pool
-of that many: httpx's pool walks all of its connections, and every request queued for one, each
-time a request starts or ends, and with 16 connections and a batch's runs queued for them that
-walk costs more CPU than the requests themselves.
+posted in parallel, at most ``connections`` at a time per host: one aiohttp session for the
+sink, its pool keeping up to ``connections`` connections per host alive (made as they are
+needed). A request takes one of the host's ``connections`` slots before it is sent, so the pool
+never makes it wait. (aiohttp's pool takes and gives back a connection at a cost that does not
+grow with the connections; httpx's, which the sink used before, walked all of them each time.)
 
-Time. Each request has the publish timeout for each of its steps (connect, send, the answer);
+Time. Each request has the publish timeout for each of its steps (the connection, TLS included;
+then from the request on, each wait for the answer's bytes);
 the batch as a whole has no deadline of its own: a batch of many runs queues for the host's
 connections, in this process, and must not fail for that (the worker extends its leases while
 it runs). Once a request to a host of the batch fails without an answer (a timeout, a
@@ -59,9 +61,13 @@ connection refused or cut), the batch's requests to that host not yet sent fail 
 being sent: a host that is down costs a batch one publish timeout, not one per event.
 
 HTTPS is verified against certifi's CAs unless ``$SSL_CERT_FILE`` / ``$SSL_CERT_DIR`` name
-others; ``$HTTPS_PROXY`` and the like are followed (httpx's ``trust_env``).
+others. ``$HTTPS_PROXY``, ``$HTTP_PROXY``, ``$ALL_PROXY`` and ``$NO_PROXY`` are followed, as the
+sink finds them when it first sends to an endpoint (user and password in the proxy's URL are
+its Basic auth). Not aiohttp's ``trust_env``: that looks the proxy up again, in a thread, and
+~/.netrc too, for every request, which tripled the client's CPU per request. No ~/.netrc, no
+cookies kept, no redirect followed.
 
-Start. ``start()`` loads the CAs the clients share and tries a TCP connection to each host (not
+Start. ``start()`` loads the CAs the connections share and tries a TCP connection to each host (not
 behind a proxy); one that cannot be reached is logged (``event=webhook_unreachable``), not an
 exit: a receiver being down, or not yet deployed, when the worker starts is ordinary, and the
 outbox is made for exactly that: the events wait in the table, in order, and are retried with
@@ -75,19 +81,24 @@ nothing.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import email.utils
 import logging
 import math
+import os
 import ssl
 import time
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, unquote, urlsplit, urlunsplit
 
-import httpx
+import aiohttp
+import certifi
+from multidict import CIMultiDict
+from yarl import URL
 
 from outboxpg.events import OutboxEvent, runs_of
 from outboxpg.relay.publishers import PermanentError, not_sent_after
@@ -156,7 +167,7 @@ class Endpoint:
         return cls(url, without_credentials(url), (scheme, parts.hostname.lower(), port))
 
     def redact(self, text: str) -> str:
-        """``text`` (an httpx error, a Location) without this endpoint's credentials or query."""
+        """``text`` (a client error, a Location) without this endpoint's credentials or query."""
         parts = urlsplit(self.url)
         for secret in (self.url, parts.query, parts.password, parts.password and unquote(parts.password)):
             if secret:
@@ -186,10 +197,6 @@ def open_sink(settings: SinkSettings) -> WebhookSink:
         raise ValueError(f"the {endpoint.origin[0]}:// sink signs every request: give the signing secret in "
                          "$OUTBOXPG_WEBHOOK_SECRET or --webhook-secret-file")
     hmac_key = signing_key(settings.secret)
-    # httpx logs every request at INFO, its URL with the query (which may hold a token): one line
-    # per event is the worker's summaries' job. Unless logging was set up for httpx on purpose.
-    if logging.getLogger("httpx").level == logging.NOTSET:
-        logging.getLogger("httpx").setLevel(logging.WARNING)
     return WebhookSink(endpoint, routes, hmac_key, settings.publish_timeout, limit)
 
 
@@ -264,8 +271,10 @@ class WebhookSink:
         self._key = key
         self.timeout = timeout
         self.connections = connections
-        self._hosts: dict[tuple[str, str, int], _Host] = {}
-        self._tls: ssl.SSLContext | None = None                # one for every client: loading the CAs is slow
+        self._slots: dict[tuple[str, str, int], asyncio.Semaphore] = {}   # origin -> its ``connections`` slots
+        self._session: aiohttp.ClientSession | None = None
+        self._targets: dict[str, _Target] = {}                 # endpoint URL -> how to send to it
+        self._tls: ssl.SSLContext | None = None                # one for every connection: loading the CAs is slow
         self._holds: dict[tuple[str, str, int], float] = {}    # origin -> loop time its requests wait for
         self._route_of: dict[str, Endpoint] = {}               # subject -> endpoint, as looked up
 
@@ -277,9 +286,9 @@ class WebhookSink:
         return [self.endpoint, *(e for _, e in self.routes)]
 
     async def start(self) -> None:
-        self._tls_context()   # the slow part of making a client, done before the first event waits for it
+        self._client()   # the CAs loaded, before the first event waits for them
         for endpoint in self.endpoints():
-            self._host(endpoint)
+            self._target(endpoint)
         if urllib.request.getproxies():
             return   # requests go through a proxy ($HTTPS_PROXY, ...): a direct connection proves nothing
         origins = {e.origin: e for e in self.endpoints()}
@@ -299,27 +308,40 @@ class WebhookSink:
                         "events wait in the outbox and are retried until it answers")
 
     async def close(self) -> None:
-        hosts, self._hosts = list(self._hosts.values()), {}
-        for host in hosts:
-            for client in host.clients:
-                with contextlib.suppress(Exception):
-                    await client.aclose()
+        session, self._session = self._session, None
+        if session is not None:
+            with contextlib.suppress(Exception):
+                await session.close()
 
-    def _host(self, endpoint: Endpoint) -> _Host:
-        found = self._hosts.get(endpoint.origin)
-        if found is None:
-            found = self._hosts[endpoint.origin] = _Host(asyncio.Semaphore(self.connections))
-        return found
+    def _client(self) -> aiohttp.ClientSession:
+        """The sink's one session, made on first use (inside the running loop)."""
+        if self._session is None:
+            # limit_per_host as the slots are: a request holding a slot always finds a connection.
+            connector = aiohttp.TCPConnector(limit=0, limit_per_host=self.connections, ssl=self._tls_context())
+            # Each step within the publish timeout: the connection (the name looked up, TCP and TLS:
+            # connect; the socket's own: sock_connect), then each wait for the answer's bytes; no
+            # deadline for the whole (total=None: aiohttp's default is 5 min).
+            timeout = aiohttp.ClientTimeout(total=None, connect=self.timeout, sock_connect=self.timeout,
+                                            sock_read=self.timeout)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False,
+                                                  cookie_jar=aiohttp.DummyCookieJar())
+        return self._session
 
     def _tls_context(self) -> ssl.SSLContext:
-        if self._tls is None:
-            self._tls = httpx.create_ssl_context()   # what httpx.AsyncClient() makes: certifi, or $SSL_CERT_*
+        if self._tls is None:   # certifi's CAs, or those $SSL_CERT_FILE / $SSL_CERT_DIR name
+            if os.environ.get("SSL_CERT_FILE"):
+                self._tls = ssl.create_default_context(cafile=os.environ["SSL_CERT_FILE"])
+            elif os.environ.get("SSL_CERT_DIR"):
+                self._tls = ssl.create_default_context(capath=os.environ["SSL_CERT_DIR"])
+            else:
+                self._tls = ssl.create_default_context(cafile=certifi.where())
         return self._tls
 
-    def _new_client(self) -> httpx.AsyncClient:
-        one = httpx.Limits(max_connections=1, max_keepalive_connections=1)
-        # Each step of a request (connect, send, each read) within the publish timeout.
-        return httpx.AsyncClient(limits=one, follow_redirects=False, timeout=self.timeout, verify=self._tls_context())
+    def _target(self, endpoint: Endpoint) -> _Target:
+        found = self._targets.get(endpoint.url)
+        if found is None:
+            found = self._targets[endpoint.url] = _Target.of(endpoint)
+        return found
 
     def endpoint_for(self, subject: str) -> Endpoint:
         """The endpoint of the longest routed prefix ``subject`` starts with (whole tokens), else
@@ -375,63 +397,96 @@ class WebhookSink:
 
     async def _post(self, event: OutboxEvent, endpoint: Endpoint,
                     down: dict[tuple[str, str, int], str]) -> BaseException | None:
-        host = self._host(endpoint)
-        async with host.slots:
-            # Looked at again once a connection is free: the request that held it may have failed.
+        slots = self._slots.get(endpoint.origin)
+        if slots is None:
+            slots = self._slots[endpoint.origin] = asyncio.Semaphore(self.connections)
+        # A request takes a slot before it is sent, so that it looks at the batch's failures once
+        # it is its turn: the request that held the slot may have failed.
+        async with slots:
             if endpoint.origin in down:
                 return WebhookFailed(f"POST {endpoint.shown}: not sent, an earlier request of this batch to this "
                                      f"host failed: {down[endpoint.origin]}")
             headers = request_headers(event, self._key, int(time.time()))
             if isinstance(headers, PermanentError):
                 return headers
-            # The slot guarantees a free client, or room for one more.
-            client = host.free.pop() if host.free else host.add(self._new_client())
+            target = self._target(endpoint)
+            if target.headers:
+                headers.update(target.headers)
             try:
-                async with client.stream("POST", endpoint.url, content=event.payload, headers=headers) as response:
+                async with self._client().post(target.url, data=event.payload, headers=headers,
+                                               allow_redirects=False, proxy=target.proxy,
+                                               proxy_headers=target.proxy_headers) as response:
                     body = await _read_some(response)
-            except httpx.TimeoutException as exc:
-                what = "no connection" if isinstance(exc, httpx.ConnectTimeout) else "no answer"
+            except TimeoutError as exc:   # aiohttp's timeouts are asyncio's TimeoutError too
+                what = "no connection" if isinstance(exc, aiohttp.ConnectionTimeoutError) else "no answer"
                 down[endpoint.origin] = f"{what} within {self.timeout:g}s"
                 return WebhookFailed(f"POST {endpoint.shown}: {what} within the publish timeout of {self.timeout:g}s")
-            except httpx.HTTPError as exc:
+            except aiohttp.ClientError as exc:
                 why = f"{type(exc).__name__}: {endpoint.redact(printable(str(exc).strip())) or 'failed'}"
                 down[endpoint.origin] = why
                 return WebhookFailed(f"POST {endpoint.shown}: {why}")
-            finally:
-                host.free.append(client)
         return _outcome(endpoint, response, body)
 
 
-@dataclass
-class _Host:
-    """One host's ``connections`` slots and its clients of one connection each. A request takes a
-    slot before it is sent, so that it can look at the batch's failures once it is its turn, then
-    a free client (the last one given back: its connection is the likeliest still open)."""
+@dataclass(frozen=True)
+class _Target:
+    """An endpoint as aiohttp takes it, worked out once: its URL without user and password (as
+    written, only what cannot stand in a request line percent-encoded); the headers those add
+    (Authorization, and Proxy-Authorization for an http:// endpoint behind a proxy that has
+    them); the proxy the environment names for it, and the headers of its CONNECT (https://)."""
 
-    slots: asyncio.Semaphore
-    clients: list[httpx.AsyncClient] = field(default_factory=list)
-    free: list[httpx.AsyncClient] = field(default_factory=list)
+    url: URL
+    headers: dict[str, str]
+    proxy: URL | None
+    proxy_headers: CIMultiDict[str] | None
 
-    def add(self, client: httpx.AsyncClient) -> httpx.AsyncClient:
-        self.clients.append(client)
-        return client
+    @classmethod
+    def of(cls, endpoint: Endpoint) -> _Target:
+        parts = urlsplit(endpoint.url)
+        headers = {}
+        if authorization := _basic_auth(parts.username, parts.password):
+            headers["Authorization"] = authorization
+        origin = str(URL(f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}"))   # an IDN host as IDNA
+        rest = urlunsplit(("", "", parts.path, parts.query, ""))
+        url = URL(origin.rstrip("/") + quote(rest, safe="!$%&'()*+,/:;=?@[]~"), encoded=True)
+        proxy, proxy_headers = None, None
+        proxies = urllib.request.getproxies()
+        named = proxies.get(parts.scheme.lower()) or proxies.get("all")
+        if named and not urllib.request.proxy_bypass(parts.hostname or ""):
+            given = urlsplit(named if "://" in named else "http://" + named)
+            proxy = URL(urlunsplit(given._replace(netloc=given.netloc.rpartition("@")[2])))
+            if proxy_auth := _basic_auth(given.username, given.password):
+                if parts.scheme.lower() == "https":   # said to the proxy alone, in the tunnel's CONNECT
+                    proxy_headers = CIMultiDict({"Proxy-Authorization": proxy_auth})
+                else:                                 # the request itself goes to the proxy
+                    headers["Proxy-Authorization"] = proxy_auth
+        return cls(url, headers, proxy, proxy_headers)
 
 
-async def _read_some(response: httpx.Response) -> bytes:
+def _basic_auth(user: str | None, password: str | None) -> str | None:
+    """The Basic auth header value of a URL's (percent-encoded) user and password, if it has them."""
+    if user is None and password is None:
+        return None
+    pair = f"{unquote(user or '')}:{unquote(password or '')}".encode()
+    return "Basic " + base64.b64encode(pair).decode()
+
+
+async def _read_some(response: aiohttp.ClientResponse) -> bytes:
     """Up to BODY_READ bytes of the body (a longer one is cut, and its connection not reused)."""
     body = b""
-    async for chunk in response.aiter_bytes():
-        body += chunk
-        if len(body) >= BODY_READ:
+    while len(body) < BODY_READ:
+        chunk = await response.content.readany()
+        if not chunk:
             break
+        body += chunk
     return body
 
 
-def _outcome(endpoint: Endpoint, response: httpx.Response, body: bytes) -> BaseException | None:
-    status = response.status_code
+def _outcome(endpoint: Endpoint, response: aiohttp.ClientResponse, body: bytes) -> BaseException | None:
+    status = response.status
     if 200 <= status < 300:
         return None
-    said = f"HTTP {status}{' ' + response.reason_phrase if response.reason_phrase else ''} from {endpoint.shown}"
+    said = f"HTTP {status}{' ' + response.reason if response.reason else ''} from {endpoint.shown}"
     shown = endpoint.redact(_body_shown(body))   # a receiver may echo the request's URL
     if 300 <= status < 400:
         location = response.headers.get("location", "")
