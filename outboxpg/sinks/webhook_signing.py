@@ -1,5 +1,5 @@
 """What a webhook request carries besides its body: the Standard Webhooks signature and the
-outbox's headers, as HTTP header values that cannot break the request. No I/O, no httpx.
+outbox's headers, as HTTP header values that cannot break the request. No I/O, no HTTP client.
 
 Standard Webhooks (https://www.standardwebhooks.com/, the spec's "Signature scheme"):
 

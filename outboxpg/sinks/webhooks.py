@@ -50,7 +50,7 @@ posted in parallel, at most ``connections`` at a time per host: one aiohttp sess
 sink, its pool keeping up to ``connections`` connections per host alive (made as they are
 needed). A request takes one of the host's ``connections`` slots before it is sent, so the pool
 never makes it wait. (aiohttp's pool takes and gives back a connection at a cost that does not
-grow with the connections; httpx's, which the sink used before, walked all of them each time.)
+grow with the connections.)
 
 Time. Each request has the publish timeout for each of its steps (the connection, TLS included;
 then from the request on, each wait for the answer's bytes);
