@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import math
 import os
 import platform
 import shutil
@@ -288,8 +289,8 @@ class Bench:
                 times = await family.stored_at(url, prefix)
                 waits = sorted(1000 * (times[m] - t) for m, t in created if m in times)
                 if waits:
-                    result["stored"] = {"n": len(waits), "p50": waits[len(waits) // 2],
-                                        "p99": waits[min(len(waits) - 1, int(0.99 * len(waits)))], "max": waits[-1]}
+                    result["stored"] = {"n": len(waits), "p50": nearest_rank(waits, 0.5),
+                                        "p99": nearest_rank(waits, 0.99), "max": waits[-1]}
             return result
         finally:
             self.stop_worker(p)
@@ -314,6 +315,12 @@ class Bench:
             except Exception:  # noqa: BLE001
                 pass
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def nearest_rank(ordered: list[float], q: float) -> float:
+    """The q-quantile of sorted values by nearest rank: PostgreSQL's percentile_disc, which gives
+    the commit -> reported figures printed beside these."""
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
 def sink_row(r: Result, quick: bool) -> list[str]:
