@@ -109,6 +109,8 @@ COMMIT_GUARD = _f("outbox_commit_guard")            # inside claim and outbox_he
 REPLAY_CHECK = _f("outbox_replay_check", "bigint[]", "text", "text", "text", TS, TS, "boolean")
 COMMIT_HORIZON = _f("outbox_commit_horizon")        # inside claim
 TAKE_IN = _f("outbox_take_in", "bigint", "bigint", "integer", settings=(*PLANNER, "enable_sort=off", *PATH))
+# a claim that found the intake row held and nothing due waits for its holder (1 s at most)
+INTAKE_WAIT = _f("outbox_intake_wait", settings=(*PATH, "lock_timeout=1s"))
 REFRESH_HEADS = _f("outbox_refresh_heads", "text[]", "text[]",   # inside the report and repair functions
                    settings=(*PLANNER, *PATH))
 # the floor under the due heads (inside claim) and the writers' announcement (claim, refresh)
@@ -128,7 +130,7 @@ FUNCTIONS: tuple[SqlFunction, ...] = (
     MAINTAIN, HEALTH_ROW, OPEN_PRODUCERS, XMIN_HOLDERS, UNTRUSTED_CREATORS, REQUEUE, DISCARD, REPLAY,
     REPLAY_CANDIDATES, CANCEL, IDEMPOTENCY_EVENT, IDEMPOTENCY_FORGET,
     AGGREGATE_KEY, RETRY_DELAY, AGGREGATE_BUCKET, SHARD_BUCKETS, SHARDS_ENABLE, SHARDS_DISABLE,
-    COMMIT_GUARD, REPLAY_CHECK, COMMIT_HORIZON, TAKE_IN, REFRESH_HEADS, HEADS_FLOOR, HEADS_WRITING,
+    COMMIT_GUARD, REPLAY_CHECK, COMMIT_HORIZON, TAKE_IN, INTAKE_WAIT, REFRESH_HEADS, HEADS_FLOOR, HEADS_WRITING,
     WAKE_WORKERS, FORGET_DELETED, ASSIGN_ID, TAKE_IDEMPOTENCY_KEY,
 )
 

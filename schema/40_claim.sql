@@ -601,6 +601,35 @@ $$;
 COMMENT ON FUNCTION outbox_take_in(bigint, bigint, integer) IS
     'Called by outbox_claim: registers the aggregates of newly committed events in outbox_heads and moves the intake cursor.';
 
+-- Wait for the claim that holds the intake row to end (true), at most a second (false). A claim
+-- that finds the row held takes nothing in itself; when it then finds nothing due either, what
+-- it would hand out may be the heads that other claim is making right now, due the moment it
+-- commits: after a burst into an idle fleet, every worker but the one taking in would come back
+-- empty and sleep until a notification that the burst has already spent, and a caller of
+-- another language until its next poll. So it waits, and looks again.
+-- The wait is a row lock in a subtransaction that is rolled back at once (the exception
+-- below), so the lock goes with it: holding it, this claim would keep the next intake out.
+-- Bounded, because the holder may be a session that claimed and stays open (a user trying
+-- outbox_claim in psql); then the claim comes back empty as it did without the wait.
+CREATE OR REPLACE FUNCTION outbox_intake_wait() RETURNS boolean
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+SET lock_timeout = '1s'
+AS $$
+BEGIN
+    PERFORM FROM outbox_intake i FOR KEY SHARE;
+    RAISE SQLSTATE 'OBX02';
+EXCEPTION
+    WHEN SQLSTATE 'OBX02' THEN
+        RETURN true;
+    WHEN lock_not_available THEN
+        RETURN false;
+END;
+$$;
+
+COMMENT ON FUNCTION outbox_intake_wait() IS
+    'Called by outbox_claim when it found the intake row held and nothing due: waits for the holder to end (true), at most 1 s (false).';
+
 -- == Shards =====================================================================================
 --
 -- A worker may claim the aggregates of one shard only: outbox_claim(..., shard => 'I/N'). Each
@@ -771,6 +800,7 @@ DECLARE
     n       integer;
     g       record;
     upto    bigint;
+    intake_held boolean;    -- another claim held the intake row: this one took nothing in
     remaining  integer;
     empty_types text[] := '{}';
     empty_ids   text[] := '{}';
@@ -840,95 +870,107 @@ BEGIN
 
     -- This transaction writes heads' ready_at from here on (outbox_heads_floor).
     PERFORM outbox_heads_writing();
-    -- Commit order: read before the snapshots of the statements below.
-    SELECT * INTO g FROM outbox_commit_guard();
-    upto := outbox_take_in(g.settled, g.last_id, least(greatest(2 * n, 500), 10000));
-    t := clock_timestamp();
-    floor_at := outbox_heads_floor();
-    IF NOT cfg.commit_order_guard THEN
-        -- Switched off: whatever is visible, in id order per aggregate.
-        g.settled := g.last_id;
-        g.open_below := g.last_id;
-        g.held_keys := '{}';
-    END IF;
-    IF upto IS NULL THEN
-        -- Another claim holds the intake row: the mark, not a walk of the row's versions.
-        upto := coalesce(pg_sequence_last_value('outbox_intake_mark'), 0);
-    END IF;
-    IF buckets IS NOT NULL THEN
-        -- The shard's buckets with a due head, the one whose first head has waited longest
-        -- first: one probe of outbox_heads_bucket_idx per bucket, from the floor up.
-        due_buckets := ARRAY(
-            SELECT b.k
-              FROM unnest(buckets) AS b(k)
-             CROSS JOIN LATERAL (
-                   SELECT h.ready_at, h.opened_id
-                     FROM outbox_heads h
-                    WHERE (h.lock_key & 63) = b.k
-                      AND h.ready_at <= t AND h.ready_at >= floor_at
-                    ORDER BY h.ready_at, h.opened_id
-                    LIMIT 1) f
-             ORDER BY f.ready_at, f.opened_id);
-    END IF;
-    -- The first due heads (those that hold the floor), read without locks: parked ones whose
-    -- second is up are dropped below with the heads found empty (outbox_refresh_heads looks at
-    -- their events first); which can be claimed, for the shares below; and whether a pass can
-    -- find any (below). A claimable one is busy when it has been moved on 3 times or more (its
-    -- events came one after another) and more than 10 of them wait now (a quiet head's share at
-    -- most, below): the line of such a head is read to its 11th event, no further. An aggregate
-    -- that has caught up is quiet again, however busy it was.
-    SELECT coalesce(array_agg(p.aggregate_type) FILTER (WHERE p.parked AND p.leased_until < t), '{}'),
-           coalesce(array_agg(p.aggregate_id) FILTER (WHERE p.parked AND p.leased_until < t), '{}'),
-           coalesce(array_agg(p.lock_key ORDER BY p.ready_at, p.opened_id) FILTER (WHERE p.claimable), '{}'),
-           coalesce(array_agg(p.moves >= 3 AND EXISTS (SELECT FROM outbox o
-                                                      WHERE o.aggregate_type = p.aggregate_type
-                                                        AND o.aggregate_id = p.aggregate_id
-                                                        AND o.unfinished AND o.id >= least(p.head_id, upto + 1)
-                                                      ORDER BY o.id
-                                                     OFFSET 10)
-                              ORDER BY p.ready_at, p.opened_id) FILTER (WHERE p.claimable), '{}'),
-           count(*), max(p.ready_at)
-      INTO empty_types, empty_ids, front, busy_front, front_read, window_end
-      FROM (SELECT h.aggregate_type, h.aggregate_id, h.parked, h.leased_until, h.lock_key, h.ready_at, h.opened_id,
-                   NOT h.parked AND (h.leased_until IS NULL OR h.leased_until < t)
-                   AND (h.head_id <= g.settled
-                        OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys))) AS claimable,
-                   h.head_id, h.moves
-              FROM (SELECT h.* FROM outbox_heads h
-                     WHERE buckets IS NULL
-                       AND h.ready_at <= t AND h.ready_at >= floor_at
-                     ORDER BY h.ready_at, h.opened_id
-                     LIMIT 16) h
-             UNION ALL
-            -- A shard's first due heads, bucket by bucket.
-            SELECT h.aggregate_type, h.aggregate_id, h.parked, h.leased_until, h.lock_key, h.ready_at, h.opened_id,
-                   NOT h.parked AND (h.leased_until IS NULL OR h.leased_until < t)
-                   AND (h.head_id <= g.settled
-                        OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys))) AS claimable,
-                   h.head_id, h.moves
-              FROM unnest(due_buckets) AS b(k)
-             CROSS JOIN LATERAL (
-                   SELECT h.* FROM outbox_heads h
-                    WHERE (h.lock_key & 63) = b.k
-                      AND h.ready_at <= t AND h.ready_at >= floor_at
-                    ORDER BY h.ready_at, h.opened_id
-                    LIMIT 16) h
-             LIMIT 16) p;
-    -- A claim takes one busy head (more than 10 events waiting: a backlog, or an aggregate whose
-    -- events come faster than they are published) and every quiet one among those at the front
-    -- (10 events or fewer: a quiet aggregate, however many events it had before, is one as soon
-    -- as it has caught up); the other busy heads there are left to the next claim. So a busy
-    -- aggregate's run is long (published as one atomic batch where the stream allows it, not
-    -- event by event), the other claims in flight take the other busy heads side by side, and a
-    -- quiet aggregate's event goes in the next claim after it is due, whatever the busy ones
-    -- have queued. Left only in the first pass: one that comes back short takes them in the
-    -- next (a short claim still means that nothing more is claimable).
-    SELECT coalesce(array_agg(f.k ORDER BY f.i) FILTER (WHERE NOT f.b), '{}'),
-           coalesce(array_agg(f.k) FILTER (WHERE f.b AND f.r > 1), '{}'),
-           min(f.k) FILTER (WHERE f.b AND f.r = 1)
-      INTO front, skip, busy_key
-      FROM (SELECT u.k, u.b, u.i, count(*) FILTER (WHERE u.b) OVER (ORDER BY u.i) AS r
-              FROM unnest(front, busy_front) WITH ORDINALITY AS u(k, b, i)) f;
+    -- The look: the guard, the intake, the due heads at the front. Taken again, once, when this
+    -- claim found the intake row held by another claim and nothing due (outbox_intake_wait).
+    FOR look IN 1..2 LOOP
+        -- Commit order: read before the snapshots of the statements below.
+        SELECT * INTO g FROM outbox_commit_guard();
+        upto := outbox_take_in(g.settled, g.last_id, least(greatest(2 * n, 500), 10000));
+        intake_held := upto IS NULL;
+        t := clock_timestamp();
+        floor_at := outbox_heads_floor();
+        IF NOT cfg.commit_order_guard THEN
+            -- Switched off: whatever is visible, in id order per aggregate.
+            g.settled := g.last_id;
+            g.open_below := g.last_id;
+            g.held_keys := '{}';
+        END IF;
+        IF upto IS NULL THEN
+            -- Another claim holds the intake row: the mark, not a walk of the row's versions.
+            upto := coalesce(pg_sequence_last_value('outbox_intake_mark'), 0);
+        END IF;
+        IF buckets IS NOT NULL THEN
+            -- The shard's buckets with a due head, the one whose first head has waited longest
+            -- first: one probe of outbox_heads_bucket_idx per bucket, from the floor up.
+            due_buckets := ARRAY(
+                SELECT b.k
+                  FROM unnest(buckets) AS b(k)
+                 CROSS JOIN LATERAL (
+                       SELECT h.ready_at, h.opened_id
+                         FROM outbox_heads h
+                        WHERE (h.lock_key & 63) = b.k
+                          AND h.ready_at <= t AND h.ready_at >= floor_at
+                        ORDER BY h.ready_at, h.opened_id
+                        LIMIT 1) f
+                 ORDER BY f.ready_at, f.opened_id);
+        END IF;
+        -- The first due heads (those that hold the floor), read without locks: parked ones whose
+        -- second is up are dropped below with the heads found empty (outbox_refresh_heads looks at
+        -- their events first); which can be claimed, for the shares below; and whether a pass can
+        -- find any (below). A claimable one is busy when it has been moved on 3 times or more (its
+        -- events came one after another) and more than 10 of them wait now (a quiet head's share at
+        -- most, below): the line of such a head is read to its 11th event, no further. An aggregate
+        -- that has caught up is quiet again, however busy it was.
+        SELECT coalesce(array_agg(p.aggregate_type) FILTER (WHERE p.parked AND p.leased_until < t), '{}'),
+               coalesce(array_agg(p.aggregate_id) FILTER (WHERE p.parked AND p.leased_until < t), '{}'),
+               coalesce(array_agg(p.lock_key ORDER BY p.ready_at, p.opened_id) FILTER (WHERE p.claimable), '{}'),
+               coalesce(array_agg(p.moves >= 3 AND EXISTS (SELECT FROM outbox o
+                                                          WHERE o.aggregate_type = p.aggregate_type
+                                                            AND o.aggregate_id = p.aggregate_id
+                                                            AND o.unfinished AND o.id >= least(p.head_id, upto + 1)
+                                                          ORDER BY o.id
+                                                         OFFSET 10)
+                                  ORDER BY p.ready_at, p.opened_id) FILTER (WHERE p.claimable), '{}'),
+               count(*), max(p.ready_at)
+          INTO empty_types, empty_ids, front, busy_front, front_read, window_end
+          FROM (SELECT h.aggregate_type, h.aggregate_id, h.parked, h.leased_until, h.lock_key, h.ready_at, h.opened_id,
+                       NOT h.parked AND (h.leased_until IS NULL OR h.leased_until < t)
+                       AND (h.head_id <= g.settled
+                            OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys))) AS claimable,
+                       h.head_id, h.moves
+                  FROM (SELECT h.* FROM outbox_heads h
+                         WHERE buckets IS NULL
+                           AND h.ready_at <= t AND h.ready_at >= floor_at
+                         ORDER BY h.ready_at, h.opened_id
+                         LIMIT 16) h
+                 UNION ALL
+                -- A shard's first due heads, bucket by bucket.
+                SELECT h.aggregate_type, h.aggregate_id, h.parked, h.leased_until, h.lock_key, h.ready_at, h.opened_id,
+                       NOT h.parked AND (h.leased_until IS NULL OR h.leased_until < t)
+                       AND (h.head_id <= g.settled
+                            OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys))) AS claimable,
+                       h.head_id, h.moves
+                  FROM unnest(due_buckets) AS b(k)
+                 CROSS JOIN LATERAL (
+                       SELECT h.* FROM outbox_heads h
+                        WHERE (h.lock_key & 63) = b.k
+                          AND h.ready_at <= t AND h.ready_at >= floor_at
+                        ORDER BY h.ready_at, h.opened_id
+                        LIMIT 16) h
+                 LIMIT 16) p;
+        -- A claim takes one busy head (more than 10 events waiting: a backlog, or an aggregate whose
+        -- events come faster than they are published) and every quiet one among those at the front
+        -- (10 events or fewer: a quiet aggregate, however many events it had before, is one as soon
+        -- as it has caught up); the other busy heads there are left to the next claim. So a busy
+        -- aggregate's run is long (published as one atomic batch where the stream allows it, not
+        -- event by event), the other claims in flight take the other busy heads side by side, and a
+        -- quiet aggregate's event goes in the next claim after it is due, whatever the busy ones
+        -- have queued. Left only in the first pass: one that comes back short takes them in the
+        -- next (a short claim still means that nothing more is claimable).
+        SELECT coalesce(array_agg(f.k ORDER BY f.i) FILTER (WHERE NOT f.b), '{}'),
+               coalesce(array_agg(f.k) FILTER (WHERE f.b AND f.r > 1), '{}'),
+               min(f.k) FILTER (WHERE f.b AND f.r = 1)
+          INTO front, skip, busy_key
+          FROM (SELECT u.k, u.b, u.i, count(*) FILTER (WHERE u.b) OVER (ORDER BY u.i) AS r
+                  FROM unnest(front, busy_front) WITH ORDINALITY AS u(k, b, i)) f;
+        -- Something due, or looked twice: on to the passes. The lane (quiet_only) does not wait:
+        -- it looks beside the worker's full batches and comes back soon anyway. Under REPEATABLE
+        -- READ or SERIALIZABLE a second look would see the same snapshot.
+        EXIT WHEN look = 2 OR NOT intake_held OR quiet_only
+                  OR cardinality(front) > 0 OR busy_key IS NOT NULL OR front_read >= 16
+                  OR current_setting('transaction_isolation') <> 'read committed';
+        EXIT WHEN NOT outbox_intake_wait();
+    END LOOP;
     -- quiet_only: the quiet heads among the first 16 due ones, none of the busy ones, and no
     -- head behind them (window_end), so that the claim reads at most the front whatever the
     -- busy aggregates have queued. A worker whose batches are all out with busy aggregates'

@@ -7,6 +7,8 @@ committed."""
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import psycopg
@@ -87,3 +89,55 @@ def test_a_head_to_bring_back_that_another_holds_is_not_waited_for(dsn: str, con
         if event in got:
             break
     assert event in got
+
+
+def waiting_for_a_lock(conn: Conn, pid: int) -> bool:
+    row = conn.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()
+    return row is not None and row[0] == "Lock"
+
+
+def test_a_claim_that_finds_nothing_due_waits_for_the_intake_in_progress(dsn: str, conn: Conn) -> None:
+    """A burst of 40 new aggregates, no head yet. The first claim takes all of them in and leases
+    one; a second claim at the same time finds no head (the first one's are not committed). It
+    waits for the first to end and takes the other 39, where coming back empty would send its
+    worker to sleep until a notification that the burst has already spent (a caller of another
+    language, until its next poll) while the heads it could take came due a moment later."""
+    backlog(conn, 40, aggregates=40)
+    with connect(dsn, autocommit=False) as a, connect(dsn) as b, ThreadPoolExecutor(1) as pool:
+        assert len(claim(a, 1)) == 1                     # takes in all 40; the intake row is a's
+        later = pool.submit(claim, b, 100)
+        deadline = time.monotonic() + 10
+        while not later.done() and not waiting_for_a_lock(conn, b.info.backend_pid):
+            assert time.monotonic() < deadline, "the second claim neither returned nor waited"
+            time.sleep(0.01)
+        a.commit()
+        got = later.result(10)
+    assert len(got) == 39, "the second claim came back without waiting for the heads being made"
+
+
+def test_the_wait_for_an_intake_held_open_is_bounded(dsn: str, conn: Conn) -> None:
+    """A claim left open in a session (a user trying outbox_claim in psql) holds the intake row:
+    a claim that finds nothing due waits for it one second, then comes back empty as before."""
+    backlog(conn, 40, aggregates=40)
+    with connect(dsn, autocommit=False) as a, connect(dsn) as b:
+        claim(a, 1)
+        started = time.monotonic()
+        assert claim(b, 100) == []
+        waited = time.monotonic() - started
+        a.rollback()
+    assert 0.9 <= waited < 10
+
+
+def test_a_claim_under_repeatable_read_does_not_wait_for_the_intake(dsn: str, conn: Conn) -> None:
+    """Under REPEATABLE READ a look after the wait would see the snapshot it had (and a lock on
+    the intake row that changed since it began would fail): such a claim comes back empty at
+    once, without an error."""
+    backlog(conn, 40, aggregates=40)
+    with connect(dsn, autocommit=False) as a, connect(dsn, autocommit=False) as b:
+        claim(a, 1)
+        b.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        started = time.monotonic()
+        assert claim(b, 100) == []
+        assert time.monotonic() - started < 0.9
+        a.commit()
+        b.commit()
