@@ -1,6 +1,11 @@
-"""The worker's SQL gateway: every statement the relay sends while it runs, on a pool of its own.
+"""The worker's SQL gateway: every statement the relay sends while it runs, on pools of its own.
 The decisions are the SQL functions' (order, retries, dead letters, fencing by lease token);
 this module only calls them and hands back what they return.
+
+The claims go on a connection of their own (a pool of one): the worker claims one batch at a
+time, and a connection's first outbox_claim compiles the function and plans its statements (15
+to 20 ms of the server's CPU), which every connection of a shared pool would pay once, and again
+whenever the pool replaces it. The reports and the rest share the other pool.
 
 The start-up checks of ``outboxpg-worker`` (outboxpg.cli.outboxpg_worker), the wakeup lock and
 the LISTEN connection (wakeup.py) send their own few statements on connections of their own;
@@ -119,24 +124,32 @@ class Gateway:
         self.cfg = cfg
         self.application_name = application_name
         self._pool: AsyncConnectionPool | None = None
+        self._claims: AsyncConnectionPool | None = None
 
     @property
     def pool(self) -> AsyncConnectionPool:
         assert self._pool is not None, "Gateway.open() first"
         return self._pool
 
+    @property
+    def claims(self) -> AsyncConnectionPool:
+        assert self._claims is not None, "Gateway.open() first"
+        return self._claims
+
     async def open(self) -> None:
-        """Create the pool (in the running event loop) and start connecting, without waiting."""
+        """Create the pools (in the running event loop) and start connecting, without waiting."""
         cfg = self.cfg
-        self._pool = _Pool(
-            cfg.dsn, min_size=1, max_size=cfg.concurrency + 3, open=False, timeout=10,
-            kwargs={"autocommit": True, "fallback_application_name": self.application_name, **CONNECT_OPTIONS,
-                    **_poll_only_options(cfg)},
-            configure=self._configure,
-            name="outboxpg-worker")
+        kwargs = {"autocommit": True, "fallback_application_name": self.application_name, **CONNECT_OPTIONS,
+                  **_poll_only_options(cfg)}
+        self._claims = _Pool(cfg.dsn, min_size=1, max_size=1, open=False, timeout=10, kwargs=kwargs,
+                             configure=self._configure, name="outboxpg-worker-claims")
+        self._pool = _Pool(cfg.dsn, min_size=1, max_size=cfg.concurrency + 2, open=False, timeout=10, kwargs=kwargs,
+                           configure=self._configure, name="outboxpg-worker")
+        await self._claims.open(wait=False)
         await self._pool.open(wait=False)
 
     async def close(self) -> None:
+        await self.claims.close()
         await self.pool.close()
 
     async def _configure(self, conn: psycopg.AsyncConnection[Any]) -> None:
@@ -160,7 +173,7 @@ class Gateway:
         ``shard``: 'I/N' (--shard, or a shard group's current one); None: every aggregate.
         ``quiet_only``: the quiet aggregates at the front of the queue only (the worker's lane)."""
         statement = _CLAIM_WITH_LSN if self.cfg.standby_flushed else _CLAIM
-        async with self.pool.connection() as conn:
+        async with self.claims.connection() as conn:
             cur = await conn.execute(statement, (batch_size, lease, name, self.cfg.claim_bytes, shard, quiet_only),
                                      prepare=True)
             return await cur.fetchall()
@@ -168,6 +181,8 @@ class Gateway:
     async def replaced_broken_connections(self) -> None:
         """Have the pool test its idle connections now and replace the broken ones (after a
         failover every one of them is): the next claim then does not pick up another dead one."""
+        with contextlib.suppress(Exception):
+            await self.claims.check()
         with contextlib.suppress(Exception):
             await self.pool.check()
 

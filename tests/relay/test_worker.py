@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
+from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -15,8 +16,10 @@ from workers import count_in, equals, start, wait_until
 
 from outboxpg import Event, enqueue, enqueue_many
 from outboxpg.events import OutboxEvent
+from outboxpg.relay.gateway import Gateway
 from outboxpg.relay.nats.publisher import NatsPublisher
 from outboxpg.relay.publishers import FunctionPublisher
+from outboxpg.relay.worker import WorkerConfig
 
 
 async def test_three_workers_deliver_every_event_once_in_aggregate_order(dsn, conn, nats_server, fast_retries):
@@ -434,3 +437,18 @@ async def test_a_burst_into_an_idle_fleet_is_drained_by_every_worker(dsn, conn):
         await w.stop()
     assert sorted(delivered) == ["w0", "w1", "w2"], f"only {dict(delivered)} took part"
 
+
+async def test_claims_have_a_connection_of_their_own(dsn, conn):
+    """Every connection of the shared pool taken (reports stuck on a lock, say): a claim still
+    runs, on the claims' own connection, the one connection that plans outbox_claim."""
+    enqueue(conn, "order", "1", "created", {})
+    gateway = Gateway(WorkerConfig(dsn=dsn, concurrency=1), "outboxpg-worker")
+    await gateway.open()
+    try:
+        held = [await gateway.pool.getconn(timeout=10) for _ in range(gateway.pool.max_size)]
+        rows = await asyncio.wait_for(gateway.claim(10, timedelta(seconds=30), "w"), 5)
+        assert len(rows) == 1
+        for c in held:
+            await gateway.pool.putconn(c)
+    finally:
+        await gateway.close()
