@@ -801,6 +801,7 @@ DECLARE
     g       record;
     upto    bigint;
     intake_held boolean;    -- another claim held the intake row: this one took nothing in
+    locked  boolean := false;   -- a pass of this look locked a head
     remaining  integer;
     empty_types text[] := '{}';
     empty_ids   text[] := '{}';
@@ -870,8 +871,8 @@ BEGIN
 
     -- This transaction writes heads' ready_at from here on (outbox_heads_floor).
     PERFORM outbox_heads_writing();
-    -- The look: the guard, the intake, the due heads at the front. Taken again, once, when this
-    -- claim found the intake row held by another claim and nothing due (outbox_intake_wait).
+    -- The look: the guard, the intake, the due heads, the passes. Taken again, once, when this
+    -- claim found the intake row held by another claim and nothing to hand out (below).
     FOR look IN 1..2 LOOP
         -- Commit order: read before the snapshots of the statements below.
         SELECT * INTO g FROM outbox_commit_guard();
@@ -963,278 +964,281 @@ BEGIN
           INTO front, skip, busy_key
           FROM (SELECT u.k, u.b, u.i, count(*) FILTER (WHERE u.b) OVER (ORDER BY u.i) AS r
                   FROM unnest(front, busy_front) WITH ORDINALITY AS u(k, b, i)) f;
-        -- Something due, or looked twice: on to the passes. The lane (quiet_only) does not wait:
-        -- it looks beside the worker's full batches and comes back soon anyway. Under REPEATABLE
-        -- READ or SERIALIZABLE a second look would see the same snapshot.
-        EXIT WHEN look = 2 OR NOT intake_held OR quiet_only
-                  OR cardinality(front) > 0 OR busy_key IS NOT NULL OR front_read >= 16
+        -- quiet_only: the quiet heads among the first 16 due ones, none of the busy ones, and no
+        -- head behind them (window_end), so that the claim reads at most the front whatever the
+        -- busy aggregates have queued. A worker whose batches are all out with busy aggregates'
+        -- runs claims so beside them (its lane), and a quiet aggregate's event does not wait for
+        -- one of those batches to come back.
+        IF quiet_only THEN
+            skip := '{}';
+            busy_key := NULL;
+            IF front_read < 16 THEN
+                window_end := 'infinity';      -- every due head was read: none lies behind them
+            END IF;
+        ELSE
+            window_end := 'infinity';
+        END IF;
+
+        -- Passes: a pass that reclaimed expired runs looks again for the rest of the batch, so a
+        -- worker's crash does not cost the next claim its batch (a short claim tells a worker that
+        -- nothing more is claimable right now).
+        FOR pass IN 1..8 LOOP
+            -- Every due head was read above (fewer than 16) and none can be claimed: a pass would
+            -- find none either, under the same conditions (save a head that commits in between,
+            -- which the next claim takes), so it is not made. Planned and run, it is about 40% of an
+            -- empty claim on a new connection and half of every later empty claim.
+            EXIT WHEN pass = 1 AND cardinality(front) = 0 AND busy_key IS NULL AND (front_read < 16 OR quiet_only);
+            remaining := n - cardinality(c_ids);
+            -- Shares: with a busy head, each quiet head takes up to 10 events (its own share at
+            -- most) and the busy one the rest, so that the claim stays full. Without one, a run
+            -- takes at most its share of what the claim still hands out, split among the quiet
+            -- heads at the front, the remainder one event each to the first of them: alone, a head
+            -- takes it all; behind many heads of a few events each (a uniform mix) the share is
+            -- larger than their lines and changes nothing. The heads this pass locks may differ
+            -- from the ones read above (taken by a claim meanwhile): the shares are then a little
+            -- off, never the order.
+            due := greatest(cardinality(front), 1);
+            IF busy_key IS NULL THEN
+                share := least(cfg.max_run, remaining, greatest(1, remaining / due));
+                plus := CASE WHEN share < cfg.max_run THEN front[1 : remaining - share * due] ELSE '{}' END;
+            ELSE
+                share := least(10, greatest(1, remaining / (cardinality(front) + 1)));
+                plus := '{}';
+                busy_share := least(cfg.max_run, greatest(1, remaining - cardinality(front) * share));
+            END IF;
+            -- One statement a pass. `cand`: the heads whose time has come, oldest first, leaving out
+            -- those the guard holds back (head_id is a lower bound of the first event's id; each
+            -- event is checked below), each with its line: its first max_run unfinished events, read
+            -- twice, as they are (`line`) and locked, SKIP LOCKED (`e`). An event someone else is
+            -- changing right now is missing from the second read, and the run ends before it
+            -- (`matched`). The nested loop is lazy: it stops after `remaining` events, so heads and
+            -- events past them are neither read nor locked.
+            WITH cand AS MATERIALIZED (
+                SELECT h.aggregate_type, h.aggregate_id, h.head_id AS old_head_id, h.ready_at AS old_ready,
+                       h.leased_until AS old_leased, h.opened_id AS old_opened,
+                       h.tid AS head_tid, h.lock_key, line.ids AS line_ids,
+                       e.id, e.ctid, e.created_at, e.state, e.attempts, e.next_attempt_at, e.locked_until, e.lease_token,
+                       e.expires_at, e.size_bytes
+                  FROM (SELECT h.aggregate_type, h.aggregate_id, h.lock_key, h.head_id, h.ready_at, h.leased_until,
+                               h.opened_id, h.tid,
+                               CASE WHEN h.lock_key = busy_key THEN busy_share
+                                    ELSE share + (h.lock_key = ANY (plus))::integer END AS share
+                          FROM (SELECT u.* FROM (
+                                SELECT h.*, h.ctid AS tid FROM outbox_heads h
+                                 WHERE buckets IS NULL
+                                   AND h.ready_at <= t
+                                   AND h.ready_at >= floor_at
+                                   AND (h.leased_until IS NULL OR h.leased_until < t)   -- no run in flight
+                                   AND NOT h.parked
+                                   AND (h.head_id <= g.settled
+                                        OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys)))
+                                   AND h.lock_key <> ALL (skip)
+                                   AND h.ready_at <= window_end
+                                   AND (NOT quiet_only OR h.lock_key = ANY (front))
+                                 ORDER BY h.ready_at, h.opened_id     -- head_id is in no index
+                                 LIMIT remaining
+                                   FOR NO KEY UPDATE SKIP LOCKED) u
+                         UNION ALL
+                        -- A shard's: the same, bucket by bucket (a lazy loop: buckets after the
+                        -- claim is full are not read).
+                        (SELECT s.* FROM unnest(due_buckets) AS b(k)
+                          CROSS JOIN LATERAL (
+                                SELECT h.*, h.ctid AS tid FROM outbox_heads h
+                                 WHERE (h.lock_key & 63) = b.k
+                                   AND h.ready_at <= t
+                                   AND h.ready_at >= floor_at
+                                   AND (h.leased_until IS NULL OR h.leased_until < t)
+                                   AND NOT h.parked
+                                   AND (h.head_id <= g.settled
+                                        OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys)))
+                                   AND h.lock_key <> ALL (skip)
+                                   AND h.ready_at <= window_end
+                                   AND (NOT quiet_only OR h.lock_key = ANY (front))
+                                 ORDER BY h.ready_at, h.opened_id
+                                 LIMIT remaining
+                                   FOR NO KEY UPDATE SKIP LOCKED) s
+                         LIMIT remaining)) h) h
+                 CROSS JOIN LATERAL (
+                       SELECT array(SELECT o.id FROM outbox o
+                                     WHERE o.aggregate_type = h.aggregate_type AND o.aggregate_id = h.aggregate_id
+                                       AND o.unfinished AND o.id >= least(h.head_id, upto + 1)
+                                     ORDER BY o.id LIMIT h.share) AS ids
+                        OFFSET 0) line   -- once per head, not once per row of the join below
+                  LEFT JOIN LATERAL (
+                       SELECT o.id, o.ctid, o.created_at, o.state, o.attempts, o.next_attempt_at, o.locked_until,
+                              o.lease_token, o.expires_at, o.size_bytes
+                         FROM outbox o
+                        WHERE o.aggregate_type = h.aggregate_type AND o.aggregate_id = h.aggregate_id
+                          AND o.unfinished AND o.id >= least(h.head_id, upto + 1)
+                        ORDER BY o.id
+                        LIMIT h.share
+                          FOR UPDATE SKIP LOCKED) e ON true
+                 LIMIT remaining),
+            -- A line's rows: by the head's ctid, the one thing two heads never share (a parked head's
+            -- head_id is past the cursor, where another aggregate's first event may be).
+            numbered AS (
+                SELECT c.*, row_number() OVER w AS rn, c.id = c.line_ids[row_number() OVER w] AS matched
+                  FROM cand c
+                WINDOW w AS (PARTITION BY c.head_tid ORDER BY c.id)),
+            marked AS MATERIALIZED (
+                SELECT m.*,
+                       first_value(m.state) OVER w AS first_state,
+                       first_value(m.lease_token) OVER w AS first_token,
+                       first_value(m.locked_until) OVER w AS first_until,
+                       first_value(m.matched) OVER w AS first_matched,
+                       -- The line's run: the prefix of events that are pending, due and not held back.
+                       bool_and(m.matched AND m.state = 'pending' AND m.next_attempt_at <= t
+                                AND (m.expires_at IS NULL OR m.expires_at > t)        -- never sent late
+                                AND (m.id <= g.settled
+                                     OR (m.id <= g.open_below AND m.lock_key <> ALL (g.held_keys)))) OVER w AS in_line,
+                       -- A run whose lease ran out: its first event's retry (random jitter, drawn once).
+                       CASE WHEN m.rn = 1 AND m.matched AND m.state = 'processing' AND m.locked_until < t
+                            THEN t + outbox_retry_delay(m.attempts, cfg.backoff_base, cfg.backoff_cap) END AS retry_at,
+                       -- A pending head past its expires_at is discarded, never handed out (an
+                       -- event further down its line is, once it is the head).
+                       m.rn = 1 AND m.matched AND m.state = 'pending' AND m.expires_at <= t AS lapsed
+                  FROM numbered m
+                WINDOW w AS (PARTITION BY m.head_tid ORDER BY m.id)),
+            -- The run, within the byte budget: in claim order (the oldest head first, each line from
+            -- its first event), the events whose bytes fit with those before them; and the claim's
+            -- first event in any case. Cut anywhere, each head keeps a prefix of its line.
+            budgeted AS MATERIALIZED (
+                SELECT m.*,
+                       m.in_line
+                       AND (taken + sum(coalesce(m.size_bytes, 0)) FILTER (WHERE m.in_line) OVER b <= budget
+                            OR (cardinality(c_ids) = 0 AND count(*) FILTER (WHERE m.in_line) OVER b = 1)) AS in_run
+                  FROM marked m
+                WINDOW b AS (ORDER BY m.old_ready, m.old_opened, m.id)),
+            -- What becomes of each row: an event still leased under an expired run's token goes
+            -- back (`expired`); a head becomes what its first row says (rn = 1).
+            head_next AS (
+                SELECT m.*,
+                       m.first_state = 'processing' AND m.first_until < t AND m.first_matched
+                       AND m.matched AND m.state = 'processing' AND m.lease_token = m.first_token AS expired,
+                       -- Moved up only to a run's first event: that one passed the guard, so no
+                       -- earlier event of its aggregate can still appear. Any other event read here
+                       -- may have a late-committing predecessor this snapshot cannot see, which the
+                       -- intake is about to move the head back to.
+                       CASE WHEN m.in_run THEN m.id ELSE m.old_head_id END AS new_head_id,
+                       -- A run leaves ready_at as it is (below: leased_until).
+                       CASE WHEN m.in_run THEN m.old_ready
+                            WHEN m.lapsed THEN t                           -- its next event, at once
+                            WHEN m.retry_at IS NOT NULL
+                                 THEN CASE WHEN m.attempts >= cfg.max_attempts THEN NULL ELSE m.retry_at END
+                            -- No unfinished event seen (a head the intake made from an old view):
+                            -- dropped below by outbox_refresh_heads, which looks again first.
+                            WHEN cardinality(m.line_ids) = 0 THEN m.old_ready
+                            WHEN m.id IS NULL OR NOT m.matched THEN m.old_ready  -- being reported right now
+                            WHEN m.state = 'dead' THEN NULL
+                            WHEN m.state = 'pending' AND m.next_attempt_at > t THEN m.next_attempt_at
+                            WHEN m.state = 'processing' AND m.locked_until >= t THEN m.locked_until
+                            ELSE m.old_ready                               -- held back by the guard
+                       END AS new_ready,
+                       CASE WHEN m.in_run THEN t + lease END AS new_leased
+                  FROM budgeted m),
+            -- The heads that move are moved by the statement after this one, by ctid.
+            moved AS (
+                SELECT hn.*,
+                       hn.rn = 1 AND (hn.old_head_id, hn.old_ready, hn.old_leased)
+                                     IS DISTINCT FROM (hn.new_head_id, hn.new_ready, hn.new_leased) AS moves
+                  FROM head_next hn)
+            -- All of it in one scan of the rows: one aggregate per array, the arrays of a kind over
+            -- the same rows in the same order (a scalar subquery each costs a plan of its own).
+            SELECT array_agg(m.id ORDER BY m.id) FILTER (WHERE m.in_run),
+                   array_agg(m.ctid ORDER BY m.id) FILTER (WHERE m.in_run),
+                   sum(coalesce(m.size_bytes, 0)) FILTER (WHERE m.in_run),
+                   array_agg(m.id ORDER BY m.id) FILTER (WHERE m.expired),
+                   array_agg(m.ctid ORDER BY m.id) FILTER (WHERE m.expired),
+                   array_agg(m.rn = 1 ORDER BY m.id) FILTER (WHERE m.expired),
+                   array_agg(CASE WHEN m.rn = 1 AND m.attempts < cfg.max_attempts THEN m.retry_at END ORDER BY m.id)
+                       FILTER (WHERE m.expired),
+                   count(*) FILTER (WHERE m.rn = 1),
+                   array_agg(m.aggregate_type) FILTER (WHERE m.rn = 1 AND cardinality(m.line_ids) = 0),
+                   array_agg(m.aggregate_id) FILTER (WHERE m.rn = 1 AND cardinality(m.line_ids) = 0),
+                   min(m.created_at) FILTER (WHERE m.in_run OR m.lapsed OR m.expired),
+                   max(m.created_at) FILTER (WHERE m.in_run OR m.lapsed OR m.expired),
+                   array_agg(m.id ORDER BY m.id) FILTER (WHERE m.lapsed),
+                   array_agg(m.ctid ORDER BY m.id) FILTER (WHERE m.lapsed),
+                   array_agg(m.head_tid) FILTER (WHERE m.moves),
+                   array_agg(m.new_head_id) FILTER (WHERE m.moves),
+                   array_agg(m.new_ready) FILTER (WHERE m.moves),
+                   array_agg(m.new_leased) FILTER (WHERE m.moves)
+              INTO pass_ids, pass_tids, pass_bytes, r_ids, r_tids, r_first, r_retry, seen_heads, pass_empty_types,
+                   pass_empty_ids, pass_lo, pass_hi, x_ids, x_tids, m_tids, m_heads, m_ready,
+                   m_leased
+              FROM moved m;
+            locked := locked OR seen_heads > 0;
+            IF m_tids IS NOT NULL THEN
+                -- By ctid (a TID scan), in a statement of its own. Joined by key within the
+                -- statement above, the planner could read all of outbox_heads_pkey for it once
+                -- ANALYZE had counted few live heads: under a held snapshot, every dead entry of
+                -- every head, on every claim. The heads were locked above and stay as they are; in
+                -- a snapshot of its own this statement sees them as locked, also one that a report
+                -- had changed between the snapshot above and its lock.
+                -- A head taken for a run keeps head_id and ready_at: a HOT update.
+                UPDATE outbox_heads oh
+                   SET head_id = mv.new_head_id,
+                       ready_at = mv.new_ready,
+                       leased_until = mv.new_leased
+                  FROM unnest(m_tids, m_heads, m_ready, m_leased) AS mv(tid, new_head_id, new_ready, new_leased)
+                 WHERE oh.ctid = ANY (m_tids)
+                   AND oh.ctid = mv.tid;
+            END IF;
+            empty_types := empty_types || pass_empty_types;
+            empty_ids := empty_ids || pass_empty_ids;
+            EXIT WHEN seen_heads = 0 AND cardinality(skip) = 0;
+            c_ids  := c_ids || pass_ids;          -- || and least/greatest ignore NULLs
+            c_tids := c_tids || pass_tids;
+            taken  := taken + coalesce(pass_bytes, 0);
+            lo := least(lo, pass_lo);
+            hi := greatest(hi, pass_hi);
+
+            IF r_ids IS NOT NULL THEN
+                -- Reclaim expired runs: the first event failed an attempt (retried after a backoff,
+                -- or dead: retry_at NULL), the rest go back unattempted. Their old token matches
+                -- nothing from now on (fencing). The heads were moved above, to the retry time.
+                UPDATE outbox o
+                   SET state           = CASE WHEN NOT r.is_first THEN 'pending'
+                                              WHEN r.retry_at IS NULL THEN 'dead' ELSE 'pending' END::outbox_state,
+                       attempts        = CASE WHEN r.is_first THEN o.attempts ELSE greatest(o.attempts - 1, 0) END,
+                       next_attempt_at = CASE WHEN r.is_first THEN coalesce(r.retry_at, t) ELSE t END,
+                       dead_at         = CASE WHEN r.is_first AND r.retry_at IS NULL THEN t END,
+                       last_error      = CASE WHEN r.is_first
+                                              THEN format('lease expired at %s (held by %s)', o.locked_until, o.locked_by)
+                                              ELSE o.last_error END,
+                       locked_until    = NULL,
+                       lease_token     = NULL
+                  FROM unnest(r_ids, r_first, r_retry) AS r(id, is_first, retry_at)
+                 WHERE o.ctid = ANY (r_tids)                -- locked above
+                   AND (o.id = ANY (r_ids)) IS TRUE         -- a ctid from another partition may name a row here
+                   AND o.created_at BETWEEN pass_lo AND pass_hi
+                   AND o.id = r.id;
+            END IF;
+            IF x_ids IS NOT NULL THEN
+                -- Past their expires_at, out of the flow (their heads were made ready above,
+                -- so the next pass looks at the event behind each).
+                UPDATE outbox o
+                   SET state = 'discarded', discarded_at = t, discard_reason = 'expired'
+                 WHERE o.ctid = ANY (x_tids)                -- locked above
+                   AND (o.id = ANY (x_ids)) IS TRUE
+                   AND o.created_at BETWEEN pass_lo AND pass_hi;
+            END IF;
+            EXIT WHEN (r_ids IS NULL AND x_ids IS NULL AND cardinality(skip) = 0) OR cardinality(c_ids) >= n
+                      OR taken >= budget;
+            -- The busy heads left in the first pass share what remains.
+            front := skip;
+            skip := '{}';
+            busy_key := NULL;
+        END LOOP;
+        -- Nothing handed out, nothing locked, the intake row held by another claim: what that
+        -- claim is taking in may be due the moment it commits. Wait for it, once, and look again.
+        -- Not when this look locked a head (a claim that waits holds none: the other claim may
+        -- wait for a head it holds, to drop it), not for the lane (quiet_only: it looks beside the
+        -- worker's full batches and comes back soon anyway), and not under REPEATABLE READ or
+        -- SERIALIZABLE, where a second look would see the same snapshot.
+        EXIT WHEN look = 2 OR NOT intake_held OR quiet_only OR locked OR cardinality(c_ids) > 0
                   OR current_setting('transaction_isolation') <> 'read committed';
         EXIT WHEN NOT outbox_intake_wait();
-    END LOOP;
-    -- quiet_only: the quiet heads among the first 16 due ones, none of the busy ones, and no
-    -- head behind them (window_end), so that the claim reads at most the front whatever the
-    -- busy aggregates have queued. A worker whose batches are all out with busy aggregates'
-    -- runs claims so beside them (its lane), and a quiet aggregate's event does not wait for
-    -- one of those batches to come back.
-    IF quiet_only THEN
-        skip := '{}';
-        busy_key := NULL;
-        IF front_read < 16 THEN
-            window_end := 'infinity';      -- every due head was read: none lies behind them
-        END IF;
-    ELSE
-        window_end := 'infinity';
-    END IF;
-
-    -- Passes: a pass that reclaimed expired runs looks again for the rest of the batch, so a
-    -- worker's crash does not cost the next claim its batch (a short claim tells a worker that
-    -- nothing more is claimable right now).
-    FOR pass IN 1..8 LOOP
-        -- Every due head was read above (fewer than 16) and none can be claimed: a pass would
-        -- find none either, under the same conditions (save a head that commits in between,
-        -- which the next claim takes), so it is not made. Planned and run, it is about 40% of an
-        -- empty claim on a new connection and half of every later empty claim.
-        EXIT WHEN pass = 1 AND cardinality(front) = 0 AND busy_key IS NULL AND (front_read < 16 OR quiet_only);
-        remaining := n - cardinality(c_ids);
-        -- Shares: with a busy head, each quiet head takes up to 10 events (its own share at
-        -- most) and the busy one the rest, so that the claim stays full. Without one, a run
-        -- takes at most its share of what the claim still hands out, split among the quiet
-        -- heads at the front, the remainder one event each to the first of them: alone, a head
-        -- takes it all; behind many heads of a few events each (a uniform mix) the share is
-        -- larger than their lines and changes nothing. The heads this pass locks may differ
-        -- from the ones read above (taken by a claim meanwhile): the shares are then a little
-        -- off, never the order.
-        due := greatest(cardinality(front), 1);
-        IF busy_key IS NULL THEN
-            share := least(cfg.max_run, remaining, greatest(1, remaining / due));
-            plus := CASE WHEN share < cfg.max_run THEN front[1 : remaining - share * due] ELSE '{}' END;
-        ELSE
-            share := least(10, greatest(1, remaining / (cardinality(front) + 1)));
-            plus := '{}';
-            busy_share := least(cfg.max_run, greatest(1, remaining - cardinality(front) * share));
-        END IF;
-        -- One statement a pass. `cand`: the heads whose time has come, oldest first, leaving out
-        -- those the guard holds back (head_id is a lower bound of the first event's id; each
-        -- event is checked below), each with its line: its first max_run unfinished events, read
-        -- twice, as they are (`line`) and locked, SKIP LOCKED (`e`). An event someone else is
-        -- changing right now is missing from the second read, and the run ends before it
-        -- (`matched`). The nested loop is lazy: it stops after `remaining` events, so heads and
-        -- events past them are neither read nor locked.
-        WITH cand AS MATERIALIZED (
-            SELECT h.aggregate_type, h.aggregate_id, h.head_id AS old_head_id, h.ready_at AS old_ready,
-                   h.leased_until AS old_leased, h.opened_id AS old_opened,
-                   h.tid AS head_tid, h.lock_key, line.ids AS line_ids,
-                   e.id, e.ctid, e.created_at, e.state, e.attempts, e.next_attempt_at, e.locked_until, e.lease_token,
-                   e.expires_at, e.size_bytes
-              FROM (SELECT h.aggregate_type, h.aggregate_id, h.lock_key, h.head_id, h.ready_at, h.leased_until,
-                           h.opened_id, h.tid,
-                           CASE WHEN h.lock_key = busy_key THEN busy_share
-                                ELSE share + (h.lock_key = ANY (plus))::integer END AS share
-                      FROM (SELECT u.* FROM (
-                            SELECT h.*, h.ctid AS tid FROM outbox_heads h
-                             WHERE buckets IS NULL
-                               AND h.ready_at <= t
-                               AND h.ready_at >= floor_at
-                               AND (h.leased_until IS NULL OR h.leased_until < t)   -- no run in flight
-                               AND NOT h.parked
-                               AND (h.head_id <= g.settled
-                                    OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys)))
-                               AND h.lock_key <> ALL (skip)
-                               AND h.ready_at <= window_end
-                               AND (NOT quiet_only OR h.lock_key = ANY (front))
-                             ORDER BY h.ready_at, h.opened_id     -- head_id is in no index
-                             LIMIT remaining
-                               FOR NO KEY UPDATE SKIP LOCKED) u
-                     UNION ALL
-                    -- A shard's: the same, bucket by bucket (a lazy loop: buckets after the
-                    -- claim is full are not read).
-                    (SELECT s.* FROM unnest(due_buckets) AS b(k)
-                      CROSS JOIN LATERAL (
-                            SELECT h.*, h.ctid AS tid FROM outbox_heads h
-                             WHERE (h.lock_key & 63) = b.k
-                               AND h.ready_at <= t
-                               AND h.ready_at >= floor_at
-                               AND (h.leased_until IS NULL OR h.leased_until < t)
-                               AND NOT h.parked
-                               AND (h.head_id <= g.settled
-                                    OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys)))
-                               AND h.lock_key <> ALL (skip)
-                               AND h.ready_at <= window_end
-                               AND (NOT quiet_only OR h.lock_key = ANY (front))
-                             ORDER BY h.ready_at, h.opened_id
-                             LIMIT remaining
-                               FOR NO KEY UPDATE SKIP LOCKED) s
-                     LIMIT remaining)) h) h
-             CROSS JOIN LATERAL (
-                   SELECT array(SELECT o.id FROM outbox o
-                                 WHERE o.aggregate_type = h.aggregate_type AND o.aggregate_id = h.aggregate_id
-                                   AND o.unfinished AND o.id >= least(h.head_id, upto + 1)
-                                 ORDER BY o.id LIMIT h.share) AS ids
-                    OFFSET 0) line   -- once per head, not once per row of the join below
-              LEFT JOIN LATERAL (
-                   SELECT o.id, o.ctid, o.created_at, o.state, o.attempts, o.next_attempt_at, o.locked_until,
-                          o.lease_token, o.expires_at, o.size_bytes
-                     FROM outbox o
-                    WHERE o.aggregate_type = h.aggregate_type AND o.aggregate_id = h.aggregate_id
-                      AND o.unfinished AND o.id >= least(h.head_id, upto + 1)
-                    ORDER BY o.id
-                    LIMIT h.share
-                      FOR UPDATE SKIP LOCKED) e ON true
-             LIMIT remaining),
-        -- A line's rows: by the head's ctid, the one thing two heads never share (a parked head's
-        -- head_id is past the cursor, where another aggregate's first event may be).
-        numbered AS (
-            SELECT c.*, row_number() OVER w AS rn, c.id = c.line_ids[row_number() OVER w] AS matched
-              FROM cand c
-            WINDOW w AS (PARTITION BY c.head_tid ORDER BY c.id)),
-        marked AS MATERIALIZED (
-            SELECT m.*,
-                   first_value(m.state) OVER w AS first_state,
-                   first_value(m.lease_token) OVER w AS first_token,
-                   first_value(m.locked_until) OVER w AS first_until,
-                   first_value(m.matched) OVER w AS first_matched,
-                   -- The line's run: the prefix of events that are pending, due and not held back.
-                   bool_and(m.matched AND m.state = 'pending' AND m.next_attempt_at <= t
-                            AND (m.expires_at IS NULL OR m.expires_at > t)        -- never sent late
-                            AND (m.id <= g.settled
-                                 OR (m.id <= g.open_below AND m.lock_key <> ALL (g.held_keys)))) OVER w AS in_line,
-                   -- A run whose lease ran out: its first event's retry (random jitter, drawn once).
-                   CASE WHEN m.rn = 1 AND m.matched AND m.state = 'processing' AND m.locked_until < t
-                        THEN t + outbox_retry_delay(m.attempts, cfg.backoff_base, cfg.backoff_cap) END AS retry_at,
-                   -- A pending head past its expires_at is discarded, never handed out (an
-                   -- event further down its line is, once it is the head).
-                   m.rn = 1 AND m.matched AND m.state = 'pending' AND m.expires_at <= t AS lapsed
-              FROM numbered m
-            WINDOW w AS (PARTITION BY m.head_tid ORDER BY m.id)),
-        -- The run, within the byte budget: in claim order (the oldest head first, each line from
-        -- its first event), the events whose bytes fit with those before them; and the claim's
-        -- first event in any case. Cut anywhere, each head keeps a prefix of its line.
-        budgeted AS MATERIALIZED (
-            SELECT m.*,
-                   m.in_line
-                   AND (taken + sum(coalesce(m.size_bytes, 0)) FILTER (WHERE m.in_line) OVER b <= budget
-                        OR (cardinality(c_ids) = 0 AND count(*) FILTER (WHERE m.in_line) OVER b = 1)) AS in_run
-              FROM marked m
-            WINDOW b AS (ORDER BY m.old_ready, m.old_opened, m.id)),
-        -- What becomes of each row: an event still leased under an expired run's token goes
-        -- back (`expired`); a head becomes what its first row says (rn = 1).
-        head_next AS (
-            SELECT m.*,
-                   m.first_state = 'processing' AND m.first_until < t AND m.first_matched
-                   AND m.matched AND m.state = 'processing' AND m.lease_token = m.first_token AS expired,
-                   -- Moved up only to a run's first event: that one passed the guard, so no
-                   -- earlier event of its aggregate can still appear. Any other event read here
-                   -- may have a late-committing predecessor this snapshot cannot see, which the
-                   -- intake is about to move the head back to.
-                   CASE WHEN m.in_run THEN m.id ELSE m.old_head_id END AS new_head_id,
-                   -- A run leaves ready_at as it is (below: leased_until).
-                   CASE WHEN m.in_run THEN m.old_ready
-                        WHEN m.lapsed THEN t                           -- its next event, at once
-                        WHEN m.retry_at IS NOT NULL
-                             THEN CASE WHEN m.attempts >= cfg.max_attempts THEN NULL ELSE m.retry_at END
-                        -- No unfinished event seen (a head the intake made from an old view):
-                        -- dropped below by outbox_refresh_heads, which looks again first.
-                        WHEN cardinality(m.line_ids) = 0 THEN m.old_ready
-                        WHEN m.id IS NULL OR NOT m.matched THEN m.old_ready  -- being reported right now
-                        WHEN m.state = 'dead' THEN NULL
-                        WHEN m.state = 'pending' AND m.next_attempt_at > t THEN m.next_attempt_at
-                        WHEN m.state = 'processing' AND m.locked_until >= t THEN m.locked_until
-                        ELSE m.old_ready                               -- held back by the guard
-                   END AS new_ready,
-                   CASE WHEN m.in_run THEN t + lease END AS new_leased
-              FROM budgeted m),
-        -- The heads that move are moved by the statement after this one, by ctid.
-        moved AS (
-            SELECT hn.*,
-                   hn.rn = 1 AND (hn.old_head_id, hn.old_ready, hn.old_leased)
-                                 IS DISTINCT FROM (hn.new_head_id, hn.new_ready, hn.new_leased) AS moves
-              FROM head_next hn)
-        -- All of it in one scan of the rows: one aggregate per array, the arrays of a kind over
-        -- the same rows in the same order (a scalar subquery each costs a plan of its own).
-        SELECT array_agg(m.id ORDER BY m.id) FILTER (WHERE m.in_run),
-               array_agg(m.ctid ORDER BY m.id) FILTER (WHERE m.in_run),
-               sum(coalesce(m.size_bytes, 0)) FILTER (WHERE m.in_run),
-               array_agg(m.id ORDER BY m.id) FILTER (WHERE m.expired),
-               array_agg(m.ctid ORDER BY m.id) FILTER (WHERE m.expired),
-               array_agg(m.rn = 1 ORDER BY m.id) FILTER (WHERE m.expired),
-               array_agg(CASE WHEN m.rn = 1 AND m.attempts < cfg.max_attempts THEN m.retry_at END ORDER BY m.id)
-                   FILTER (WHERE m.expired),
-               count(*) FILTER (WHERE m.rn = 1),
-               array_agg(m.aggregate_type) FILTER (WHERE m.rn = 1 AND cardinality(m.line_ids) = 0),
-               array_agg(m.aggregate_id) FILTER (WHERE m.rn = 1 AND cardinality(m.line_ids) = 0),
-               min(m.created_at) FILTER (WHERE m.in_run OR m.lapsed OR m.expired),
-               max(m.created_at) FILTER (WHERE m.in_run OR m.lapsed OR m.expired),
-               array_agg(m.id ORDER BY m.id) FILTER (WHERE m.lapsed),
-               array_agg(m.ctid ORDER BY m.id) FILTER (WHERE m.lapsed),
-               array_agg(m.head_tid) FILTER (WHERE m.moves),
-               array_agg(m.new_head_id) FILTER (WHERE m.moves),
-               array_agg(m.new_ready) FILTER (WHERE m.moves),
-               array_agg(m.new_leased) FILTER (WHERE m.moves)
-          INTO pass_ids, pass_tids, pass_bytes, r_ids, r_tids, r_first, r_retry, seen_heads, pass_empty_types,
-               pass_empty_ids, pass_lo, pass_hi, x_ids, x_tids, m_tids, m_heads, m_ready,
-               m_leased
-          FROM moved m;
-        IF m_tids IS NOT NULL THEN
-            -- By ctid (a TID scan), in a statement of its own. Joined by key within the
-            -- statement above, the planner could read all of outbox_heads_pkey for it once
-            -- ANALYZE had counted few live heads: under a held snapshot, every dead entry of
-            -- every head, on every claim. The heads were locked above and stay as they are; in
-            -- a snapshot of its own this statement sees them as locked, also one that a report
-            -- had changed between the snapshot above and its lock.
-            -- A head taken for a run keeps head_id and ready_at: a HOT update.
-            UPDATE outbox_heads oh
-               SET head_id = mv.new_head_id,
-                   ready_at = mv.new_ready,
-                   leased_until = mv.new_leased
-              FROM unnest(m_tids, m_heads, m_ready, m_leased) AS mv(tid, new_head_id, new_ready, new_leased)
-             WHERE oh.ctid = ANY (m_tids)
-               AND oh.ctid = mv.tid;
-        END IF;
-        empty_types := empty_types || pass_empty_types;
-        empty_ids := empty_ids || pass_empty_ids;
-        EXIT WHEN seen_heads = 0 AND cardinality(skip) = 0;
-        c_ids  := c_ids || pass_ids;          -- || and least/greatest ignore NULLs
-        c_tids := c_tids || pass_tids;
-        taken  := taken + coalesce(pass_bytes, 0);
-        lo := least(lo, pass_lo);
-        hi := greatest(hi, pass_hi);
-
-        IF r_ids IS NOT NULL THEN
-            -- Reclaim expired runs: the first event failed an attempt (retried after a backoff,
-            -- or dead: retry_at NULL), the rest go back unattempted. Their old token matches
-            -- nothing from now on (fencing). The heads were moved above, to the retry time.
-            UPDATE outbox o
-               SET state           = CASE WHEN NOT r.is_first THEN 'pending'
-                                          WHEN r.retry_at IS NULL THEN 'dead' ELSE 'pending' END::outbox_state,
-                   attempts        = CASE WHEN r.is_first THEN o.attempts ELSE greatest(o.attempts - 1, 0) END,
-                   next_attempt_at = CASE WHEN r.is_first THEN coalesce(r.retry_at, t) ELSE t END,
-                   dead_at         = CASE WHEN r.is_first AND r.retry_at IS NULL THEN t END,
-                   last_error      = CASE WHEN r.is_first
-                                          THEN format('lease expired at %s (held by %s)', o.locked_until, o.locked_by)
-                                          ELSE o.last_error END,
-                   locked_until    = NULL,
-                   lease_token     = NULL
-              FROM unnest(r_ids, r_first, r_retry) AS r(id, is_first, retry_at)
-             WHERE o.ctid = ANY (r_tids)                -- locked above
-               AND (o.id = ANY (r_ids)) IS TRUE         -- a ctid from another partition may name a row here
-               AND o.created_at BETWEEN pass_lo AND pass_hi
-               AND o.id = r.id;
-        END IF;
-        IF x_ids IS NOT NULL THEN
-            -- Past their expires_at, out of the flow (their heads were made ready above,
-            -- so the next pass looks at the event behind each).
-            UPDATE outbox o
-               SET state = 'discarded', discarded_at = t, discard_reason = 'expired'
-             WHERE o.ctid = ANY (x_tids)                -- locked above
-               AND (o.id = ANY (x_ids)) IS TRUE
-               AND o.created_at BETWEEN pass_lo AND pass_hi;
-        END IF;
-        EXIT WHEN (r_ids IS NULL AND x_ids IS NULL AND cardinality(skip) = 0) OR cardinality(c_ids) >= n
-                  OR taken >= budget;
-        -- The busy heads left in the first pass share what remains.
-        front := skip;
-        skip := '{}';
-        busy_key := NULL;
     END LOOP;
 
     IF cardinality(empty_types) > 0 THEN

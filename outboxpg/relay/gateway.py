@@ -2,10 +2,14 @@
 The decisions are the SQL functions' (order, retries, dead letters, fencing by lease token);
 this module only calls them and hands back what they return.
 
-The claims go on a connection of their own (a pool of one): the worker claims one batch at a
-time, and a connection's first outbox_claim compiles the function and plans its statements (15
-to 20 ms of the server's CPU), which every connection of a shared pool would pay once, and again
-whenever the pool replaces it. The reports and the rest share the other pool.
+The claims go on a connection of their own (a pool of one), with the look at the next wakeup
+that the worker makes between them: the worker claims one batch at a time, and a connection's
+first outbox_claim compiles the function and plans its statements (15 to 20 ms of the server's
+CPU), which every connection of a shared pool would pay once, and again whenever the pool
+replaces it. The reports and the rest share the other pool, which keeps no connection of its own
+while the worker is idle (min_size 0: it closes one unused for max_idle, 10 minutes), so that
+an idle worker holds the connections it held before the claims had theirs: the claims', the
+LISTEN, the wakeup lock.
 
 The start-up checks of ``outboxpg-worker`` (outboxpg.cli.outboxpg_worker), the wakeup lock and
 the LISTEN connection (wakeup.py) send their own few statements on connections of their own;
@@ -143,7 +147,7 @@ class Gateway:
                   **_poll_only_options(cfg)}
         self._claims = _Pool(cfg.dsn, min_size=1, max_size=1, open=False, timeout=10, kwargs=kwargs,
                              configure=self._configure, name="outboxpg-worker-claims")
-        self._pool = _Pool(cfg.dsn, min_size=1, max_size=cfg.concurrency + 2, open=False, timeout=10, kwargs=kwargs,
+        self._pool = _Pool(cfg.dsn, min_size=0, max_size=cfg.concurrency + 2, open=False, timeout=10, kwargs=kwargs,
                            configure=self._configure, name="outboxpg-worker")
         await self._claims.open(wait=False)
         await self._pool.open(wait=False)
@@ -256,7 +260,7 @@ class Gateway:
 
     async def seconds_to_next_wakeup(self) -> float | None:
         """Until the next retry or lease expiry (outbox_next_wakeup), None: nothing scheduled."""
-        async with self.pool.connection() as conn:
+        async with self.claims.connection() as conn:
             row = await (await conn.execute(_SLEEP_FOR)).fetchone()
         return row[0] if row else None
 

@@ -141,3 +141,30 @@ def test_a_claim_under_repeatable_read_does_not_wait_for_the_intake(dsn: str, co
         assert time.monotonic() - started < 0.9
         a.commit()
         b.commit()
+
+
+def test_a_claim_waits_for_the_intake_behind_parked_heads(dsn: str, conn: Conn) -> None:
+    """After a drain of busy aggregates their heads are parked at the front of the queue for a
+    second. A burst of the same aggregates: the first claim brings their heads back and leases
+    one; a second claim at the same time reads 16 parked heads in front and nothing else due. It
+    waits for the first as well, and takes the other 19."""
+    conn.execute("UPDATE outbox_settings SET max_run = 1")
+    backlog(conn, 80, aggregates=20)
+    for _ in range(4):                                   # moved on 3 times, then their lines run empty
+        rows = claim(conn, 100)
+        assert len(rows) == 20
+        complete(conn, [r["id"] for r in rows], rows[0]["lease_token"])
+    conn.execute("UPDATE outbox_settings SET max_run = DEFAULT")
+    (parked,) = conn.execute("SELECT count(*) FILTER (WHERE parked) FROM outbox_heads").fetchone()  # type: ignore[misc]
+    assert parked == 20
+    backlog(conn, 20, aggregates=20)
+    with connect(dsn, autocommit=False) as a, connect(dsn) as b, ThreadPoolExecutor(1) as pool:
+        assert len(claim(a, 1)) == 1                     # brings the 20 heads back; the intake row is a's
+        later = pool.submit(claim, b, 100)
+        deadline = time.monotonic() + 10
+        while not later.done() and not waiting_for_a_lock(conn, b.info.backend_pid):
+            assert time.monotonic() < deadline, "the second claim neither returned nor waited"
+            time.sleep(0.01)
+        a.commit()
+        got = later.result(10)
+    assert len(got) == 19, "the second claim came back without waiting for the heads being brought back"
