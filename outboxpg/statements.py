@@ -325,6 +325,9 @@ BACKEND_PID = "SELECT pg_backend_pid()"
 CHANNEL = "outbox"
 LISTEN = "LISTEN outbox"
 WORKER_IDLE = "SELECT outbox_worker_idle()"
+# The wakeup lock's connection queues a second at a time: a statement waiting for a lock holds
+# its snapshot, and with it the xmin horizon (VACUUM of every table of the database).
+WAKEUP_LOCK_WAIT = "SET lock_timeout = '1s'"
 WORKER_BUSY = "SELECT outbox_worker_busy()"
 # outbox_health: cheap, and readable by the outbox_worker role (the table is not).
 HEALTH_GAUGES = ("SELECT backlog, dead, coalesce(extract(epoch FROM oldest_pending_age), 0), scheduled, waiting_retry "

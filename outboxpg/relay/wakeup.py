@@ -94,30 +94,45 @@ class IdleLock:
 
     async def _connection(self) -> psycopg.AsyncConnection[Any]:
         if self.conn is None or self.conn.closed:
-            self.conn = await psycopg.AsyncConnection.connect(
+            conn = await psycopg.AsyncConnection.connect(
                 self.dsn, autocommit=True, fallback_application_name=self.application_name, **CONNECT_OPTIONS)
+            await conn.execute(statements.WAKEUP_LOCK_WAIT)
+            self.conn = conn
         return self.conn
 
     async def acquire(self, wake: asyncio.Event) -> bool:
         """Queue for the lock; True once it is granted, False if ``wake`` was set first (the
-        request is then withdrawn). From the moment we queue, producers NOTIFY."""
+        request is then withdrawn). From the moment we queue, producers NOTIFY.
+
+        The request is renewed every second (the connection's lock_timeout): a statement that
+        waits holds its snapshot, and a worker queued behind another idle one would hold the
+        xmin horizon, VACUUM of the whole database, for as long as the fleet stays idle. Between
+        two requests a producer may skip its NOTIFY (nobody queues for an instant): the request
+        after it waits for that producer's commit, and the claim that follows a granted request
+        sees its events, as for any worker that takes the lock."""
         conn = await self._connection()
-        request = asyncio.ensure_future(conn.execute(statements.WORKER_IDLE))
-        woken = asyncio.ensure_future(wake.wait())
-        try:
-            await asyncio.wait({request, woken}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            woken.cancel()
-        if not request.done():
-            with contextlib.suppress(Exception):
-                await conn.cancel_safe(timeout=5)
+        while True:
+            request = asyncio.ensure_future(conn.execute(statements.WORKER_IDLE))
+            woken = asyncio.ensure_future(wake.wait())
             try:
-                await request
-            except psycopg.errors.QueryCanceled:
-                return False
-            # Granted just before the cancel arrived: we hold it after all.
-        else:
-            request.result()
+                await asyncio.wait({request, woken}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                woken.cancel()
+            if not request.done():
+                with contextlib.suppress(Exception):
+                    await conn.cancel_safe(timeout=5)
+                try:
+                    await request
+                except (psycopg.errors.QueryCanceled, psycopg.errors.LockNotAvailable):
+                    return False
+                break       # granted just before the cancel arrived: we hold it after all
+            try:
+                request.result()
+            except psycopg.errors.LockNotAvailable:
+                if wake.is_set():
+                    return False
+                continue    # another worker holds it: queue again, with a new snapshot
+            break
         self.held = True
         self.lost.clear()
         self._watch_connection(conn)

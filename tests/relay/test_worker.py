@@ -458,3 +458,28 @@ async def test_claims_have_a_connection_of_their_own(dsn, conn):
             await gateway.pool.putconn(c)
     finally:
         await gateway.close()
+
+
+async def test_idle_workers_queued_for_the_wakeup_lock_hold_back_no_vacuum(dsn, conn):
+    """Two idle workers: one holds the wakeup lock, the other queues for it. A session waiting in
+    a statement holds that statement's snapshot, and with it the xmin horizon: VACUUM of every
+    table of the database (the application's too) stopped at the start of the fleet's idle time,
+    and the worker's own xmin watch reported it. The queued worker waits a second at a time."""
+    workers = [start(dsn, FunctionPublisher(lambda e: None), name=f"w{i}") for i in range(2)]
+
+    async def fleet_idle() -> bool:
+        held = [await w.idle() for w in workers]
+        waiting = conn.execute("SELECT count(*) FILTER (WHERE NOT granted) FROM pg_locks "
+                               "WHERE locktype = 'advisory' AND classid = %s AND objid = %s AND objsubid = 2",
+                               WAKEUP_LOCK).fetchone()
+        return sum(held) == 1 and waiting == (1,)
+
+    await wait_until(fleet_idle, 10, "one worker holding the wakeup lock, the other queued")
+    await asyncio.sleep(3)
+    held_back = conn.execute(
+        "SELECT application_name, now() - xact_start FROM pg_stat_activity "
+        "WHERE datname = current_database() AND pid <> pg_backend_pid() AND backend_xmin IS NOT NULL "
+        "AND now() - xact_start > interval '2.5 seconds'").fetchall()
+    for w in workers:
+        await w.stop()
+    assert held_back == [], held_back
