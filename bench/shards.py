@@ -1,9 +1,10 @@
 """Shards (outbox_claim(..., shard => 'I/N')): what a shard's claim reads, and the total drain
-rate of 1, 2, 4 and 8 claimers with and without shards.
+rate of 1, 2, 4 and 8 claimers, and of as many outboxpg-worker processes, with and without shards.
 
-    .venv/bin/python bench/shards.py                       # both parts (about 10 minutes on 2 cores)
+    .venv/bin/python bench/shards.py                       # every part (about 15 minutes on 2 cores)
     .venv/bin/python bench/shards.py --only cost           # the claim cost part alone
     .venv/bin/python bench/shards.py --only drain --quick  # smaller drains
+    .venv/bin/python bench/shards.py --only workers        # the workers part alone
 
 It runs on a PostgreSQL server that is already running (--server, a libpq string without a
 database; default host=127.0.0.1 user=postgres): it creates a database of its own for each
@@ -34,6 +35,19 @@ drain  prefilled events (server-side INSERT ... SELECT, then VACUUM ANALYZE): 20
        The configurations of a mix run alternated, as close together as the run allows, so that
        the machine's load weighs on all of them. The load average at each line is printed beside
        it.
+workers
+       the same mixes drained by N outboxpg-worker processes (1, 2, 4, 8; default flags, and
+       --shard i/N for the sharded line) publishing to a Python callable that does nothing
+       (bench/null_publisher.py: the worker and the database, no broker). The workers start, and
+       the burst is written once every one of them is idle (one holds the wakeup lock, the
+       others queue for it), in one INSERT ... SELECT: the case of a fleet that a burst wakes;
+       then, once they are idle again, a second burst of the same size (the first one's events
+       stay in the table, published, as they do until retention drops them). The first burst
+       finds each connection cold: its first outbox_claim and outbox_complete compile the
+       functions and plan their statements; the second, warm, is a fleet's steady state.
+       Events/s from a burst's commit to its last published_at, the median of --repeat drains;
+       how many workers delivered a part of it; and the machine's busy CPU over the drain
+       (/proc/stat, every process), which shows what each added worker costs.
 """
 
 from __future__ import annotations
@@ -44,6 +58,7 @@ import os
 import re
 import signal
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -245,10 +260,99 @@ def part_drain(server: str, quick: bool, repeat: int, cold: bool = False) -> Non
                   f"load {load()}", flush=True)
 
 
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = Path(sys.executable).parent / "outboxpg-worker"
+
+
+def busy_jiffies() -> int:
+    """Busy CPU time of the whole machine so far, in clock ticks (/proc/stat: all but idle and iowait)."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return sum(values) - values[3] - values[4]
+
+
+def wakeup_queue(c: psycopg.Connection[Any]) -> int:
+    """Sessions holding or queueing for the wakeup lock (1868724336, 1): idle workers."""
+    row = c.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = 1868724336 "
+                    "AND objid = 1 AND objsubid = 2 AND database = "
+                    "(SELECT oid FROM pg_database WHERE datname = current_database())").fetchone()
+    return int(row[0]) if row else 0
+
+
+def worker_drain(server: str, events: int, aggregates: int, workers: int,
+                 sharded: bool) -> list[tuple[float, int, float]]:
+    """Two bursts into the same idle workers, the first cold, the second warm: for each, (events/s
+    from the burst's commit to its last published_at, workers that delivered part of it, the
+    machine's busy CPU seconds over the drain)."""
+    with database(server) as dsn, psycopg.connect(dsn, autocommit=True) as c:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "bench"), str(ROOT)]))
+        procs = [subprocess.Popen([str(WORKER), "--dsn", dsn, "--publisher", "null_publisher:publish",
+                                   "--maintenance-interval", "0", "--log-level", "WARNING", "--name", f"w{i}",
+                                   *(["--shard", f"{i}/{workers}"] if sharded else [])],
+                                  env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+                 for i in range(workers)]
+        bursts = []
+        try:
+            for _ in range(2):
+                t0 = time.monotonic()
+                while wakeup_queue(c) < workers:              # every worker idle
+                    if time.monotonic() - t0 > 120 or any(p.poll() is not None for p in procs):
+                        raise RuntimeError(f"workers: {wakeup_queue(c)} of {workers} idle after "
+                                           f"{time.monotonic() - t0:.0f} s (exited: {[p.returncode for p in procs]})")
+                    time.sleep(0.1)
+                (before,) = c.execute("SELECT coalesce(max(id), 0) FROM outbox").fetchone()  # type: ignore[misc]
+                c.execute("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
+                          "SELECT 'acct', 'a' || (g %% %s), 'e', '{\"n\": 1}' FROM generate_series(1, %s) g",
+                          (aggregates, events))
+                cpu = busy_jiffies()
+                (committed,) = c.execute("SELECT clock_timestamp()").fetchone()  # type: ignore[misc]
+                t0 = time.monotonic()
+                while c.execute("SELECT EXISTS (SELECT FROM outbox WHERE unfinished)").fetchone()[0]:  # type: ignore[index]
+                    if time.monotonic() - t0 > 600:
+                        raise RuntimeError("workers: the burst not drained after 600 s")
+                    time.sleep(0.05)
+                cpu = busy_jiffies() - cpu
+                (seconds, took_part) = c.execute(  # type: ignore[misc]
+                    "SELECT extract(epoch FROM max(published_at) - %s), count(DISTINCT locked_by) FROM outbox "
+                    "WHERE id > %s", (committed, before)).fetchone()
+                bursts.append((events / float(seconds), int(took_part), cpu / os.sysconf("SC_CLK_TCK")))
+        finally:
+            for p in procs:
+                p.send_signal(signal.SIGTERM)
+            for p in procs:
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+    return bursts
+
+
+def part_workers(server: str, quick: bool, repeat: int) -> None:
+    mixes = [(50_000, 12_500), (20_000, 200)] if quick else [(200_000, 50_000), (20_000, 200)]
+    print(f"\nworkers: N outboxpg-worker processes, idle, then a burst, then another once they are idle again; "
+          f"events/s from a burst's commit to its last published (a no-op publisher), median of {repeat}; "
+          f"workers that took part; busy CPU s of the machine during the drain")
+    for events, aggregates in mixes:
+        print(f"  {events:,} events over {aggregates:,} aggregates")
+        for workers in (1, 2, 4, 8):
+            runs: dict[bool, list[list[tuple[float, int, float]]]] = {False: [], True: []}
+            for _ in range(repeat):
+                for sharded in (False, True):
+                    runs[sharded].append(worker_drain(server, events, aggregates, workers, sharded))
+            for sharded in (False, True):
+                cells = []
+                for burst, what in ((0, "first burst"), (1, "warm")):
+                    r = [d[burst] for d in runs[sharded]]
+                    cells.append(f"{what} {statistics.median(x[0] for x in r):>8,.0f}/s "
+                                 f"({min(x[1] for x in r)}-{max(x[1] for x in r)} took part, "
+                                 f"CPU {statistics.median(x[2] for x in r):.2f} s)")
+                print(f"    {workers} worker{'s' if workers > 1 else ' '} {'shards   ' if sharded else 'no shards'}  "
+                      f"{'   '.join(cells)}   load {load()}", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--server", default="host=127.0.0.1 user=postgres")
-    ap.add_argument("--only", choices=("cost", "drain"))
+    ap.add_argument("--only", choices=("cost", "drain", "workers"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--repeat", type=int, default=3, help="drains per configuration; the median is shown")
     ap.add_argument("--cold", action="store_true",
@@ -261,6 +365,8 @@ def main() -> int:
         part_cost(a.server)
     if a.only in (None, "drain"):
         part_drain(a.server, a.quick, max(1, a.repeat), a.cold)
+    if a.only in (None, "workers"):
+        part_workers(a.server, a.quick, max(1, a.repeat))
     return 0
 
 
