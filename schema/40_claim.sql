@@ -1242,8 +1242,24 @@ BEGIN
     END LOOP;
 
     IF cardinality(empty_types) > 0 THEN
+        -- The parked heads read at the front are not locked yet, and this claim holds its runs'
+        -- heads (and its intake's): a wait for one of them could close a circle with a report
+        -- that holds it (it parked it) and waits for one of those. So only those it can lock
+        -- now; one that another holds is left to a later claim.
+        SELECT array_agg(s.t), array_agg(s.i) INTO empty_types, empty_ids
+          FROM (SELECT DISTINCT e.t COLLATE "C" AS t, e.i COLLATE "C" AS i
+                  FROM unnest(empty_types, empty_ids) AS e(t, i)) s
+         CROSS JOIN LATERAL (
+               SELECT h.ctid FROM outbox_heads h
+                WHERE h.aggregate_type = s.t
+                  AND h.aggregate_id >= s.i AND h.aggregate_id <= s.i
+                ORDER BY h.aggregate_type DESC, h.aggregate_id DESC
+                LIMIT 1
+                  FOR UPDATE SKIP LOCKED) h;
+    END IF;
+    IF cardinality(empty_types) > 0 THEN
         -- Heads with no unfinished event in sight: dropped, or set right, under the protocol
-        -- that keeps a new event from losing its head (the claim holds them already).
+        -- that keeps a new event from losing its head (the claim holds them now).
         PERFORM outbox_refresh_heads(empty_types, empty_ids);
     END IF;
     IF cardinality(c_ids) = 0 THEN
