@@ -96,6 +96,20 @@ def waiting_for_a_lock(conn: Conn, pid: int) -> bool:
     return row is not None and row[0] == "Lock"
 
 
+def claim_beside_an_intake(dsn: str, conn: Conn) -> list[dict[str, Any]]:
+    """A claim of 1 that takes the new events in, left open; a claim of 100 beside it, until it
+    returns or waits for a lock; then the first commits. The second claim's rows."""
+    with connect(dsn, autocommit=False) as a, connect(dsn) as b, ThreadPoolExecutor(1) as pool:
+        assert len(claim(a, 1)) == 1                     # the intake row is a's until it commits
+        later = pool.submit(claim, b, 100)
+        deadline = time.monotonic() + 10
+        while not later.done() and not waiting_for_a_lock(conn, b.info.backend_pid):
+            assert time.monotonic() < deadline, "the second claim neither returned nor waited"
+            time.sleep(0.01)
+        a.commit()
+        return later.result(10)
+
+
 def test_a_claim_that_finds_nothing_due_waits_for_the_intake_in_progress(dsn: str, conn: Conn) -> None:
     """A burst of 40 new aggregates, no head yet. The first claim takes all of them in and leases
     one; a second claim at the same time finds no head (the first one's are not committed). It
@@ -103,15 +117,7 @@ def test_a_claim_that_finds_nothing_due_waits_for_the_intake_in_progress(dsn: st
     worker to sleep until a notification that the burst has already spent (a caller of another
     language, until its next poll) while the heads it could take came due a moment later."""
     backlog(conn, 40, aggregates=40)
-    with connect(dsn, autocommit=False) as a, connect(dsn) as b, ThreadPoolExecutor(1) as pool:
-        assert len(claim(a, 1)) == 1                     # takes in all 40; the intake row is a's
-        later = pool.submit(claim, b, 100)
-        deadline = time.monotonic() + 10
-        while not later.done() and not waiting_for_a_lock(conn, b.info.backend_pid):
-            assert time.monotonic() < deadline, "the second claim neither returned nor waited"
-            time.sleep(0.01)
-        a.commit()
-        got = later.result(10)
+    got = claim_beside_an_intake(dsn, conn)
     assert len(got) == 39, "the second claim came back without waiting for the heads being made"
 
 
@@ -158,13 +164,5 @@ def test_a_claim_waits_for_the_intake_behind_parked_heads(dsn: str, conn: Conn) 
     (parked,) = conn.execute("SELECT count(*) FILTER (WHERE parked) FROM outbox_heads").fetchone()  # type: ignore[misc]
     assert parked == 20
     backlog(conn, 20, aggregates=20)
-    with connect(dsn, autocommit=False) as a, connect(dsn) as b, ThreadPoolExecutor(1) as pool:
-        assert len(claim(a, 1)) == 1                     # brings the 20 heads back; the intake row is a's
-        later = pool.submit(claim, b, 100)
-        deadline = time.monotonic() + 10
-        while not later.done() and not waiting_for_a_lock(conn, b.info.backend_pid):
-            assert time.monotonic() < deadline, "the second claim neither returned nor waited"
-            time.sleep(0.01)
-        a.commit()
-        got = later.result(10)
+    got = claim_beside_an_intake(dsn, conn)
     assert len(got) == 19, "the second claim came back without waiting for the heads being brought back"
