@@ -675,11 +675,11 @@ END;
 $$;
 
 -- Wait for the claim that holds the intake row to end (true), at most a second (false). A claim
--- that finds the row held takes nothing in itself; when it then finds nothing due either, what
--- it would hand out may be the heads that other claim is making right now, due the moment it
--- commits: after a burst into an idle fleet, every worker but the one taking in would come back
--- empty and sleep until a notification that the burst has already spent, and a caller of
--- another language until its next poll. So it waits, and looks again.
+-- that finds the row held takes nothing in itself; when it then has nothing to hand out either,
+-- what it would hand out may be the heads that other claim is making (or bringing back) right
+-- now, due the moment it commits: after a burst into an idle fleet, every worker but the one
+-- taking in would come back empty and sleep until a notification that the burst has already
+-- spent, and a caller of another language until its next poll. So it waits, and looks again.
 -- The wait is a row lock in a subtransaction that is rolled back at once (the exception
 -- below), so the lock goes with it: holding it, this claim would keep the next intake out.
 -- Bounded, because the holder may be a session that claimed and stays open (a user trying
@@ -701,7 +701,7 @@ END;
 $$;
 
 COMMENT ON FUNCTION outbox_intake_wait() IS
-    'Called by outbox_claim when it found the intake row held and nothing due: waits for the holder to end (true), at most 1 s (false).';
+    'Called by outbox_claim when it found the intake row held and had nothing to hand out: waits for the holder to end (true), at most 1 s (false).';
 
 -- The bucket of an aggregate, 0 to 63.
 CREATE OR REPLACE FUNCTION outbox_aggregate_bucket(aggregate_type text, aggregate_id text) RETURNS integer
