@@ -610,13 +610,21 @@ COMMENT ON FUNCTION outbox_take_in(bigint, bigint, integer) IS
 -- The wait is a row lock in a subtransaction that is rolled back at once (the exception
 -- below), so the lock goes with it: holding it, this claim would keep the next intake out.
 -- Bounded, because the holder may be a session that claimed and stays open (a user trying
--- outbox_claim in psql); then the claim comes back empty as it did without the wait.
+-- outbox_claim in psql); then the claim comes back empty as it did without the wait. Under a
+-- statement_timeout (a role's, say) it waits at most half of it, so that the claim comes back
+-- empty rather than cancelled.
 CREATE OR REPLACE FUNCTION outbox_intake_wait() RETURNS boolean
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
 SET lock_timeout = '1s'
 AS $$
+DECLARE
+    statement_ms bigint := (SELECT s.setting::bigint FROM pg_settings s WHERE s.name = 'statement_timeout');
 BEGIN
+    IF statement_ms > 0 THEN
+        -- Local to this call: the SET clause above puts lock_timeout back when it returns.
+        PERFORM set_config('lock_timeout', greatest(1, least(1000, statement_ms / 2))::text, true);
+    END IF;
     PERFORM FROM outbox_intake i FOR KEY SHARE;
     RAISE SQLSTATE 'OBX02';
 EXCEPTION
@@ -628,7 +636,7 @@ END;
 $$;
 
 COMMENT ON FUNCTION outbox_intake_wait() IS
-    'Called by outbox_claim when it found the intake row held and had nothing to hand out: waits for the holder to end (true), at most 1 s (false).';
+    'Called by outbox_claim when it found the intake row held and had nothing to hand out: waits for the holder to end (true), at most 1 s or half the statement_timeout (false).';
 
 -- == Shards =====================================================================================
 --

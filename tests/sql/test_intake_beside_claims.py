@@ -166,3 +166,18 @@ def test_a_claim_waits_for_the_intake_behind_parked_heads(dsn: str, conn: Conn) 
     backlog(conn, 20, aggregates=20)
     got = claim_beside_an_intake(dsn, conn)
     assert len(got) == 19, "the second claim came back without waiting for the heads being brought back"
+
+
+def test_the_wait_stays_within_a_short_statement_timeout(dsn: str, conn: Conn) -> None:
+    """A role or session with statement_timeout below the wait's second: the claim waits at most
+    half of it, and comes back empty rather than cancelled."""
+    backlog(conn, 40, aggregates=40)
+    with connect(dsn, autocommit=False) as a, connect(dsn) as b:
+        claim(a, 1)
+        b.execute("SET statement_timeout = '600ms'")
+        started = time.monotonic()
+        assert claim(b, 100) == []
+        waited = time.monotonic() - started
+        assert b.execute("SHOW lock_timeout").fetchone() == ("10s",)     # the session's own again
+        a.rollback()
+    assert 0.25 <= waited < 10
