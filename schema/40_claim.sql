@@ -811,8 +811,9 @@ DECLARE
     intake_held boolean;    -- another claim held the intake row: this one took nothing in
     locked  boolean := false;   -- a pass of this look locked a head
     remaining  integer;
-    empty_types text[] := '{}';
+    empty_types text[] := '{}';   -- heads this claim holds that showed no unfinished event
     empty_ids   text[] := '{}';
+    parked_tids tid[];             -- parked heads at the front whose second is up
     pass_empty_types text[];
     pass_empty_ids   text[];
     seen_heads bigint;
@@ -920,8 +921,7 @@ BEGIN
         -- events came one after another) and more than 10 of them wait now (a quiet head's share at
         -- most, below): the line of such a head is read to its 11th event, no further. An aggregate
         -- that has caught up is quiet again, however busy it was.
-        SELECT coalesce(array_agg(p.aggregate_type) FILTER (WHERE p.parked AND p.leased_until < t), '{}'),
-               coalesce(array_agg(p.aggregate_id) FILTER (WHERE p.parked AND p.leased_until < t), '{}'),
+        SELECT coalesce(array_agg(p.tid) FILTER (WHERE p.parked AND p.leased_until < t), '{}'),
                coalesce(array_agg(p.lock_key ORDER BY p.ready_at, p.opened_id) FILTER (WHERE p.claimable), '{}'),
                coalesce(array_agg(p.moves >= 3 AND EXISTS (SELECT FROM outbox o
                                                           WHERE o.aggregate_type = p.aggregate_type
@@ -931,13 +931,13 @@ BEGIN
                                                          OFFSET 10)
                                   ORDER BY p.ready_at, p.opened_id) FILTER (WHERE p.claimable), '{}'),
                count(*), max(p.ready_at)
-          INTO empty_types, empty_ids, front, busy_front, front_read, window_end
+          INTO parked_tids, front, busy_front, front_read, window_end
           FROM (SELECT h.aggregate_type, h.aggregate_id, h.parked, h.leased_until, h.lock_key, h.ready_at, h.opened_id,
                        NOT h.parked AND (h.leased_until IS NULL OR h.leased_until < t)
                        AND (h.head_id <= g.settled
                             OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys))) AS claimable,
-                       h.head_id, h.moves
-                  FROM (SELECT h.* FROM outbox_heads h
+                       h.head_id, h.moves, h.tid
+                  FROM (SELECT h.*, h.ctid AS tid FROM outbox_heads h
                          WHERE buckets IS NULL
                            AND h.ready_at <= t AND h.ready_at >= floor_at
                          ORDER BY h.ready_at, h.opened_id
@@ -948,10 +948,10 @@ BEGIN
                        NOT h.parked AND (h.leased_until IS NULL OR h.leased_until < t)
                        AND (h.head_id <= g.settled
                             OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys))) AS claimable,
-                       h.head_id, h.moves
+                       h.head_id, h.moves, h.tid
                   FROM unnest(due_buckets) AS b(k)
                  CROSS JOIN LATERAL (
-                       SELECT h.* FROM outbox_heads h
+                       SELECT h.*, h.ctid AS tid FROM outbox_heads h
                         WHERE (h.lock_key & 63) = b.k
                           AND h.ready_at <= t AND h.ready_at >= floor_at
                         ORDER BY h.ready_at, h.opened_id
@@ -1249,25 +1249,23 @@ BEGIN
         EXIT WHEN NOT outbox_intake_wait();
     END LOOP;
 
-    IF cardinality(empty_types) > 0 THEN
+    IF cardinality(parked_tids) > 0 THEN
         -- The parked heads read at the front are not locked yet, and this claim holds its runs'
         -- heads (and its intake's): a wait for one of them could close a circle with a report
         -- that holds it (it parked it) and waits for one of those. So only those it can lock
-        -- now; one that another holds is left to a later claim.
-        SELECT array_agg(s.t), array_agg(s.i) INTO empty_types, empty_ids
-          FROM (SELECT DISTINCT e.t COLLATE "C" AS t, e.i COLLATE "C" AS i
-                  FROM unnest(empty_types, empty_ids) AS e(t, i)) s
-         CROSS JOIN LATERAL (
-               SELECT h.ctid FROM outbox_heads h
-                WHERE h.aggregate_type = s.t
-                  AND h.aggregate_id >= s.i AND h.aggregate_id <= s.i
-                ORDER BY h.aggregate_type DESC, h.aggregate_id DESC
-                LIMIT 1
-                  FOR UPDATE SKIP LOCKED) h;
+        -- now, by the version read (or the one it became since), SKIP LOCKED; one that another
+        -- holds is left to a later claim.
+        SELECT empty_types || coalesce(array_agg(h.aggregate_type::text), '{}'),
+               empty_ids || coalesce(array_agg(h.aggregate_id::text), '{}')
+          INTO empty_types, empty_ids
+          FROM outbox_heads h
+         WHERE h.ctid = ANY (ARRAY(SELECT x.ctid FROM outbox_heads x
+                                    WHERE x.ctid = ANY (parked_tids)
+                                      FOR UPDATE SKIP LOCKED));
     END IF;
     IF cardinality(empty_types) > 0 THEN
         -- Heads with no unfinished event in sight: dropped, or set right, under the protocol
-        -- that keeps a new event from losing its head (the claim holds them now).
+        -- that keeps a new event from losing its head (the claim holds them).
         PERFORM outbox_refresh_heads(empty_types, empty_ids);
     END IF;
     IF cardinality(c_ids) = 0 THEN
