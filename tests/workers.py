@@ -12,6 +12,7 @@ from typing import Any
 
 import psycopg
 from helpers import Running
+from locks import WAKEUP_LOCK
 
 from outboxpg.events import OutboxEvent
 from outboxpg.relay.worker import Worker, WorkerConfig
@@ -31,6 +32,19 @@ async def scalar(dsn: str, query: str, params: tuple[Any, ...] = ()) -> Any:
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as c:
         row = await (await c.execute(query, params)).fetchone()
         return row[0] if row else None
+
+
+def fleet_idle(conn: psycopg.Connection[Any], workers: list[Running]) -> Callable[[], Awaitable[bool]]:
+    """For wait_until: is the fleet idle, one worker holding the wakeup lock and the others
+    queued for it, every one listening?"""
+    async def check() -> bool:
+        held = [await w.idle() for w in workers]
+        row = conn.execute("SELECT count(*) FILTER (WHERE NOT granted) FROM pg_locks "
+                           "WHERE locktype = 'advisory' AND classid = %s AND objid = %s AND objsubid = 2",
+                           WAKEUP_LOCK).fetchone()
+        return (sum(held) == 1 and row == (len(workers) - 1,)
+                and all(w.worker.listener.up for w in workers))
+    return check
 
 
 def count_in(dsn: str, state: str) -> Callable[[], Awaitable[int]]:

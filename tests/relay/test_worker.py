@@ -12,7 +12,7 @@ import psycopg
 import pytest
 from jetstream import make_stream, read_stream
 from locks import WAKEUP_LOCK
-from workers import all_in, count_in, equals, start, wait_until
+from workers import all_in, count_in, equals, fleet_idle, start, wait_until
 
 from outboxpg import Event, enqueue, enqueue_many
 from outboxpg.events import OutboxEvent
@@ -426,15 +426,8 @@ async def test_a_burst_into_an_idle_fleet_is_drained_by_every_worker(dsn, conn):
 
     workers = [start(dsn, publisher(f"w{i}"), batch_size=50, name=f"w{i}") for i in range(3)]
 
-    async def fleet_idle() -> bool:      # one holds the wakeup lock, the others queue for it
-        held = [await w.idle() for w in workers]
-        waiting = conn.execute("SELECT count(*) FILTER (WHERE NOT granted) FROM pg_locks "
-                               "WHERE locktype = 'advisory' AND classid = %s AND objid = %s AND objsubid = 2",
-                               WAKEUP_LOCK).fetchone()
-        return sum(held) == 1 and waiting == (2,) and all(w.worker.listener.up for w in workers)
-
     for burst in (1, 2):
-        await wait_until(fleet_idle, 10, "the three workers idle")
+        await wait_until(fleet_idle(conn, workers), 10, "the three workers idle")
         delivered.clear()
         conn.execute("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
                      "SELECT 'order', 'a' || (g % 200), 'created', '{}' FROM generate_series(1, 6000) g")
@@ -467,14 +460,7 @@ async def test_idle_workers_queued_for_the_wakeup_lock_hold_back_no_vacuum(dsn, 
     and the worker's own xmin watch reported it. The queued worker waits a second at a time."""
     workers = [start(dsn, FunctionPublisher(lambda e: None), name=f"w{i}") for i in range(2)]
 
-    async def fleet_idle() -> bool:
-        held = [await w.idle() for w in workers]
-        waiting = conn.execute("SELECT count(*) FILTER (WHERE NOT granted) FROM pg_locks "
-                               "WHERE locktype = 'advisory' AND classid = %s AND objid = %s AND objsubid = 2",
-                               WAKEUP_LOCK).fetchone()
-        return sum(held) == 1 and waiting == (1,)
-
-    await wait_until(fleet_idle, 10, "one worker holding the wakeup lock, the other queued")
+    await wait_until(fleet_idle(conn, workers), 10, "one worker holding the wakeup lock, the other queued")
     await asyncio.sleep(3)
     held_back = conn.execute(
         "SELECT application_name, now() - xact_start FROM pg_stat_activity "
