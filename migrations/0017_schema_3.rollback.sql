@@ -18,6 +18,7 @@ DROP FUNCTION outbox_xmin_holders();
 DROP FUNCTION outbox_claim(integer, interval, text, bigint, text, boolean);
 DROP FUNCTION outbox_intake_wait();
 DROP FUNCTION outbox_fail(bigint, uuid, text, boolean, interval);
+DROP FUNCTION outbox_next_wakeup(text);
 DROP FUNCTION outbox_shards_disable();
 DROP FUNCTION outbox_shards_enable();
 DROP FUNCTION outbox_shard_buckets(text);
@@ -340,6 +341,53 @@ BEGIN
         RAISE EXCEPTION 'outbox_cancel: ids must not be NULL' USING ERRCODE = 'null_value_not_allowed';
     END IF;
     RETURN outbox_discard(ids, 'cancelled');
+END;
+$$;
+
+-- When each head can be claimed: ready_at, or, while a run holds it, leased_until. A head that
+-- came due within the last second counts too (it is returned, in the past: claim now): it may
+-- have come due between the worker's last claim and this call. Heads the commit-order guard
+-- holds back are left out: the producer's commit wakes the workers, and claiming them now finds
+-- nothing. A parked head wakes nobody: its time running out makes nothing due. Index lookups
+-- only, pinned like the claim's (a plan made from statistics taken during a burst must not turn
+-- into scans of whole partitions later).
+CREATE OR REPLACE FUNCTION outbox_next_wakeup() RETURNS timestamptz
+LANGUAGE plpgsql
+VOLATILE
+-- Runs as its owner: a worker has no rights on the tables.
+SECURITY DEFINER
+SET search_path FROM CURRENT
+SET enable_seqscan = off
+SET max_parallel_workers_per_gather = 0
+SET jit = off
+AS $$
+DECLARE
+    g record;
+    floor_at timestamptz := to_timestamp(coalesce(pg_sequence_last_value('outbox_heads_floor_us'), 0) / 1000000.0);
+BEGIN
+    SELECT * INTO g FROM outbox_commit_guard();
+    IF NOT (SELECT s.commit_order_guard FROM outbox_settings s) THEN
+        g.settled := g.last_id;
+    END IF;
+    -- Leased heads sit among the due ones (ready_at passed), at or above the floor: a walk over
+    -- the runs in flight, which is short whenever a worker is idle.
+    RETURN least(
+        (SELECT min(h.ready_at)
+           FROM outbox_heads h
+          WHERE h.ready_at > now() - interval '1 second'
+            AND (h.leased_until IS NULL OR h.leased_until <= h.ready_at)
+            AND (h.ready_at > now()
+                 OR h.head_id <= g.settled
+                 OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys)))),
+        (SELECT min(h.leased_until)
+           FROM outbox_heads h
+          WHERE h.ready_at >= floor_at AND h.ready_at <= now()
+            AND h.leased_until > h.ready_at
+            AND NOT h.parked
+            AND h.leased_until > now() - interval '1 second'
+            AND (h.leased_until > now()
+                 OR h.head_id <= g.settled
+                 OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys)))));
 END;
 $$;
 
@@ -1065,6 +1113,9 @@ COMMENT ON FUNCTION outbox_fail(bigint, uuid, text, boolean) IS
 
 COMMENT ON VIEW outbox_stats IS
     'One row: events per state, oldest undelivered event''s age, oldest running lease''s age, last claim time.';
+
+COMMENT ON FUNCTION outbox_next_wakeup() IS
+    'Earliest moment a retry becomes due or a lease expires (NULL if none; in the past if one just came due): how long an idle worker may sleep.';
 
 COMMENT ON FUNCTION outbox_health_row() IS
     'The row of the outbox_health view (computed with index scans only).';

@@ -21,6 +21,8 @@ DROP FUNCTION outbox_claim(integer, interval, text);
 DROP FUNCTION outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean);
 -- outbox_fail takes the wait a destination asked for (retry_after).
 DROP FUNCTION outbox_fail(bigint, uuid, text, boolean);
+-- outbox_next_wakeup takes a shard.
+DROP FUNCTION outbox_next_wakeup();
 
 -- outbox_stats and outbox_health count scheduled events apart from those waiting for a retry (a
 -- column more, in the middle); outbox_replay_candidates takes include_replays. Made again below.
@@ -317,6 +319,59 @@ $$;
 
 COMMENT ON FUNCTION outbox_cancel(bigint[]) IS
     'Take the caller''s own not-yet-delivered events (pending, scheduled or not, and dead) out of the flow: discarded with reason ''cancelled''; the next event of their aggregate becomes claimable. A claimed event, and other producers'' events, are left alone. Returns how many were cancelled.';
+
+-- When each head can be claimed: ready_at, or, while a run holds it, leased_until. A head that
+-- came due within the last second counts too (it is returned, in the past: claim now): it may
+-- have come due between the worker's last claim and this call. Heads the commit-order guard
+-- holds back are left out: the producer's commit wakes the workers, and claiming them now finds
+-- nothing. A parked head wakes nobody: its time running out makes nothing due. Index lookups
+-- only, pinned like the claim's (a plan made from statistics taken during a burst must not turn
+-- into scans of whole partitions later).
+CREATE OR REPLACE FUNCTION outbox_next_wakeup(shard text DEFAULT NULL) RETURNS timestamptz
+LANGUAGE plpgsql
+VOLATILE
+-- Runs as its owner: a worker has no rights on the tables.
+SECURITY DEFINER
+SET search_path FROM CURRENT
+SET enable_seqscan = off
+SET max_parallel_workers_per_gather = 0
+SET jit = off
+AS $$
+DECLARE
+    g record;
+    floor_at timestamptz := to_timestamp(coalesce(pg_sequence_last_value('outbox_heads_floor_us'), 0) / 1000000.0);
+    buckets integer[] := outbox_shard_buckets(shard);     -- NULL: every aggregate
+BEGIN
+    SELECT * INTO g FROM outbox_commit_guard();
+    IF NOT (SELECT s.commit_order_guard FROM outbox_settings s) THEN
+        g.settled := g.last_id;
+    END IF;
+    -- Leased heads sit among the due ones (ready_at passed), at or above the floor: a walk over
+    -- the runs in flight, which is short whenever a worker is idle.
+    RETURN least(
+        (SELECT min(h.ready_at)
+           FROM outbox_heads h
+          WHERE h.ready_at > now() - interval '1 second'
+            AND (buckets IS NULL OR (h.lock_key & 63) = ANY (buckets))
+            AND (h.leased_until IS NULL OR h.leased_until <= h.ready_at)
+            AND (h.ready_at > now()
+                 OR h.head_id <= g.settled
+                 OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys)))),
+        (SELECT min(h.leased_until)
+           FROM outbox_heads h
+          WHERE h.ready_at >= floor_at AND h.ready_at <= now()
+            AND (buckets IS NULL OR (h.lock_key & 63) = ANY (buckets))
+            AND h.leased_until > h.ready_at
+            AND NOT h.parked
+            AND h.leased_until > now() - interval '1 second'
+            AND (h.leased_until > now()
+                 OR h.head_id <= g.settled
+                 OR (h.head_id <= g.open_below AND h.lock_key <> ALL (g.held_keys)))));
+END;
+$$;
+
+COMMENT ON FUNCTION outbox_next_wakeup(text) IS
+    'Earliest moment a retry becomes due or a lease expires (NULL if none; in the past if one just came due): how long an idle worker may sleep. shard ''I/N'': of that shard''s aggregates only.';
 
 -- Take newly committed events into outbox_heads: up to `chunk` in-flow events above the intake
 -- cursor, oldest first. Returns the cursor afterwards, or NULL when another claim is taking in
@@ -1862,7 +1917,7 @@ END $$;
 REVOKE EXECUTE ON FUNCTION
     outbox_aggregate_key(text, text), outbox_assign_id(), outbox_take_idempotency_key(),
     outbox_idempotency_event(text), outbox_cancel(bigint[]),
-    outbox_wake_workers(), outbox_worker_idle(), outbox_worker_busy(), outbox_next_wakeup(),
+    outbox_wake_workers(), outbox_worker_idle(), outbox_worker_busy(), outbox_next_wakeup(text),
     outbox_retry_delay(integer, interval, interval), outbox_commit_guard(), outbox_commit_horizon(),
     outbox_heads_writing(), outbox_heads_floor(), outbox_take_in(bigint, bigint, integer),
     outbox_intake_wait(),
@@ -1889,7 +1944,7 @@ GRANT EXECUTE ON FUNCTION
     outbox_claim(integer, interval, text, bigint, text, boolean), outbox_complete(bigint[], uuid),
     outbox_fail(bigint, uuid, text, boolean, interval), outbox_release(bigint[], uuid),
     outbox_extend(bigint[], uuid, interval),
-    outbox_next_wakeup(), outbox_worker_idle(), outbox_worker_busy(), outbox_maintain(boolean),
+    outbox_next_wakeup(text), outbox_worker_idle(), outbox_worker_busy(), outbox_maintain(boolean),
     outbox_idempotency_forget(integer), outbox_unfinished_subjects(integer),
     outbox_health_row(), outbox_open_producers(), outbox_xmin_holders(), outbox_untrusted_creators()
 TO outbox_worker;

@@ -60,7 +60,7 @@ FAIL = _f("outbox_fail", "bigint", "uuid", "text", "boolean", "interval", caller
 RELEASE = _f("outbox_release", "bigint[]", "uuid", callers=(WORKER,), definer=True, settings=(*PLANNER, *PATH))
 EXTEND = _f("outbox_extend", "bigint[]", "uuid", "interval", callers=(WORKER,), definer=True,
             settings=(*PLANNER, *PATH))
-NEXT_WAKEUP = _f("outbox_next_wakeup", callers=(WORKER,), definer=True, settings=(*LOOKUP, *PATH))
+NEXT_WAKEUP = _f("outbox_next_wakeup", "text", callers=(WORKER,), definer=True, settings=(*LOOKUP, *PATH))
 # the worker's start-up stream check and outboxpg status --nats-url
 UNFINISHED_SUBJECTS = _f("outbox_unfinished_subjects", "integer", callers=(WORKER, OPERATOR), definer=True,
                          settings=("jit=off", *PATH))

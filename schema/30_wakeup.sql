@@ -4,6 +4,7 @@
 --   SELECT outbox_worker_idle();         -- before sleeping; then claim once more
 --   SELECT outbox_worker_busy();         -- on waking, then drain
 --   SELECT outbox_next_wakeup();         -- when something becomes due by itself (NULL: nothing)
+--   SELECT outbox_next_wakeup('1/4');    -- the same, for a worker that claims shard 1/4 only
 --
 -- NOTIFY takes a database-wide lock at COMMIT to keep the notification queue in commit order,
 -- so producers that all NOTIFY are serialised on it. Notifications are only useful while some
@@ -29,6 +30,10 @@
 -- and an expired lease (its worker died or hung). Both are times on an aggregate's head:
 -- outbox_next_wakeup() returns the earliest, so a worker can sleep exactly until then instead
 -- of polling.
+--
+-- With shards, the worker that holds the wakeup lock claims its own shard only: a worker of
+-- another shard queued behind it sleeps until its own shard's next wakeup (or its poll) and
+-- claims then, still queued; the notifications reach every listening worker either way.
 DO $$ BEGIN PERFORM set_config('search_path', format('%I, pg_temp', current_schema()), false); END $$;
 
 CREATE OR REPLACE FUNCTION outbox_wake_workers() RETURNS trigger
@@ -95,7 +100,7 @@ COMMENT ON FUNCTION outbox_worker_busy() IS
 -- nothing. A parked head wakes nobody: its time running out makes nothing due. Index lookups
 -- only, pinned like the claim's (a plan made from statistics taken during a burst must not turn
 -- into scans of whole partitions later).
-CREATE OR REPLACE FUNCTION outbox_next_wakeup() RETURNS timestamptz
+CREATE OR REPLACE FUNCTION outbox_next_wakeup(shard text DEFAULT NULL) RETURNS timestamptz
 LANGUAGE plpgsql
 VOLATILE
 -- Runs as its owner: a worker has no rights on the tables.
@@ -108,6 +113,7 @@ AS $$
 DECLARE
     g record;
     floor_at timestamptz := to_timestamp(coalesce(pg_sequence_last_value('outbox_heads_floor_us'), 0) / 1000000.0);
+    buckets integer[] := outbox_shard_buckets(shard);     -- NULL: every aggregate
 BEGIN
     SELECT * INTO g FROM outbox_commit_guard();
     IF NOT (SELECT s.commit_order_guard FROM outbox_settings s) THEN
@@ -119,6 +125,7 @@ BEGIN
         (SELECT min(h.ready_at)
            FROM outbox_heads h
           WHERE h.ready_at > now() - interval '1 second'
+            AND (buckets IS NULL OR (h.lock_key & 63) = ANY (buckets))
             AND (h.leased_until IS NULL OR h.leased_until <= h.ready_at)
             AND (h.ready_at > now()
                  OR h.head_id <= g.settled
@@ -126,6 +133,7 @@ BEGIN
         (SELECT min(h.leased_until)
            FROM outbox_heads h
           WHERE h.ready_at >= floor_at AND h.ready_at <= now()
+            AND (buckets IS NULL OR (h.lock_key & 63) = ANY (buckets))
             AND h.leased_until > h.ready_at
             AND NOT h.parked
             AND h.leased_until > now() - interval '1 second'
@@ -135,5 +143,5 @@ BEGIN
 END;
 $$;
 
-COMMENT ON FUNCTION outbox_next_wakeup() IS
-    'Earliest moment a retry becomes due or a lease expires (NULL if none; in the past if one just came due): how long an idle worker may sleep.';
+COMMENT ON FUNCTION outbox_next_wakeup(text) IS
+    'Earliest moment a retry becomes due or a lease expires (NULL if none; in the past if one just came due): how long an idle worker may sleep. shard ''I/N'': of that shard''s aggregates only.';

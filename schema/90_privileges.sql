@@ -99,7 +99,7 @@ END $$;
 REVOKE EXECUTE ON FUNCTION
     outbox_aggregate_key(text, text), outbox_assign_id(), outbox_take_idempotency_key(),
     outbox_idempotency_event(text), outbox_cancel(bigint[]),
-    outbox_wake_workers(), outbox_worker_idle(), outbox_worker_busy(), outbox_next_wakeup(),
+    outbox_wake_workers(), outbox_worker_idle(), outbox_worker_busy(), outbox_next_wakeup(text),
     outbox_retry_delay(integer, interval, interval), outbox_commit_guard(), outbox_commit_horizon(),
     outbox_heads_writing(), outbox_heads_floor(), outbox_take_in(bigint, bigint, integer),
     outbox_intake_wait(),
@@ -150,7 +150,7 @@ GRANT EXECUTE ON FUNCTION
     outbox_claim(integer, interval, text, bigint, text, boolean), outbox_complete(bigint[], uuid),
     outbox_fail(bigint, uuid, text, boolean, interval), outbox_release(bigint[], uuid),
     outbox_extend(bigint[], uuid, interval),
-    outbox_next_wakeup(), outbox_worker_idle(), outbox_worker_busy(), outbox_maintain(boolean),
+    outbox_next_wakeup(text), outbox_worker_idle(), outbox_worker_busy(), outbox_maintain(boolean),
     outbox_idempotency_forget(integer), outbox_unfinished_subjects(integer),
     outbox_health_row(), outbox_open_producers(), outbox_xmin_holders(), outbox_untrusted_creators()
 TO outbox_worker;

@@ -13,6 +13,8 @@ DROP FUNCTION outbox_claim(integer, interval, text);
 DROP FUNCTION outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean);
 -- outbox_fail takes the wait a destination asked for (retry_after).
 DROP FUNCTION outbox_fail(bigint, uuid, text, boolean);
+-- outbox_next_wakeup takes a shard.
+DROP FUNCTION outbox_next_wakeup();
 
 -- outbox_stats and outbox_health count scheduled events apart from those waiting for a retry (a
 -- column more, in the middle); outbox_replay_candidates takes include_replays. Made again below.

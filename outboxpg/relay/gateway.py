@@ -61,7 +61,7 @@ _COMPLETE = "SELECT outbox_complete(%s::bigint[], %s)"
 _FAIL = "SELECT outbox_fail(%s, %s, %s, %s, %s)"
 _RELEASE = "SELECT outbox_release(%s::bigint[], %s)"
 _EXTEND = "SELECT outbox_extend(%s::bigint[], %s, %s)"
-_SLEEP_FOR = "SELECT extract(epoch FROM outbox_next_wakeup() - clock_timestamp())::float8"
+_SLEEP_FOR = "SELECT extract(epoch FROM outbox_next_wakeup(%s) - clock_timestamp())::float8"
 _PING = "SELECT 1"
 _MAINTAIN = "SELECT action, partition, detail FROM outbox_maintain()"
 # Keys of finished events forgotten (0022), a batch a run.
@@ -258,10 +258,11 @@ class Gateway:
         async with self.pool.connection(timeout=timeout) as conn:
             await conn.execute(_PING)
 
-    async def seconds_to_next_wakeup(self) -> float | None:
-        """Until the next retry or lease expiry (outbox_next_wakeup), None: nothing scheduled."""
+    async def seconds_to_next_wakeup(self, shard: str | None = None) -> float | None:
+        """Until the next retry or lease expiry (outbox_next_wakeup) of ``shard``'s aggregates
+        ('I/N'; None: every aggregate), None: nothing scheduled."""
         async with self.claims.connection() as conn:
-            row = await (await conn.execute(_SLEEP_FOR)).fetchone()
+            row = await (await conn.execute(_SLEEP_FOR, (shard,))).fetchone()
         return row[0] if row else None
 
     async def maintain(self) -> list[tuple[str, str | None, str | None]]:

@@ -100,9 +100,10 @@ class IdleLock:
             self.conn = conn
         return self.conn
 
-    async def acquire(self, wake: asyncio.Event) -> bool:
-        """Queue for the lock; True once it is granted, False if ``wake`` was set first (the
-        request is then withdrawn). From the moment we queue, producers NOTIFY.
+    async def acquire(self, wake: asyncio.Event, within: float | None = None) -> bool | None:
+        """Queue for the lock; True once it is granted, False if ``wake`` was set first, None if
+        ``within`` seconds passed first (the request is then withdrawn). From the moment we
+        queue, producers NOTIFY.
 
         The request is renewed every second (the connection's lock_timeout): a statement that
         waits holds its snapshot, and a worker queued behind another idle one would hold the
@@ -111,11 +112,13 @@ class IdleLock:
         after it waits for that producer's commit, and the claim that follows a granted request
         sees its events, as for any worker that takes the lock."""
         conn = await self._connection()
+        deadline = None if within is None else asyncio.get_running_loop().time() + within
         while True:
+            left = None if deadline is None else max(deadline - asyncio.get_running_loop().time(), 0.0)
             request = asyncio.ensure_future(conn.execute(statements.WORKER_IDLE))
             woken = asyncio.ensure_future(wake.wait())
             try:
-                await asyncio.wait({request, woken}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({request, woken}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 woken.cancel()
             if not request.done():
@@ -124,13 +127,15 @@ class IdleLock:
                 try:
                     await request
                 except (psycopg.errors.QueryCanceled, psycopg.errors.LockNotAvailable):
-                    return False
+                    return False if wake.is_set() else None
                 break       # granted just before the cancel arrived: we hold it after all
             try:
                 request.result()
             except psycopg.errors.LockNotAvailable:
                 if wake.is_set():
                     return False
+                if deadline is not None and asyncio.get_running_loop().time() >= deadline:
+                    return None
                 continue    # another worker holds it: queue again, with a new snapshot
             break
         self.held = True

@@ -5,13 +5,18 @@ aggregates of its own shard."""
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import psycopg
 from jetstream import make_stream, read_stream
-from workers import count_in, equals, start, wait_until
+from locks import WAKEUP_LOCK
+from workers import all_in, count_in, equals, start, wait_until
 
 from outboxpg import Event, enqueue_many
+from outboxpg.events import OutboxEvent
 from outboxpg.relay.nats.publisher import NatsPublisher
+from outboxpg.relay.publishers import FunctionPublisher
 
 
 async def test_one_worker_per_shard_delivers_its_shard_once_in_order(dsn, conn, nats_server, fast_retries):
@@ -45,3 +50,49 @@ async def test_one_worker_per_shard_delivers_its_shard_once_in_order(dsn, conn, 
     assert len(per_aggregate) == 120
     for aggregate, ids in per_aggregate.items():
         assert ids == sorted(ids), f"{aggregate} delivered out of id order"
+
+
+
+def aggregate_of_shard(conn: psycopg.Connection[Any], shard: str) -> str:
+    """An aggregate id of type 'order' whose bucket is in ``shard``."""
+    row = conn.execute("SELECT g::text FROM generate_series(1, 1000) g "
+                       "WHERE outbox_aggregate_bucket('order', g::text) = ANY (outbox_shard_buckets(%s)) LIMIT 1",
+                       (shard,)).fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+def queued_for_wakeup_lock(conn: psycopg.Connection[Any]) -> Callable[[], Awaitable[bool]]:
+    """For wait_until: does one session queue for the wakeup lock?"""
+    async def check() -> bool:
+        row = conn.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
+                           "AND classid = %s AND objid = %s AND objsubid = 2", WAKEUP_LOCK).fetchone()
+        return row == (1,)
+    return check
+
+
+async def test_a_shard_worker_queued_behind_another_claims_what_comes_due_in_its_shard(dsn, conn):
+    """The wakeup lock is held by another idle worker (here a session of the test's), whose claims
+    cover its own shard only; this worker, shard 1/2, queues behind it. An event of its shard
+    scheduled a second ahead comes due with no notification: the worker claims it at its shard's
+    next wakeup, as the holder would. Before, only the holder slept until the next wakeup or the
+    poll, and a worker queued behind the holder of another shard never claimed it."""
+    conn.execute("SELECT outbox_shards_enable()")
+    delivered: list[str] = []
+
+    async def publish(event: OutboxEvent) -> None:
+        delivered.append(event.aggregate_id)
+
+    with psycopg.connect(dsn, autocommit=True) as other:
+        other.execute("SELECT outbox_worker_idle()")           # the other shard's idle worker
+        running = start(dsn, FunctionPublisher(publish), name="shard-1", shard="1/2", poll_interval=120)
+        try:
+            await wait_until(queued_for_wakeup_lock(conn), 10, "the worker queued for the wakeup lock")
+            aggregate = aggregate_of_shard(conn, "1/2")
+            conn.execute("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, deliver_at) "
+                         "VALUES ('order', %s, 'created', '{}', now() + interval '1 second')", (aggregate,))
+            took = await wait_until(all_in(dsn, "published", 1), 10, "the scheduled event published")
+            assert delivered == [aggregate]
+            assert took < 3, took
+        finally:
+            await running.stop()

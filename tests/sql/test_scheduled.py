@@ -56,6 +56,23 @@ def test_a_scheduled_event_waits_for_its_time_and_its_aggregate_waits_behind_it(
     assert waited > 1.0
 
 
+
+def test_the_next_wakeup_of_a_shard_is_of_its_own_aggregates(conn):
+    """A worker of shard 1/2 sleeps until its own aggregates' next time, not another shard's."""
+    conn.execute("SELECT outbox_shards_enable()")
+    agg = {shard: conn.execute("SELECT g::text FROM generate_series(1, 1000) g WHERE outbox_aggregate_bucket("
+                               "'order', g::text) = ANY (outbox_shard_buckets(%s)) LIMIT 1", (shard,)).fetchone()[0]
+           for shard in ("0/2", "1/2")}
+    soon = insert(conn, agg["0/2"], "10 minutes")
+    later = insert(conn, agg["1/2"], "20 minutes")
+    assert claim_ids(conn) == []                  # the claim makes their heads, ready at deliver_at
+    at = dict(conn.execute("SELECT id, deliver_at FROM outbox").fetchall())
+    assert conn.execute("SELECT outbox_next_wakeup(), outbox_next_wakeup(NULL), outbox_next_wakeup('0/2'), "
+                        "outbox_next_wakeup('1/2')").fetchone() == (at[soon], at[soon], at[soon], at[later])
+    with pytest.raises(psycopg.errors.InvalidParameterValue, match="shard must be I/N"):
+        conn.execute("SELECT outbox_next_wakeup('2/2')")
+
+
 def test_deliver_at_in_the_past_or_null_is_due_at_once(conn):
     past = insert(conn, "1", "-1 hour")
     now = insert(conn, "2", None)
