@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -42,11 +43,14 @@ class GroupFull(Exception):
 
 class ShardGroup:
     """A member of a shard group: ``shard`` is the shard to claim now ('I/N'), kept current by
-    ``run()``."""
+    ``run()``, which calls ``changed`` when it changes (the worker looks at its new shard at
+    once, also while it is idle)."""
 
     def __init__(self, dsn: str, group: str, worker: str, interval: float = 1.0,
-                 application_name: str = "outboxpg-worker (shard group)") -> None:
+                 application_name: str = "outboxpg-worker (shard group)",
+                 changed: Callable[[], None] | None = None) -> None:
         self.dsn, self.group, self.worker, self.interval = dsn, group, worker, interval
+        self.changed = changed
         self.application_name = application_name
         self.conn: psycopg.AsyncConnection[Any] | None = None
         self.key = 0
@@ -84,7 +88,9 @@ class ShardGroup:
         if shard != self.shard:
             log.info("event=shard worker=%s group=%s shard=%s members=%d slot=%d", self.worker, self.group,
                      shard, len(slots), self.slot)
-            self.shard = shard
+            first, self.shard = not self.shard, shard
+            if self.changed is not None and not first:
+                self.changed()
         return shard
 
     async def run(self, stop: asyncio.Event) -> None:

@@ -151,7 +151,8 @@ class Worker:
         self.idle_lock = IdleLock(config.dsn, application_name=f"{self.application_name} (wakeup lock)")
         self.standby = StandbyFlush(self.gateway, config.standby_flushed) if config.standby_flushed else None
         self.shard_group = (ShardGroup(config.dsn, config.shard_group, config.name,
-                                       application_name=f"{self.application_name} (shard group)")
+                                       application_name=f"{self.application_name} (shard group)",
+                                       changed=self._wake.set)
                             if config.shard_group else None)
 
     # -- lifecycle -----------------------------------------------------------------------

@@ -9,9 +9,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import psycopg
+from helpers import Running
 from jetstream import make_stream, read_stream
 from locks import WAKEUP_LOCK
-from workers import all_in, count_in, equals, start, wait_until
+from workers import all_in, count_in, equals, fleet_idle, start, wait_until
 
 from outboxpg import Event, enqueue_many
 from outboxpg.events import OutboxEvent
@@ -96,3 +97,38 @@ async def test_a_shard_worker_queued_behind_another_claims_what_comes_due_in_its
             assert took < 3, took
         finally:
             await running.stop()
+
+
+async def test_an_idle_group_member_whose_shard_widens_sleeps_until_its_new_shards_next_wakeup(dsn, conn):
+    """Two idle members of a shard group; an event of the first one's shard is scheduled three
+    seconds ahead; the first one stops before then. The second takes the lock (its claim then is
+    of its old shard) and widens its shard to 0/1 at its next look of the group: it looks at once
+    with the new shard, and sleeps until that shard's next wakeup, the scheduled event's time,
+    not until its poll."""
+    conn.execute("SELECT outbox_shards_enable()")
+    delivered: list[str] = []
+
+    async def publish(event: OutboxEvent) -> None:
+        delivered.append(event.aggregate_id)
+
+    first = start(dsn, FunctionPublisher(publish), name="first", shard_group="relays", poll_interval=120)
+    await wait_until(lambda: _shard_is(first, "0/1"), 10, "the first member's shard")
+    second = start(dsn, FunctionPublisher(publish), name="second", shard_group="relays", poll_interval=120)
+    try:
+        await wait_until(lambda: _shard_is(first, "0/2"), 10, "the first member's shard narrowed")
+        await wait_until(fleet_idle(conn, [first, second]), 10, "both members idle")
+        aggregate = aggregate_of_shard(conn, "0/2")
+        conn.execute("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, deliver_at) "
+                     "VALUES ('order', %s, 'created', '{}', now() + interval '3 seconds')", (aggregate,))
+        await wait_until(fleet_idle(conn, [first, second]), 10, "both members idle again")
+        await first.stop()
+        await wait_until(lambda: _shard_is(second, "0/1"), 10, "the second member's shard widened")
+        await wait_until(all_in(dsn, "published", 1), 10, "the scheduled event published")
+        assert delivered == [aggregate]
+    finally:
+        await second.stop()
+
+
+async def _shard_is(running: Running, shard: str) -> bool:
+    group = running.worker.shard_group
+    return group is not None and group.shard == shard
