@@ -1,6 +1,7 @@
-"""Workers with shards (--shard I/N) against a real PostgreSQL and a real nats-server: two
-workers, one per shard, deliver every event once, in order per aggregate, each only the
-aggregates of its own shard."""
+"""Workers with shards (--shard I/N, --shard-group) against a real PostgreSQL (and a real
+nats-server): two workers, one per shard, deliver every event once, in order per aggregate, each
+only the aggregates of its own shard; an idle worker of a shard claims what comes due in its
+shard, also when another worker holds the wakeup lock, and after its shard changed."""
 
 from __future__ import annotations
 
