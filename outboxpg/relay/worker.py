@@ -241,13 +241,13 @@ class Worker:
                     self._release_lock_soon()   # busy: producers need not notify
                 if self._reported != self._reported_at_claim:
                     continue    # a batch was reported while the last claim ran: look again
-                if self._inflight:
+                if self._out():
                     # The last claim came back short: everything claimable now is claimed. Never
-                    # sleep with batches in flight: each report makes the next run of its
-                    # aggregates claimable, and no NOTIFY announces that (nor new events while
-                    # busy). Claim again as soon as the first of them is reported (not the last:
-                    # one slow batch must not hold back the aggregates the others free), or
-                    # when _look_again runs out (LOOK_AGAIN_LEAST).
+                    # sleep with batches in flight, the lane's included: each report makes the
+                    # next run of its aggregates claimable, and no NOTIFY announces that (nor new
+                    # events while busy). Claim again as soon as the first of them is reported
+                    # (not the last: one slow batch must not hold back the aggregates the others
+                    # free), or when _look_again runs out (LOOK_AGAIN_LEAST).
                     self._looked_again = await self._first_reported()
                     continue
                 if claimed:
@@ -280,18 +280,24 @@ class Worker:
             await self._lock_released()
 
     async def _first_reported(self) -> bool:
-        """Until one in-flight batch is reported, a wake-up (a notification, stop()), or
-        ``_look_again`` ran out (True)."""
+        """Until one batch in flight (the lane's too) is reported, a wake-up (a notification,
+        stop()), or ``_look_again`` ran out (True)."""
         woken = asyncio.ensure_future(self._wake.wait())
         try:
             while True:
-                done, _ = await asyncio.wait({*self._inflight, woken}, timeout=self._look_again,
+                done, _ = await asyncio.wait({*self._out(), woken}, timeout=self._look_again,
                                              return_when=asyncio.FIRST_COMPLETED)
                 # Not while a batch handed back pauses: the claim would take it straight back.
                 if done or not self._handing_back:
                     return not done
         finally:
             woken.cancel()
+
+    def _out(self) -> set[asyncio.Task[None]]:
+        """The batches in flight, the lane's among them."""
+        if self._lane is not None and not self._lane.done():
+            return {*self._inflight, self._lane}
+        return set(self._inflight)
 
     def _release_lock_soon(self) -> None:
         if self._releasing is None or self._releasing.done():

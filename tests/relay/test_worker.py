@@ -469,3 +469,47 @@ async def test_idle_workers_queued_for_the_wakeup_lock_hold_back_no_vacuum(dsn, 
     for w in workers:
         await w.stop()
     assert held_back == [], held_back
+
+
+async def test_a_run_the_lane_had_out_is_followed_by_the_rest_of_its_aggregate(dsn, conn):
+    """The worker's one batch is out with a busy aggregate's run, held by the publisher, and its
+    lane takes a quiet aggregate's event beside it, held too; two more events of that aggregate
+    commit while the worker is busy (nobody idle: no notification). The busy batch comes back
+    first, and the worker finds nothing to claim: the quiet aggregate's head is the lane's. When
+    the lane's batch is reported, the two are claimable, and nothing says so: the worker must not
+    have gone to sleep while the lane's batch was out (before, it slept until that batch's lease
+    would have run out, 90 s here)."""
+    with conn.transaction():
+        enqueue_many(conn, [Event("order", "busy", "step", {"n": n}) for n in range(40)])
+    rows = conn.execute("SELECT id, lease_token FROM outbox_claim(1)").fetchall()
+    conn.execute("SELECT outbox_release(%s, %s)", ([r[0] for r in rows], rows[0][1]))
+    conn.execute("UPDATE outbox_heads SET moves = 3")            # a busy aggregate
+    busy_held, quiet_held = asyncio.Event(), asyncio.Event()
+    out: list[str] = []
+
+    async def publish(event: OutboxEvent) -> None:
+        out.append(event.aggregate_id)
+        await (busy_held if event.aggregate_id == "busy" else quiet_held).wait()
+
+    running = start(dsn, FunctionPublisher(publish), poll_interval=120, publish_timeout=30, lease=90,
+                    concurrency=1, batch_size=40)
+    try:
+        await wait_until(lambda: _has(out, "busy"), 10, "the busy run out")
+        enqueue(conn, "order", "quiet", "step", {"n": 0})
+        await wait_until(lambda: _has(out, "quiet"), 10, "the lane's quiet run out")
+        with conn.transaction():
+            enqueue_many(conn, [Event("order", "quiet", "step", {"n": n}) for n in (1, 2)])
+        busy_held.set()
+        await wait_until(lambda: equals(count_in(dsn, "published"), 40), 10, "the busy run published")
+        await asyncio.sleep(0.5)                                  # the worker found nothing more
+        assert out.count("quiet") == 1
+        quiet_held.set()
+        await wait_until(lambda: equals(count_in(dsn, "published"), 43), 5, "the quiet aggregate's next two events")
+    finally:
+        busy_held.set()
+        quiet_held.set()
+        await running.stop()
+
+
+async def _has(out: list[str], aggregate: str) -> bool:
+    return aggregate in out
