@@ -792,7 +792,7 @@ BEGIN
         RETURN NULL;
     END IF;
     IF parts IS NULL OR n < 1 OR n > 64 OR i >= n THEN
-        RAISE EXCEPTION 'outbox_claim: shard must be I/N with 0 <= I < N <= 64, got %', quote_literal(shard)
+        RAISE EXCEPTION 'shard must be I/N with 0 <= I < N <= 64, got %', quote_literal(shard)
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
     RETURN ARRAY(SELECT generate_series((64 * i + n - 1) / n, (64 * (i + 1) + n - 1) / n - 1));
