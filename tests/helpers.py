@@ -56,6 +56,15 @@ def insert_series(conn: psycopg.Connection[Any], aggregates: Iterable[str], aggr
     return sorted(int(r[0]) for r in rows)
 
 
+def aggregate_of_shard(conn: psycopg.Connection[Any], shard: str, aggregate_type: str = "order") -> str:
+    """An aggregate id of ``aggregate_type`` whose bucket is in ``shard`` ('I/N')."""
+    row = conn.execute("SELECT g::text FROM generate_series(1, 1000) g "
+                       "WHERE outbox_aggregate_bucket(%s, g::text) = ANY (outbox_shard_buckets(%s)) LIMIT 1",
+                       (aggregate_type, shard)).fetchone()
+    assert row is not None
+    return str(row[0])
+
+
 def claim(conn: psycopg.Connection[Any], batch: int | None = 10, lease: str | None = None,
           worker: str | None = None) -> list[dict[str, Any]]:
     with conn.cursor(row_factory=dict_row) as cur:

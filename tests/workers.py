@@ -39,11 +39,18 @@ def fleet_idle(conn: psycopg.Connection[Any], workers: list[Running]) -> Callabl
     queued for it, every one listening?"""
     async def check() -> bool:
         held = [await w.idle() for w in workers]
+        return (sum(held) == 1 and await queued_for_wakeup_lock(conn, len(workers) - 1)()
+                and all(w.worker.listener.up for w in workers))
+    return check
+
+
+def queued_for_wakeup_lock(conn: psycopg.Connection[Any], sessions: int = 1) -> Callable[[], Awaitable[bool]]:
+    """For wait_until: do ``sessions`` sessions queue for the wakeup lock (granted to another)?"""
+    async def check() -> bool:
         row = conn.execute("SELECT count(*) FILTER (WHERE NOT granted) FROM pg_locks "
                            "WHERE locktype = 'advisory' AND classid = %s AND objid = %s AND objsubid = 2",
                            WAKEUP_LOCK).fetchone()
-        return (sum(held) == 1 and row == (len(workers) - 1,)
-                and all(w.worker.listener.up for w in workers))
+        return row == (sessions,)
     return check
 
 

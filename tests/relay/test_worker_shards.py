@@ -6,14 +6,11 @@ shard, also when another worker holds the wakeup lock, and after its shard chang
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Awaitable, Callable
-from typing import Any
 
 import psycopg
-from helpers import Running
+from helpers import Running, aggregate_of_shard
 from jetstream import make_stream, read_stream
-from locks import WAKEUP_LOCK
-from workers import all_in, count_in, equals, fleet_idle, start, wait_until
+from workers import all_in, count_in, equals, fleet_idle, queued_for_wakeup_lock, start, wait_until
 
 from outboxpg import Event, enqueue_many
 from outboxpg.events import OutboxEvent
@@ -53,24 +50,6 @@ async def test_one_worker_per_shard_delivers_its_shard_once_in_order(dsn, conn, 
     for aggregate, ids in per_aggregate.items():
         assert ids == sorted(ids), f"{aggregate} delivered out of id order"
 
-
-
-def aggregate_of_shard(conn: psycopg.Connection[Any], shard: str) -> str:
-    """An aggregate id of type 'order' whose bucket is in ``shard``."""
-    row = conn.execute("SELECT g::text FROM generate_series(1, 1000) g "
-                       "WHERE outbox_aggregate_bucket('order', g::text) = ANY (outbox_shard_buckets(%s)) LIMIT 1",
-                       (shard,)).fetchone()
-    assert row is not None
-    return str(row[0])
-
-
-def queued_for_wakeup_lock(conn: psycopg.Connection[Any]) -> Callable[[], Awaitable[bool]]:
-    """For wait_until: does one session queue for the wakeup lock?"""
-    async def check() -> bool:
-        row = conn.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
-                           "AND classid = %s AND objid = %s AND objsubid = 2", WAKEUP_LOCK).fetchone()
-        return row == (1,)
-    return check
 
 
 async def test_a_shard_worker_queued_behind_another_claims_what_comes_due_in_its_shard(dsn, conn):

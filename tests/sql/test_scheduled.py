@@ -12,7 +12,7 @@ from typing import Any
 import psycopg
 import pytest
 from commands import run_all
-from helpers import claim, claim_ids, complete, fail, make_due
+from helpers import aggregate_of_shard, claim, claim_ids, complete, fail, make_due
 from roles import denied
 from workers import event, start, wait_until
 
@@ -60,9 +60,7 @@ def test_a_scheduled_event_waits_for_its_time_and_its_aggregate_waits_behind_it(
 def test_the_next_wakeup_of_a_shard_is_of_its_own_aggregates(conn):
     """A worker of shard 1/2 sleeps until its own aggregates' next time, not another shard's."""
     conn.execute("SELECT outbox_shards_enable()")
-    agg = {shard: conn.execute("SELECT g::text FROM generate_series(1, 1000) g WHERE outbox_aggregate_bucket("
-                               "'order', g::text) = ANY (outbox_shard_buckets(%s)) LIMIT 1", (shard,)).fetchone()[0]
-           for shard in ("0/2", "1/2")}
+    agg = {shard: aggregate_of_shard(conn, shard) for shard in ("0/2", "1/2")}
     soon = insert(conn, agg["0/2"], "10 minutes")
     later = insert(conn, agg["1/2"], "20 minutes")
     assert claim_ids(conn) == []                  # the claim makes their heads, ready at deliver_at
