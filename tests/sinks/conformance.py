@@ -78,8 +78,8 @@ class SinkCase(abc.ABC):
     ``settle``      seconds to wait after the worker reported everything before read_back (a server
                     whose stored messages become readable a little later)
     ``slow_latency`` how late the slow-server test makes every answer: enough that a batch of 10 runs
-                    of 7 takes past a third of the 6 s lease (0.3 s for a sink with a round trip
-                    per event; a sink that stores a whole run in one round trip sets about 2.5)
+                    of 7 takes past a third of the 12 s lease (0.6 s for a sink with a round trip
+                    per event; a sink that stores a whole run in one round trip sets about 4.3)
     ``strike_latency`` how late every answer is in the cut / restart test, so that the strike
                     comes in the middle of the run: 0.003 s for a sink with a round trip per event
                     (600 events in runs of 20: about 1.5 s of publishing); a sink that stores a
@@ -97,7 +97,7 @@ class SinkCase(abc.ABC):
     refused_reason: str = ""
     dedups: bool = False
     settle: float = 0.0
-    slow_latency: float = 0.3
+    slow_latency: float = 0.6
     strike_latency: float = 0.003
     proxy: TcpProxy
 

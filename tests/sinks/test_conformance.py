@@ -192,12 +192,13 @@ async def test_a_server_down_longer_than_a_lease_kills_nothing_early_and_loses_n
 
 async def test_a_slow_server_has_the_leases_extended_and_nothing_published_twice(
         sink_case: SinkCase, conn: Conn, dsn: str, tmp_path: Path) -> None:
-    """Every answer of the server the case's ``slow_latency`` late (0.3 s; runs of 7 sent one event
-    at a time: a batch takes at least 2.1 s), past a third of the 6 s lease, when the worker extends
-    its leases, and with 0.9 s to spare before the 3 s publish timeout on a busy machine; a second
-    worker is there to take back any lease that ran out."""
+    """Every answer of the server the case's ``slow_latency`` late (0.6 s; runs of 7 sent one event
+    at a time: a batch takes at least 4.2 s), past a third of the 12 s lease, when the worker
+    extends its leases, and with 1.8 s to spare before the 6 s publish timeout on a busy machine
+    (0.26 s of delay of its own per round trip: the machine's load adds to each of the seven, not
+    to the server's latency); a second worker is there to take back any lease that ran out."""
     prepared(sink_case, conn)
-    workers = [SinkWorker(sink_case, dsn, tmp_path / f"{name}.log", name=name, lease=6.0, publish_timeout=3.0,
+    workers = [SinkWorker(sink_case, dsn, tmp_path / f"{name}.log", name=name, lease=12.0, publish_timeout=6.0,
                           extra=("--log-level", "DEBUG")) for name in ("w1", "w2")]
     try:
         for w in workers:

@@ -29,10 +29,10 @@ class RedisCase(SinkCase):
     refused_reason = "proto-max-bulk-len"
     dedups = True
     # The sink stores a run in one script call, a batch of 10 such runs in one round trip: the
-    # slow-server test needs each answer late enough to keep a batch past a third of the 6 s lease
-    # (2 s), and early enough to leave room before the 3 s publish timeout on a busy machine. A
+    # slow-server test needs each answer late enough to keep a batch past a third of the 12 s lease
+    # (4 s), and early enough to leave room before the 6 s publish timeout on a busy machine. A
     # timeout costs more than one late answer here: the new connection's handshake is late too.
-    slow_latency = 2.2
+    slow_latency = 4.3
     # A run is one script call: 30 calls, about 8 one after another per aggregate, for 600 events.
     strike_latency = 0.1
 
