@@ -338,8 +338,8 @@ def sink_row(r: Result, quick: bool) -> list[str]:
                          f"(the server's time) p50 {st['p50']:.1f} ms, p99 {st['p99']:.1f} ms, max {st['max']:.1f} ms "
                          f"(target p99 <= 20 ms; foreign CPU {lat['foreign']:.0f} %)")
         lines.append(f"  latency at {lat['achieved']:,.0f}/s ({lat['published']:,} of {lat['sent']:,}): "
-                     f"commit -> {'reported' if st else 'stored'} p50 {lat['p50']:.1f} ms, p99 {lat['p99']:.1f} ms, "
-                     f"max {lat['max']:.1f} ms ({'' if st else 'target p99 <= 20 ms; '}"
+                     f"commit -> reported p50 {lat['p50']:.1f} ms, p99 {lat['p99']:.1f} ms, "
+                     f"max {lat['max']:.1f} ms ({'' if st else 'the server tells no time: an upper bound of commit -> stored, target p99 <= 20 ms; '}"
                      f"foreign CPU {lat['foreign']:.0f} %)")
     if r.limit:
         lines.append(f"  limit, the client alone: {r.limit:>9,.0f} events/s (foreign CPU {r.limit_foreign:.0f} %); "
