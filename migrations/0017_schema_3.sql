@@ -409,6 +409,8 @@ DECLARE
     busy      bigint[] := '{}';                 -- places in types / ids / firsts of busy aggregates
     live_tids tid[];                            -- their heads, found and locked
     live_ns   bigint[];                         -- their places
+    live_change boolean[];                      -- and whether the head moves (parked, or head_id above)
+    live_moved  bigint[];
     held_from bigint;                           -- the first event of one whose head another holds
     known     bigint[];                         -- places of the other aggregates whose head exists
     k_ns      bigint[];                         -- those whose head was found and locked, in key order,
@@ -601,33 +603,47 @@ BEGIN
 
         IF cardinality(busy) > 0 THEN
             -- The busy aggregates' heads, each from the newest entry of its key down to the
-            -- first version this sees, locked unless another transaction holds it.
-            SELECT array_agg(h.tid), array_agg(s.n)
-              INTO live_tids, live_ns
+            -- first version this sees, locked FOR KEY SHARE (Lock order, above) unless a report
+            -- holds it. In a flow these are the aggregates whose events keep coming: a stronger
+            -- lock kept them from every other claim until this one committed, and a worker of a
+            -- shard whose claim found them so went to sleep with its shard's heads due.
+            SELECT array_agg(h.tid), array_agg(s.n), array_agg(h.parked OR h.head_id > firsts[s.n])
+              INTO live_tids, live_ns, live_change
               FROM (SELECT s.t COLLATE "C" AS t, s.i COLLATE "C" AS i, s.n
                       FROM unnest(types, ids) WITH ORDINALITY AS s(t, i, n)
                      WHERE s.n = ANY (busy)
                      ORDER BY 1, 2) s
              CROSS JOIN LATERAL (
-                   SELECT h.ctid AS tid FROM outbox_heads h
+                   SELECT h.ctid AS tid, h.parked, h.head_id FROM outbox_heads h
                     WHERE h.aggregate_type = s.t
                       AND h.aggregate_id >= s.i AND h.aggregate_id <= s.i
                     ORDER BY h.aggregate_type DESC, h.aggregate_id DESC
                     LIMIT 1
-                      FOR UPDATE SKIP LOCKED) h;
-            IF live_tids IS NOT NULL THEN
-                -- A parked head comes back: due again at the ready_at it kept, no longer leased.
-                -- Only columns in no index change (head_id, leased_until, parked): a HOT update,
-                -- no new index entry. By ctid, in a statement of its own: it sees the versions
-                -- locked above.
-                UPDATE outbox_heads h
-                   SET head_id = least(h.head_id, firsts[l.n]),
-                       leased_until = CASE WHEN h.parked THEN NULL ELSE h.leased_until END,
-                       parked = false
-                  FROM unnest(live_tids, live_ns) AS l(tid, n)
-                 WHERE h.ctid = ANY (live_tids)
-                   AND h.ctid = l.tid
-                   AND (h.parked OR h.head_id > firsts[l.n]);
+                      FOR KEY SHARE SKIP LOCKED) h;
+            IF true = ANY (live_change) THEN
+                -- A parked head comes back: due again at the ready_at it kept, no longer leased;
+                -- an event that committed late below its head moves the head back to it. Only
+                -- columns in no index change (head_id, leased_until, parked): a HOT update, no
+                -- new index entry. Locked first, SKIP LOCKED, as above: one that a claim holds
+                -- (or changed since) keeps the cursor below (held_from).
+                WITH moved AS (
+                    UPDATE outbox_heads h
+                       SET head_id = least(h.head_id, firsts[l.n]),
+                           leased_until = CASE WHEN h.parked THEN NULL ELSE h.leased_until END,
+                           parked = false
+                      FROM (SELECT c.tid, c.n FROM unnest(live_tids, live_ns, live_change) AS c(tid, n, moves)
+                             WHERE c.moves) l
+                     WHERE h.ctid = ANY (ARRAY(SELECT x.ctid FROM outbox_heads x
+                                                WHERE x.ctid = ANY (ARRAY(SELECT c.tid
+                                                                            FROM unnest(live_tids, live_change) AS c(tid, moves)
+                                                                           WHERE c.moves))
+                                                  FOR NO KEY UPDATE SKIP LOCKED))
+                       AND h.ctid = l.tid
+                       AND (h.parked OR h.head_id > firsts[l.n])
+                 RETURNING l.n)
+                SELECT array_agg(m.n) INTO live_moved FROM moved m;
+                held_from := least(held_from, (SELECT min(firsts[c.n]) FROM unnest(live_ns, live_change) AS c(n, moves)
+                                                WHERE c.moves AND c.n <> ALL (coalesce(live_moved, '{}'))));
             END IF;
             IF coalesce(cardinality(live_ns), 0) < cardinality(busy) THEN
                 -- The busy aggregates whose head was not found: made when there is none (no other

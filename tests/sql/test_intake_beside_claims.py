@@ -50,6 +50,31 @@ def test_a_claim_beside_an_intake_takes_the_heads_the_intake_did_not_lease(dsn: 
     assert not {r["aggregate_id"] for r in got_a} & {r["aggregate_id"] for r in got_b}
 
 
+def test_a_claim_beside_an_intake_in_a_flow_takes_the_heads_of_the_aggregates_it_takes_in(dsn: str, conn: Conn) -> None:
+    """In a flow (the intake reads fewer events than its chunk), the aggregates of the new events
+    that also had events just below the cursor are busy, and their heads exist: the intake locks
+    them against reports, not against claims. A second claim while the first is open takes the
+    heads the first did not lease, where a lock that kept claims out sent it back empty (after
+    waiting for the intake, a second in all), and a worker of a shard went to sleep with its
+    shard's heads due."""
+    conn.execute("UPDATE outbox_settings SET max_run = 1")
+    backlog(conn, 80, aggregates=40)                     # two events of each of 40 aggregates
+    first = claim(conn, 100)                             # takes all 80 in, leases the first of each
+    assert len(first) == 40
+    assert complete(conn, [r["id"] for r in first], first[0]["lease_token"]) == 40
+    backlog(conn, 40, aggregates=40, start=81)           # one new event each: a flow, below a chunk
+    with connect(dsn, autocommit=False) as a, connect(dsn, lock_timeout="2s") as b:
+        got_a = claim(a, 1)                              # takes the 40 new events in, leases one head
+        started = time.monotonic()
+        got_b = claim(b, 100)
+        took = time.monotonic() - started
+        a.commit()
+    assert len(got_a) == 1
+    assert len(got_b) == 39, "the other claim's intake kept the heads it took in from this claim"
+    assert took < 0.9, f"the claim waited {took:.1f}s for the intake"
+    assert not {r["aggregate_id"] for r in got_a} & {r["aggregate_id"] for r in got_b}
+
+
 def test_the_intake_still_holds_back_a_report_on_a_head_it_took_in(dsn: str, conn: Conn) -> None:
     """What a report does first (outbox_refresh_heads: its heads FOR UPDATE) waits for the claim
     that took in new events of the aggregate, so that it sees them before it drops the head."""
