@@ -410,13 +410,12 @@ DECLARE
     live_tids tid[];                            -- their heads, found and locked
     live_ns   bigint[];                         -- their places
     live_change boolean[];                      -- and whether the head moves (parked, or head_id above)
-    live_moved  bigint[];
     held_from bigint;                           -- the first event of one whose head another holds
     known     bigint[];                         -- places of the other aggregates whose head exists
     k_ns      bigint[];                         -- those whose head was found and locked, in key order,
     k_tids    tid[];                            -- the versions locked,
     k_change  boolean[];                        -- and whether the head moves (parked, or head_id above)
-    k_moved   bigint[];
+    moved_ns  bigint[];                         -- the places of the heads moved, of either kind
     k_missing bigint;                           -- those with no head
     k_made    bigint[];                         -- the heads made for them (their opened_id)
     seen    bigint;
@@ -557,31 +556,6 @@ BEGIN
                     ORDER BY h.aggregate_type DESC, h.aggregate_id DESC
                     LIMIT 1
                       FOR KEY SHARE) h ON true;
-            IF true = ANY (k_change) THEN
-                -- A parked head comes back (due again at the ready_at it kept, no longer
-                -- leased), and an event that committed late below its aggregate's head (held
-                -- back by the commit-order guard meanwhile) moves the head back to it. Only
-                -- columns in no index change: a HOT update. Locked first, SKIP LOCKED: one that
-                -- another transaction holds (or changed since) keeps the cursor below (held_from).
-                WITH moved AS (
-                    UPDATE outbox_heads h
-                       SET head_id = least(h.head_id, firsts[l.n]),
-                           leased_until = CASE WHEN h.parked THEN NULL ELSE h.leased_until END,
-                           parked = false
-                      FROM (SELECT c.tid, c.n FROM unnest(k_tids, k_ns, k_change) AS c(tid, n, moves)
-                             WHERE c.moves) l
-                     WHERE h.ctid = ANY (ARRAY(SELECT x.ctid FROM outbox_heads x
-                                                WHERE x.ctid = ANY (ARRAY(SELECT c.tid
-                                                                            FROM unnest(k_tids, k_change) AS c(tid, moves)
-                                                                           WHERE c.moves))
-                                                  FOR NO KEY UPDATE SKIP LOCKED))
-                       AND h.ctid = l.tid
-                       AND (h.parked OR h.head_id > firsts[l.n])
-                 RETURNING l.n)
-                SELECT array_agg(m.n) INTO k_moved FROM moved m;
-                held_from := (SELECT min(firsts[c.n]) FROM unnest(k_ns, k_change) AS c(n, moves)
-                               WHERE c.moves AND c.n <> ALL (coalesce(k_moved, '{}')));
-            END IF;
             IF k_missing > 0 THEN
                 -- No head: made now (catching up, the new aggregates; in a flow, heads gone since
                 -- the insert above, a report dropped one while this waited for it). One that is
@@ -620,31 +594,6 @@ BEGIN
                     ORDER BY h.aggregate_type DESC, h.aggregate_id DESC
                     LIMIT 1
                       FOR KEY SHARE SKIP LOCKED) h;
-            IF true = ANY (live_change) THEN
-                -- A parked head comes back: due again at the ready_at it kept, no longer leased;
-                -- an event that committed late below its head moves the head back to it. Only
-                -- columns in no index change (head_id, leased_until, parked): a HOT update, no
-                -- new index entry. Locked first, SKIP LOCKED, as above: one that a claim holds
-                -- (or changed since) keeps the cursor below (held_from).
-                WITH moved AS (
-                    UPDATE outbox_heads h
-                       SET head_id = least(h.head_id, firsts[l.n]),
-                           leased_until = CASE WHEN h.parked THEN NULL ELSE h.leased_until END,
-                           parked = false
-                      FROM (SELECT c.tid, c.n FROM unnest(live_tids, live_ns, live_change) AS c(tid, n, moves)
-                             WHERE c.moves) l
-                     WHERE h.ctid = ANY (ARRAY(SELECT x.ctid FROM outbox_heads x
-                                                WHERE x.ctid = ANY (ARRAY(SELECT c.tid
-                                                                            FROM unnest(live_tids, live_change) AS c(tid, moves)
-                                                                           WHERE c.moves))
-                                                  FOR NO KEY UPDATE SKIP LOCKED))
-                       AND h.ctid = l.tid
-                       AND (h.parked OR h.head_id > firsts[l.n])
-                 RETURNING l.n)
-                SELECT array_agg(m.n) INTO live_moved FROM moved m;
-                held_from := least(held_from, (SELECT min(firsts[c.n]) FROM unnest(live_ns, live_change) AS c(n, moves)
-                                                WHERE c.moves AND c.n <> ALL (coalesce(live_moved, '{}'))));
-            END IF;
             IF coalesce(cardinality(live_ns), 0) < cardinality(busy) THEN
                 -- The busy aggregates whose head was not found: made when there is none (no other
                 -- transaction makes heads: the intake row is locked). One that exists is held by
@@ -664,6 +613,36 @@ BEGIN
                  WHERE s.n = ANY (busy) AND s.n <> ALL (coalesce(live_ns, '{}'))
                    AND NOT EXISTS (SELECT FROM made m WHERE m.aggregate_type = s.t AND m.aggregate_id = s.i);
             END IF;
+        END IF;
+
+        IF true = ANY (k_change || live_change) THEN
+            -- Of the heads found above, of either kind: a parked head comes back (due again at
+            -- the ready_at it kept, no longer leased), and an event that committed late below its
+            -- aggregate's head (held back by the commit-order guard meanwhile) moves the head
+            -- back to it. Only columns in no index change: a HOT update. Locked first, SKIP
+            -- LOCKED: one that another transaction holds (or changed since) keeps the cursor
+            -- below (held_from).
+            WITH moved AS (
+                UPDATE outbox_heads h
+                   SET head_id = least(h.head_id, firsts[l.n]),
+                       leased_until = CASE WHEN h.parked THEN NULL ELSE h.leased_until END,
+                       parked = false
+                  FROM (SELECT c.tid, c.n FROM unnest(k_tids || live_tids, k_ns || live_ns, k_change || live_change)
+                                                AS c(tid, n, moves)
+                         WHERE c.moves) l
+                 WHERE h.ctid = ANY (ARRAY(SELECT x.ctid FROM outbox_heads x
+                                            WHERE x.ctid = ANY (ARRAY(SELECT c.tid
+                                                                        FROM unnest(k_tids || live_tids, k_change || live_change)
+                                                                             AS c(tid, moves)
+                                                                       WHERE c.moves))
+                                              FOR NO KEY UPDATE SKIP LOCKED))
+                   AND h.ctid = l.tid
+                   AND (h.parked OR h.head_id > firsts[l.n])
+             RETURNING l.n)
+            SELECT array_agg(m.n) INTO moved_ns FROM moved m;
+            held_from := least(held_from, (SELECT min(firsts[c.n])
+                                             FROM unnest(k_ns || live_ns, k_change || live_change) AS c(n, moves)
+                                            WHERE c.moves AND c.n <> ALL (coalesce(moved_ns, '{}'))));
         END IF;
     END IF;
 
