@@ -339,7 +339,8 @@ def sink_row(r: Result, quick: bool) -> list[str]:
                          f"(target p99 <= 20 ms; foreign CPU {lat['foreign']:.0f} %)")
         lines.append(f"  latency at {lat['achieved']:,.0f}/s ({lat['published']:,} of {lat['sent']:,}): "
                      f"commit -> reported p50 {lat['p50']:.1f} ms, p99 {lat['p99']:.1f} ms, "
-                     f"max {lat['max']:.1f} ms ({'' if st else 'the server tells no time: an upper bound of commit -> stored, target p99 <= 20 ms; '}"
+                     f"max {lat['max']:.1f} ms ("
+                     f"{'' if st else 'the server tells no time: an upper bound of commit -> stored, target p99 <= 20 ms; '}"
                      f"foreign CPU {lat['foreign']:.0f} %)")
     if r.limit:
         lines.append(f"  limit, the client alone: {r.limit:>9,.0f} events/s (foreign CPU {r.limit_foreign:.0f} %); "

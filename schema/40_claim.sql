@@ -281,8 +281,8 @@ DECLARE
     live_change boolean[];                      -- and whether the head moves (parked, or head_id above)
     held_from bigint;                           -- the first event of one whose head another holds
     known     bigint[];                         -- places of the other aggregates whose head exists
-    k_ns      bigint[];                         -- those whose head was found and locked, in key order,
-    k_tids    tid[];                            -- the versions locked,
+    k_ns      bigint[];                         -- those whose head was found and locked (then the
+    k_tids    tid[];                            -- busy ones' too, below), the versions locked,
     k_change  boolean[];                        -- and whether the head moves (parked, or head_id above)
     moved_ns  bigint[];                         -- the places of the heads moved, of either kind
     k_missing bigint;                           -- those with no head
@@ -482,9 +482,12 @@ BEGIN
                  WHERE s.n = ANY (busy) AND s.n <> ALL (coalesce(live_ns, '{}'))
                    AND NOT EXISTS (SELECT FROM made m WHERE m.aggregate_type = s.t AND m.aggregate_id = s.i);
             END IF;
+            k_ns := k_ns || live_ns;
+            k_tids := k_tids || live_tids;
+            k_change := k_change || live_change;
         END IF;
 
-        IF true = ANY (k_change || live_change) THEN
+        IF true = ANY (k_change) THEN
             -- Of the heads found above, of either kind: a parked head comes back (due again at
             -- the ready_at it kept, no longer leased), and an event that committed late below its
             -- aggregate's head (held back by the commit-order guard meanwhile) moves the head
@@ -496,21 +499,18 @@ BEGIN
                    SET head_id = least(h.head_id, firsts[l.n]),
                        leased_until = CASE WHEN h.parked THEN NULL ELSE h.leased_until END,
                        parked = false
-                  FROM (SELECT c.tid, c.n FROM unnest(k_tids || live_tids, k_ns || live_ns, k_change || live_change)
-                                                AS c(tid, n, moves)
+                  FROM (SELECT c.tid, c.n FROM unnest(k_tids, k_ns, k_change) AS c(tid, n, moves)
                          WHERE c.moves) l
                  WHERE h.ctid = ANY (ARRAY(SELECT x.ctid FROM outbox_heads x
                                             WHERE x.ctid = ANY (ARRAY(SELECT c.tid
-                                                                        FROM unnest(k_tids || live_tids, k_change || live_change)
-                                                                             AS c(tid, moves)
+                                                                        FROM unnest(k_tids, k_change) AS c(tid, moves)
                                                                        WHERE c.moves))
                                               FOR NO KEY UPDATE SKIP LOCKED))
                    AND h.ctid = l.tid
                    AND (h.parked OR h.head_id > firsts[l.n])
              RETURNING l.n)
             SELECT array_agg(m.n) INTO moved_ns FROM moved m;
-            held_from := least(held_from, (SELECT min(firsts[c.n])
-                                             FROM unnest(k_ns || live_ns, k_change || live_change) AS c(n, moves)
+            held_from := least(held_from, (SELECT min(firsts[c.n]) FROM unnest(k_ns, k_change) AS c(n, moves)
                                             WHERE c.moves AND c.n <> ALL (coalesce(moved_ns, '{}'))));
         END IF;
     END IF;
