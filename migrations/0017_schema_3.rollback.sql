@@ -47,6 +47,57 @@ ALTER TABLE outbox_settings DROP COLUMN allowed_subject_prefixes, DROP COLUMN ma
 GRANT EXECUTE ON FUNCTION outbox_forget_deleted() TO PUBLIC;
 ALTER TABLE outbox_intake DROP COLUMN newest_id;
 
+-- The commit-order guard, read once per claim. Ids come from a sequence when a row is
+-- inserted, not when its transaction commits, so a lower id can become visible after a higher
+-- one. Producing transactions announce themselves with shared advisory locks (0013):
+--   (1868724336, 3)    "a producing transaction is open" (lets this skip pg_locks when none is);
+--   -(L + 1)           (one bigint) "this transaction may still commit ids above L", per statement;
+--   (1868724337, key)  per aggregate written (key: outbox_aggregate_key), taken before the id;
+--   (1868724336, 4)    "this transaction wrote too many aggregates to name them all": it holds
+--                      back every event above its L.
+-- Returns, in this order of reading:
+--   last_id     the last id assigned before the call: every id assigned later is above it;
+--   settled     no open transaction can still commit an id up to it;
+--   open_below  ids up to it can be handed out unless their aggregate's key is in held_keys.
+-- The caller takes its snapshot after this returns: a transaction that commits in between was
+-- still counted here, so its events are either visible or held back.
+CREATE OR REPLACE FUNCTION outbox_commit_guard(OUT last_id bigint, OUT settled bigint, OUT open_below bigint,
+                                    OUT held_keys integer[])
+LANGUAGE plpgsql
+VOLATILE
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    -- On a sequence never used yet, last_value is the next id, not the last one.
+    SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END INTO last_id FROM outbox_id_seq;
+    settled := last_id;
+    open_below := last_id;
+    held_keys := '{}';
+    IF pg_try_advisory_lock(1868724336, 3) THEN
+        PERFORM pg_advisory_unlock(1868724336, 3);
+        RETURN;
+    END IF;
+    WITH l AS MATERIALIZED (
+        SELECT l.pid, l.classid, l.objid, l.objsubid
+          FROM pg_locks l
+         WHERE l.locktype = 'advisory'
+           AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+           AND l.pid <> pg_backend_pid()),
+    horizon AS (
+        SELECT l.pid, -((l.classid::bigint << 32) | l.objid::bigint) - 1 AS below
+          FROM l
+         WHERE l.objsubid = 1 AND l.classid >= 2147483648)   -- negative one-bigint keys
+    SELECT least(last_id, (SELECT min(h.below) FROM horizon h)),
+           least(last_id, (SELECT min(h.below) FROM horizon h
+                             WHERE h.pid IN (SELECT w.pid FROM l w
+                                              WHERE w.objsubid = 2 AND w.classid = 1868724336 AND w.objid = 4))),
+           coalesce((SELECT array_agg(DISTINCT (a.objid::bigint - CASE WHEN a.objid::bigint >= 2147483648
+                                                                     THEN 4294967296 ELSE 0 END)::integer)
+                       FROM l a WHERE a.objsubid = 2 AND a.classid = 1868724337), '{}')
+      INTO settled, open_below, held_keys;
+END;
+$$;
+
 CREATE OR REPLACE FUNCTION outbox_fail(id bigint, lease_token uuid, error text, permanent boolean DEFAULT false)
 RETURNS text
 LANGUAGE plpgsql

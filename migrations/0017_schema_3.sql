@@ -373,6 +373,67 @@ $$;
 COMMENT ON FUNCTION outbox_next_wakeup(text) IS
     'Earliest moment a retry becomes due or a lease expires (NULL if none; in the past if one just came due): how long an idle worker may sleep. shard ''I/N'': of that shard''s aggregates only.';
 
+-- The commit-order guard, read once per claim, from the producers' advisory locks
+-- (20_producing.sql says which). Returns, in this order of reading:
+--   last_id     the last id assigned before the call: every id assigned later is above it;
+--   settled     no open transaction can still commit an id up to it;
+--   open_below  ids up to it can be handed out unless their aggregate's key is in held_keys.
+-- The caller takes its snapshot after this returns: a transaction that commits in between was
+-- still counted here, so its events are either visible or held back.
+CREATE OR REPLACE FUNCTION outbox_commit_guard(OUT last_id bigint, OUT settled bigint, OUT open_below bigint,
+                                    OUT held_keys integer[])
+LANGUAGE plpgsql
+VOLATILE
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    seen     boolean;   -- a producing transaction's horizon lock was read
+    unlocked boolean;
+BEGIN
+    held_keys := '{}';
+    FOR look IN 1..2 LOOP
+        IF pg_try_advisory_lock(1868724336, 3) THEN
+            -- No producing transaction is open, and none takes an id while this lock is held
+            -- (the trigger takes it, shared, before nextval): every id handed out so far is
+            -- settled. (On a sequence never used yet, last_value is the next id, not the last.)
+            -- Read and unlocked in one statement, the tuple read before the projection unlocks:
+            -- producers wait for this lock, so it is held no longer than before.
+            SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END, pg_advisory_unlock(1868724336, 3)
+              INTO last_id, unlocked FROM outbox_id_seq;
+            settled := last_id;
+            open_below := last_id;
+            RETURN;
+        END IF;
+        -- Read before the locks: an id handed out after this read is above it, and a transaction
+        -- that handed out one up to it and is still open shows its locks below.
+        SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END INTO last_id FROM outbox_id_seq;
+        WITH l AS MATERIALIZED (
+            SELECT l.pid, l.classid, l.objid, l.objsubid
+              FROM pg_locks l
+             WHERE l.locktype = 'advisory'
+               AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+               AND l.pid <> pg_backend_pid()),
+        horizon AS (
+            SELECT l.pid, -((l.classid::bigint << 32) | l.objid::bigint) - 1 AS below
+              FROM l
+             WHERE l.objsubid = 1 AND l.classid >= 2147483648)   -- negative one-bigint keys
+        SELECT least(last_id, (SELECT min(h.below) FROM horizon h)),
+               least(last_id, (SELECT min(h.below) FROM horizon h
+                                 WHERE h.pid IN (SELECT w.pid FROM l w
+                                                  WHERE w.objsubid = 2 AND w.classid = 1868724336 AND w.objid = 4))),
+               coalesce((SELECT array_agg(DISTINCT (a.objid::bigint - CASE WHEN a.objid::bigint >= 2147483648
+                                                                         THEN 4294967296 ELSE 0 END)::integer)
+                           FROM l a WHERE a.objsubid = 2 AND a.classid = 1868724337), '{}'),
+               EXISTS (SELECT FROM horizon)
+          INTO settled, open_below, held_keys, seen;
+        -- None open any more: the ones that held the lock ended since, maybe after the read of
+        -- last_id, half way through a transaction whose end would then wait for the next claim.
+        -- Try the lock once more.
+        EXIT WHEN seen;
+    END LOOP;
+END;
+$$;
+
 -- Take newly committed events into outbox_heads: up to `chunk` in-flow events above the intake
 -- cursor, oldest first. Returns the cursor afterwards, or NULL when another claim is taking in
 -- right now (one at a time: the others skip it rather than wait).

@@ -102,34 +102,51 @@ LANGUAGE plpgsql
 VOLATILE
 SET search_path FROM CURRENT
 AS $$
+DECLARE
+    seen     boolean;   -- a producing transaction's horizon lock was read
+    unlocked boolean;
 BEGIN
-    -- On a sequence never used yet, last_value is the next id, not the last one.
-    SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END INTO last_id FROM outbox_id_seq;
-    settled := last_id;
-    open_below := last_id;
     held_keys := '{}';
-    IF pg_try_advisory_lock(1868724336, 3) THEN
-        PERFORM pg_advisory_unlock(1868724336, 3);
-        RETURN;
-    END IF;
-    WITH l AS MATERIALIZED (
-        SELECT l.pid, l.classid, l.objid, l.objsubid
-          FROM pg_locks l
-         WHERE l.locktype = 'advisory'
-           AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-           AND l.pid <> pg_backend_pid()),
-    horizon AS (
-        SELECT l.pid, -((l.classid::bigint << 32) | l.objid::bigint) - 1 AS below
-          FROM l
-         WHERE l.objsubid = 1 AND l.classid >= 2147483648)   -- negative one-bigint keys
-    SELECT least(last_id, (SELECT min(h.below) FROM horizon h)),
-           least(last_id, (SELECT min(h.below) FROM horizon h
-                             WHERE h.pid IN (SELECT w.pid FROM l w
-                                              WHERE w.objsubid = 2 AND w.classid = 1868724336 AND w.objid = 4))),
-           coalesce((SELECT array_agg(DISTINCT (a.objid::bigint - CASE WHEN a.objid::bigint >= 2147483648
-                                                                     THEN 4294967296 ELSE 0 END)::integer)
-                       FROM l a WHERE a.objsubid = 2 AND a.classid = 1868724337), '{}')
-      INTO settled, open_below, held_keys;
+    FOR look IN 1..2 LOOP
+        IF pg_try_advisory_lock(1868724336, 3) THEN
+            -- No producing transaction is open, and none takes an id while this lock is held
+            -- (the trigger takes it, shared, before nextval): every id handed out so far is
+            -- settled. (On a sequence never used yet, last_value is the next id, not the last.)
+            -- Read and unlocked in one statement, the tuple read before the projection unlocks:
+            -- producers wait for this lock, so it is held no longer than before.
+            SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END, pg_advisory_unlock(1868724336, 3)
+              INTO last_id, unlocked FROM outbox_id_seq;
+            settled := last_id;
+            open_below := last_id;
+            RETURN;
+        END IF;
+        -- Read before the locks: an id handed out after this read is above it, and a transaction
+        -- that handed out one up to it and is still open shows its locks below.
+        SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END INTO last_id FROM outbox_id_seq;
+        WITH l AS MATERIALIZED (
+            SELECT l.pid, l.classid, l.objid, l.objsubid
+              FROM pg_locks l
+             WHERE l.locktype = 'advisory'
+               AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+               AND l.pid <> pg_backend_pid()),
+        horizon AS (
+            SELECT l.pid, -((l.classid::bigint << 32) | l.objid::bigint) - 1 AS below
+              FROM l
+             WHERE l.objsubid = 1 AND l.classid >= 2147483648)   -- negative one-bigint keys
+        SELECT least(last_id, (SELECT min(h.below) FROM horizon h)),
+               least(last_id, (SELECT min(h.below) FROM horizon h
+                                 WHERE h.pid IN (SELECT w.pid FROM l w
+                                                  WHERE w.objsubid = 2 AND w.classid = 1868724336 AND w.objid = 4))),
+               coalesce((SELECT array_agg(DISTINCT (a.objid::bigint - CASE WHEN a.objid::bigint >= 2147483648
+                                                                         THEN 4294967296 ELSE 0 END)::integer)
+                           FROM l a WHERE a.objsubid = 2 AND a.classid = 1868724337), '{}'),
+               EXISTS (SELECT FROM horizon)
+          INTO settled, open_below, held_keys, seen;
+        -- None open any more: the ones that held the lock ended since, maybe after the read of
+        -- last_id, half way through a transaction whose end would then wait for the next claim.
+        -- Try the lock once more.
+        EXIT WHEN seen;
+    END LOOP;
 END;
 $$;
 

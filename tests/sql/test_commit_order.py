@@ -7,12 +7,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import subprocess
+import sys
 import threading
 import time
 
 import psycopg
 import pytest
 from helpers import claim_ids
+from psycopg import sql
 from workers import start, wait_until
 
 from outboxpg import Event, enqueue, enqueue_many
@@ -191,6 +194,62 @@ def test_concurrent_producers_of_one_aggregate_are_delivered_in_commit_safe_orde
     for id_, agg in conn.execute("SELECT id, aggregate_id FROM outbox ORDER BY id").fetchall():
         committed.setdefault(agg, []).append(id_)
     assert handed == committed
+
+
+def test_a_guard_that_sees_no_producer_open_settles_every_id_handed_out_before_it(dsn, conn):
+    """A producer commits blocks of 70 events (one statement each) while the guard is read in a
+    loop, with two busy processes on the machine's cores so that the guard's backend is
+    descheduled in the middle of it. Whenever the guard saw no producer open, every id handed
+    out before it is settled: settled is the end of a block. Before, it read the last id first
+    and looked for producers after: a producer that finished in between left settled in the
+    middle of its block, and a claim held the end of that transaction back to the next claim
+    (27 times in 123,000 reads under six busy processes; seen as a conformance test's two
+    batches where one was expected)."""
+    base = conn.execute("SELECT coalesce(pg_sequence_last_value('outbox_id_seq'), 0)").fetchone()[0]
+    hogs = [subprocess.Popen([sys.executable, "-c", "import time\nend = time.monotonic() + 8\n"
+                              "while time.monotonic() < end: pass"]) for _ in range(2)]
+    stop = threading.Event()
+    blocks: list[int] = []
+    errors: list[BaseException] = []
+
+    def produce() -> None:
+        try:
+            with psycopg.connect(dsn, autocommit=True) as p:
+                while not stop.is_set():
+                    p.execute("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
+                              "SELECT 'order', 's' || (g % 10), 'e', '{}' FROM generate_series(1, 70) g")
+                    blocks.append(1)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    notes: list[str] = []
+    conn.add_notice_handler(lambda d: notes.append(d.message_primary or ""))
+    try:
+        conn.execute(sql.SQL("""
+            DO $$
+            DECLARE g record; reads integer := 0; stale integer := 0;
+            BEGIN
+                WHILE clock_timestamp() < statement_timestamp() + interval '4 seconds' LOOP
+                    SELECT * INTO g FROM outbox_commit_guard();
+                    reads := reads + 1;
+                    IF g.held_keys = '{{}}' AND g.settled = g.last_id AND (g.settled - {base}) % 70 <> 0 THEN
+                        stale := stale + 1;
+                    END IF;
+                END LOOP;
+                RAISE NOTICE 'reads % stale %', reads, stale;
+            END $$""").format(base=sql.Literal(base)))
+    finally:
+        stop.set()
+        producer.join()
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    assert not errors
+    reads, stale = (int(x) for x in notes[-1].split()[1::2])
+    assert len(blocks) > 20 and reads > 1000, (len(blocks), reads)
+    assert stale == 0, f"{stale} of {reads} guard reads saw no producer and settled half way through a block"
 
 
 def test_producer_starting_after_the_horizon_is_read_cannot_precede_what_is_handed_out(dsn, conn):
