@@ -206,7 +206,7 @@ def test_a_guard_that_sees_no_producer_open_settles_every_id_handed_out_before_i
     (27 times in 123,000 reads under six busy processes; seen as a conformance test's two
     batches where one was expected)."""
     base = conn.execute("SELECT coalesce(pg_sequence_last_value('outbox_id_seq'), 0)").fetchone()[0]
-    hogs = [subprocess.Popen([sys.executable, "-c", "import time\nend = time.monotonic() + 8\n"
+    hogs = [subprocess.Popen([sys.executable, "-c", "import time\nend = time.monotonic() + 5\n"
                               "while time.monotonic() < end: pass"]) for _ in range(2)]
     stop = threading.Event()
     blocks: list[int] = []
@@ -231,7 +231,7 @@ def test_a_guard_that_sees_no_producer_open_settles_every_id_handed_out_before_i
             DO $$
             DECLARE g record; reads integer := 0; stale integer := 0;
             BEGIN
-                WHILE clock_timestamp() < statement_timestamp() + interval '4 seconds' LOOP
+                WHILE clock_timestamp() < statement_timestamp() + interval '3 seconds' LOOP
                     SELECT * INTO g FROM outbox_commit_guard();
                     reads := reads + 1;
                     IF g.held_keys = '{{}}' AND g.settled = g.last_id AND (g.settled - {base}) % 70 <> 0 THEN
