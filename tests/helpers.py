@@ -312,11 +312,14 @@ def run_files(dsn: str, *runs: tuple[str, ...]) -> list[tuple[int, str, str]]:
 def entries_read(conn: psycopg.Connection[Any], index: str, action: Callable[[], T]) -> tuple[int, T]:
     """Index entries of ``index`` that ``action`` reads on this connection, and what it returns.
     (The backend's own counts not yet reported, read before and after: they also hold earlier
-    transactions' counts until the backend reports them.)"""
+    transactions' counts until the backend reports them. All three in one transaction: a backend
+    reports them, and starts counting from zero, whenever it is idle outside one, and between
+    three statements of their own it was, on a slow machine: 0 entries read.)"""
     count = sql.SQL("SELECT pg_stat_get_xact_tuples_returned({}::regclass)").format(sql.Literal(index))
-    (before,) = conn.execute(count).fetchone()  # type: ignore[misc]
-    result = action()
-    (after,) = conn.execute(count).fetchone()  # type: ignore[misc]
+    with conn.transaction():
+        (before,) = conn.execute(count).fetchone()  # type: ignore[misc]
+        result = action()
+        (after,) = conn.execute(count).fetchone()  # type: ignore[misc]
     return int(after) - int(before), result
 
 
