@@ -103,26 +103,29 @@ VOLATILE
 SET search_path FROM CURRENT
 AS $$
 DECLARE
+    free     boolean;   -- the producers' lock taken: no producing transaction is open
     seen     boolean;   -- a producing transaction's horizon lock was read
     unlocked boolean;
 BEGIN
     held_keys := '{}';
     FOR look IN 1..2 LOOP
-        IF pg_try_advisory_lock(1868724336, 3) THEN
-            -- No producing transaction is open, and none takes an id while this lock is held
-            -- (the trigger takes it, shared, before nextval): every id handed out so far is
-            -- settled. (On a sequence never used yet, last_value is the next id, not the last.)
-            -- Read and unlocked in one statement, the tuple read before the projection unlocks:
-            -- producers wait for this lock, so it is held no longer than before.
-            SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END, pg_advisory_unlock(1868724336, 3)
-              INTO last_id, unlocked FROM outbox_id_seq;
+        -- The lock first, then the last id. With the lock taken, no producing transaction is
+        -- open and none takes an id until it is let go (the trigger takes it, shared, before
+        -- nextval): every id handed out so far is settled. It is let go in the statement that
+        -- reads the id (the tuple is read before the projection unlocks), so producers wait no
+        -- longer than for the lock alone. Without it, the id is read before the locks below: an
+        -- id handed out after this read is above it, and a transaction that handed out one up to
+        -- it and is still open shows its locks there. (On a sequence never used yet, last_value
+        -- is the next id, not the last one.)
+        free := pg_try_advisory_lock(1868724336, 3);
+        SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END,
+               CASE WHEN free THEN pg_advisory_unlock(1868724336, 3) END
+          INTO last_id, unlocked FROM outbox_id_seq;
+        IF free THEN
             settled := last_id;
             open_below := last_id;
             RETURN;
         END IF;
-        -- Read before the locks: an id handed out after this read is above it, and a transaction
-        -- that handed out one up to it and is still open shows its locks below.
-        SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END INTO last_id FROM outbox_id_seq;
         WITH l AS MATERIALIZED (
             SELECT l.pid, l.classid, l.objid, l.objsubid
               FROM pg_locks l
