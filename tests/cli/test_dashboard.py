@@ -39,6 +39,12 @@ def exported(text: str) -> tuple[set[str], set[str]]:
     return {n for n in names if n.startswith("outboxpg_")}, labels
 
 
+def delivered(text: str) -> float:
+    """The sum of outboxpg_events_delivered_total over its label sets on a /metrics page."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("outboxpg_events_delivered_total{"))
+
+
 def queries(dashboard: dict[str, Any]) -> list[str]:
     out = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     out += [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
@@ -54,11 +60,18 @@ def test_every_metric_the_dashboard_queries_is_exported(dsn: str, conn: psycopg.
     port = free_port()
     w = Proc(tmp_path, "--dsn", dsn, "--publisher", "outboxpg.relay.publishers:print_event", "--metrics-port", str(port))
     try:
+        # The worker counts an event delivered after its complete commits, so the rows can read
+        # 'published' a moment before the counter (and its labels) shows them: scrape until it does.
         end = time.monotonic() + 20
-        while conn.execute("SELECT count(*) FROM outbox WHERE state = 'published'").fetchone() != (3,):
-            assert time.monotonic() < end, w.text()
+        while True:
+            published = conn.execute("SELECT count(*) FROM outbox WHERE state = 'published'").fetchone()
+            text = ""
+            if published == (3,):
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+                if delivered(text) == 3:
+                    break
+            assert time.monotonic() < end, (published, text, w.text())
             time.sleep(0.05)
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     finally:
         assert w.stop() == 0, w.text()
     names, labels = exported(text)
