@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import urllib.request
 
 from locks import MAINTENANCE_LOCK
@@ -47,7 +48,15 @@ async def test_metrics_endpoint_matches_the_database(dsn, conn, fast_retries):
     # A backlog the worker cannot take: events of a dead aggregate wait behind it.
     enqueue(conn, "order", "p", "after-poison", {})
     await asyncio.sleep(0.3)
+    # The worker counts a batch after its report commits: scrape until the counters have caught
+    # up with the rows (a count that never does fails here).
     m = await asyncio.to_thread(scrape, port)
+    end = time.monotonic() + 10
+    while sum(v for (name, _), v in m.items() if name == "outboxpg_events_delivered_total") < 32 \
+            or m.get(("outboxpg_events_dead_lettered_total", (("event_type", "poison"),))) != 1:
+        assert time.monotonic() < end, m
+        await asyncio.sleep(0.05)
+        m = await asyncio.to_thread(scrape, port)
     worker.stop()
     await task
 
