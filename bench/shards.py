@@ -5,6 +5,7 @@ rate of 1, 2, 4 and 8 claimers, and of as many outboxpg-worker processes, with a
     .venv/bin/python bench/shards.py --only cost           # the claim cost part alone
     .venv/bin/python bench/shards.py --only drain --quick  # smaller drains
     .venv/bin/python bench/shards.py --only workers        # the workers part alone
+    .venv/bin/python bench/shards.py --only workers --workers 2,8 --split   # two fleet sizes, where the CPU goes
 
 It runs on a PostgreSQL server that is already running (--server, a libpq string without a
 database; default host=127.0.0.1 user=postgres): it creates a database of its own for each
@@ -47,7 +48,11 @@ workers
        functions and plan their statements; the second, warm, is a fleet's steady state.
        Events/s from a burst's commit to its last published_at, the median of --repeat drains;
        how many workers delivered a part of it; and the machine's busy CPU over the drain
-       (/proc/stat, every process), which shows what each added worker costs.
+       (/proc/stat, every process), which shows what each added worker costs. With --split,
+       where that CPU goes, per burst (medians): the worker processes' own (/proc/PID/stat),
+       their server sessions' (those open at the burst's start), and how many server sessions
+       the workers opened during it (their pools' new connections, each with its own first
+       plans).
 """
 
 from __future__ import annotations
@@ -61,7 +66,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -278,12 +283,32 @@ def wakeup_queue(c: psycopg.Connection[Any]) -> int:
     return int(row[0]) if row else 0
 
 
-def worker_drain(server: str, events: int, aggregates: int, workers: int,
-                 sharded: bool) -> list[tuple[float, int, float]]:
+def process_jiffies(pid: int) -> int:
+    """User + system CPU time of one process so far, in clock ticks (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return 0
+    return int(fields[11]) + int(fields[12])
+
+
+def fleet_sessions(c: psycopg.Connection[Any]) -> list[int]:
+    """The pids of the workers' server sessions in this database (their pools keep a connection
+    open for 10 minutes once it was opened)."""
+    return [row[0] for row in c.execute("SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+                                        "AND application_name LIKE 'outboxpg-worker%%'").fetchall()]
+
+
+Burst = tuple[float, int, float, tuple[float, float, int]]
+
+
+def worker_drain(server: str, events: int, aggregates: int, workers: int, sharded: bool) -> list[Burst]:
     """Two bursts into the same idle workers, the first cold, the second warm: for each, (events/s
     from the burst's commit to its last published_at, workers that delivered part of it, the
-    machine's busy CPU seconds over the drain)."""
+    machine's busy CPU seconds over the drain, and (the worker processes' CPU seconds, the CPU
+    seconds of their sessions open at its start, sessions opened) over it)."""
     with database(server) as dsn, psycopg.connect(dsn, autocommit=True) as c:
+        tick = os.sysconf("SC_CLK_TCK")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "bench"), str(ROOT)]))
         procs = [subprocess.Popen([str(WORKER), "--dsn", dsn, "--publisher", "null_publisher:publish",
                                    "--maintenance-interval", "0", "--log-level", "WARNING", "--name", f"w{i}",
@@ -300,6 +325,9 @@ def worker_drain(server: str, events: int, aggregates: int, workers: int,
                                            f"{time.monotonic() - t0:.0f} s (exited: {[p.returncode for p in procs]})")
                     time.sleep(0.1)
                 (before,) = c.execute("SELECT coalesce(max(id), 0) FROM outbox").fetchone()  # type: ignore[misc]
+                sessions = fleet_sessions(c)
+                own = sum(process_jiffies(p.pid) for p in procs)
+                served = sum(process_jiffies(pid) for pid in sessions)
                 c.execute("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
                           "SELECT 'acct', 'a' || (g %% %s), 'e', '{\"n\": 1}' FROM generate_series(1, %s) g",
                           (aggregates, events))
@@ -311,10 +339,14 @@ def worker_drain(server: str, events: int, aggregates: int, workers: int,
                         raise RuntimeError("workers: the burst not drained after 600 s")
                     time.sleep(0.05)
                 cpu = busy_jiffies() - cpu
+                own = sum(process_jiffies(p.pid) for p in procs) - own
+                served = sum(process_jiffies(pid) for pid in sessions) - served
                 (seconds, took_part) = c.execute(  # type: ignore[misc]
                     "SELECT extract(epoch FROM max(published_at) - %s), count(DISTINCT locked_by) FROM outbox "
                     "WHERE id > %s", (committed, before)).fetchone()
-                bursts.append((events / float(seconds), int(took_part), cpu / os.sysconf("SC_CLK_TCK")))
+                opened = len(set(fleet_sessions(c)) - set(sessions))
+                bursts.append((events / float(seconds), int(took_part), cpu / tick,
+                               (own / tick, served / tick, opened)))
         finally:
             for p in procs:
                 p.send_signal(signal.SIGTERM)
@@ -326,15 +358,16 @@ def worker_drain(server: str, events: int, aggregates: int, workers: int,
     return bursts
 
 
-def part_workers(server: str, quick: bool, repeat: int) -> None:
+def part_workers(server: str, quick: bool, repeat: int, counts: Sequence[int] = (1, 2, 4, 8),
+                 split: bool = False) -> None:
     mixes = [(50_000, 12_500), (20_000, 200)] if quick else [(200_000, 50_000), (20_000, 200)]
     print(f"\nworkers: N outboxpg-worker processes, idle, then a burst, then another once they are idle again; "
           f"events/s from a burst's commit to its last published (a no-op publisher), median of {repeat}; "
           f"workers that took part; busy CPU s of the machine during the drain")
     for events, aggregates in mixes:
         print(f"  {events:,} events over {aggregates:,} aggregates")
-        for workers in (1, 2, 4, 8):
-            runs: dict[bool, list[list[tuple[float, int, float]]]] = {False: [], True: []}
+        for workers in counts:
+            runs: dict[bool, list[list[Burst]]] = {False: [], True: []}
             for _ in range(repeat):
                 for sharded in (False, True):
                     runs[sharded].append(worker_drain(server, events, aggregates, workers, sharded))
@@ -347,6 +380,14 @@ def part_workers(server: str, quick: bool, repeat: int) -> None:
                                  f"CPU {statistics.median(x[2] for x in r):.2f} s)")
                 print(f"    {workers} worker{'s' if workers > 1 else ' '} {'shards   ' if sharded else 'no shards'}  "
                       f"{'   '.join(cells)}   load {load()}", flush=True)
+                if split:
+                    parts = []
+                    for burst, what in ((0, "first"), (1, "warm")):
+                        split_of = [d[burst][3] for d in runs[sharded]]
+                        own, served, opened = (statistics.median(x[k] for x in split_of) for k in range(3))
+                        parts.append(f"{what}: workers {own:.2f} s, their sessions {served:.2f} s, "
+                                     f"sessions opened {opened:.0f}")
+                    print(f"      {'   '.join(parts)}", flush=True)
 
 
 def main() -> int:
@@ -357,7 +398,14 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3, help="drains per configuration; the median is shown")
     ap.add_argument("--cold", action="store_true",
                     help="drain: no warm-up claim; each connection's first claim (its plans) falls in the time")
+    ap.add_argument("--workers", type=lambda t: [int(x) for x in t.split(",")], default=[1, 2, 4, 8], metavar="N,N",
+                    help="workers: the fleet sizes to run (default 1,2,4,8)")
+    ap.add_argument("--split", action="store_true",
+                    help="workers: also where each burst's CPU goes (worker processes, their sessions, "
+                         "sessions opened)")
     a = ap.parse_args()
+    if not a.workers or min(a.workers) < 1:
+        ap.error("--workers: one or more counts of at least 1")
     # SIGTERM as Ctrl-C: the claimers are told to stop and joined, the databases dropped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     print(f"bench/shards.py on {os.uname().nodename}, {os.cpu_count()} CPUs, load {load()}")
@@ -366,7 +414,7 @@ def main() -> int:
     if a.only in (None, "drain"):
         part_drain(a.server, a.quick, max(1, a.repeat), a.cold)
     if a.only in (None, "workers"):
-        part_workers(a.server, a.quick, max(1, a.repeat))
+        part_workers(a.server, a.quick, max(1, a.repeat), a.workers, a.split)
     return 0
 
 
