@@ -25,7 +25,8 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["HZ", "CLASSES", "CpuMeter", "backend_cpu_s", "QuietWaiter", "listening_pids", "speed_reference_ms"]
+__all__ = ["HZ", "CLASSES", "CpuMeter", "backend_cpu_s", "process_cpu_s", "QuietWaiter", "listening_pids",
+           "speed_reference_ms"]
 
 HZ = os.sysconf("SC_CLK_TCK")
 CLASSES = ("worker", "bench", "pg", "pg_background", "nats", "other")
@@ -206,6 +207,14 @@ def speed_reference_ms() -> float:
         sum(range(300_000))
         best = min(best, time.perf_counter() - t0)
     return best * 1000
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far; 0.0 once it is gone."""
+    try:
+        return _stat(pid)[1] / HZ
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def backend_cpu_s(conn: Any) -> float | None:

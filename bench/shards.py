@@ -74,6 +74,8 @@ from typing import Any
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from proc_cpu import HZ, process_cpu_s  # noqa: E402  (bench/, beside this file)
+
 from outboxpg.schema import migrate  # noqa: E402
 
 _seq = 0
@@ -283,15 +285,6 @@ def wakeup_queue(c: psycopg.Connection[Any]) -> int:
     return int(row[0]) if row else 0
 
 
-def process_jiffies(pid: int) -> int:
-    """User + system CPU time of one process so far, in clock ticks (0 once it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except FileNotFoundError:
-        return 0
-    return int(fields[11]) + int(fields[12])
-
-
 def fleet_sessions(c: psycopg.Connection[Any]) -> list[int]:
     """The pids of the workers' server sessions in this database (their pools keep a connection
     open for 10 minutes once it was opened)."""
@@ -308,7 +301,6 @@ def worker_drain(server: str, events: int, aggregates: int, workers: int, sharde
     machine's busy CPU seconds over the drain, and (the worker processes' CPU seconds, the CPU
     seconds of their sessions open at its start, sessions opened) over it)."""
     with database(server) as dsn, psycopg.connect(dsn, autocommit=True) as c:
-        tick = os.sysconf("SC_CLK_TCK")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "bench"), str(ROOT)]))
         procs = [subprocess.Popen([str(WORKER), "--dsn", dsn, "--publisher", "null_publisher:publish",
                                    "--maintenance-interval", "0", "--log-level", "WARNING", "--name", f"w{i}",
@@ -326,8 +318,8 @@ def worker_drain(server: str, events: int, aggregates: int, workers: int, sharde
                     time.sleep(0.1)
                 (before,) = c.execute("SELECT coalesce(max(id), 0) FROM outbox").fetchone()  # type: ignore[misc]
                 sessions = fleet_sessions(c)
-                own = sum(process_jiffies(p.pid) for p in procs)
-                served = sum(process_jiffies(pid) for pid in sessions)
+                own = sum(process_cpu_s(p.pid) for p in procs)
+                served = sum(process_cpu_s(pid) for pid in sessions)
                 c.execute("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
                           "SELECT 'acct', 'a' || (g %% %s), 'e', '{\"n\": 1}' FROM generate_series(1, %s) g",
                           (aggregates, events))
@@ -339,14 +331,13 @@ def worker_drain(server: str, events: int, aggregates: int, workers: int, sharde
                         raise RuntimeError("workers: the burst not drained after 600 s")
                     time.sleep(0.05)
                 cpu = busy_jiffies() - cpu
-                own = sum(process_jiffies(p.pid) for p in procs) - own
-                served = sum(process_jiffies(pid) for pid in sessions) - served
+                own = sum(process_cpu_s(p.pid) for p in procs) - own
+                served = sum(process_cpu_s(pid) for pid in sessions) - served
                 (seconds, took_part) = c.execute(  # type: ignore[misc]
                     "SELECT extract(epoch FROM max(published_at) - %s), count(DISTINCT locked_by) FROM outbox "
                     "WHERE id > %s", (committed, before)).fetchone()
                 opened = len(set(fleet_sessions(c)) - set(sessions))
-                bursts.append((events / float(seconds), int(took_part), cpu / tick,
-                               (own / tick, served / tick, opened)))
+                bursts.append((events / float(seconds), int(took_part), cpu / HZ, (own, served, opened)))
         finally:
             for p in procs:
                 p.send_signal(signal.SIGTERM)
