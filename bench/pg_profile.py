@@ -3,15 +3,18 @@ statements included.
 
     .venv/bin/python bench/pg_profile.py                          # 200,000 events over 50,000 aggregates
     .venv/bin/python bench/pg_profile.py --events 20000 --aggregates 200 --batch 500
+    .venv/bin/python bench/pg_profile.py --shard 0/8                  # the claims of one shard
 
 A throwaway cluster of its own (outboxpg.embedded.EmbeddedPostgres, the tests' settings) with
 pg_stat_statements loaded (track = all: the statements inside the PL/pgSQL functions count
 apart) and track_functions = all; the current schema installed; the events inserted
 server-side, VACUUM ANALYZE; then one connection claims `--batch` and completes what it got
-until a claim comes back empty (the database side of a worker, no broker). Printed: the rate,
-and the statements and functions by total execution time, each also in µs per event. The
-cluster is stopped and removed at the end (also on Ctrl-C). pg_stat_statements costs time of
-its own: the rate is lower than without it; the shares are what this is for.
+until a claim comes back empty (the database side of a worker, no broker). With `--shard I/N`
+shards are enabled and the claims are that shard's (`outbox_claim(..., shard => 'I/N')`): its
+events are drained, the other shards' stay, and the figures per event are of the shard's events.
+Printed: the rate, and the statements and functions by total execution time, each also in µs
+per event. The cluster is stopped and removed at the end (also on Ctrl-C). pg_stat_statements
+costs time of its own: the rate is lower than without it; the shares are what this is for.
 """
 
 from __future__ import annotations
@@ -34,8 +37,12 @@ def main() -> int:
     ap.add_argument("--events", type=int, default=200_000)
     ap.add_argument("--aggregates", type=int, default=50_000)
     ap.add_argument("--batch", type=int, default=500, help="outbox_claim's batch_size (default 500, the worker's)")
+    ap.add_argument("--shard", default=None, metavar="I/N", help="claim shard I of N only (shards enabled)")
     ap.add_argument("--top", type=int, default=20, help="statements shown (default 20)")
     args = ap.parse_args()
+    if args.shard is not None and not ((m := re.fullmatch(r"(\d+)/(\d+)", args.shard))
+                                       and int(m[1]) < int(m[2]) <= 64):
+        ap.error(f"--shard: I/N with 0 <= I < N <= 64, got {args.shard!r}")
     if args.events < 1 or args.aggregates < 1 or args.batch < 1:
         ap.error("--events, --aggregates and --batch must be 1 or more")
     settings = {"shared_preload_libraries": "pg_stat_statements", "pg_stat_statements.track": "all",
@@ -46,13 +53,16 @@ def main() -> int:
         c.execute("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
                   "SELECT 'order', 'a' || (g %% %s), 'e', jsonb_build_object('n', g) "
                   "FROM generate_series(1, %s) g", (args.aggregates, args.events))
+        if args.shard:
+            c.execute("SELECT outbox_shards_enable()")
         c.execute("VACUUM ANALYZE")
         c.execute("SELECT pg_stat_statements_reset()")
         c.execute("SELECT pg_stat_reset()")
         n = claims = 0
         t0 = time.perf_counter()
         while True:
-            rows = c.execute("SELECT id, lease_token FROM outbox_claim(%s)", (args.batch,)).fetchall()
+            rows = c.execute("SELECT id, lease_token FROM outbox_claim(%s, shard => %s)",
+                             (args.batch, args.shard)).fetchall()
             claims += 1
             if not rows:
                 break
@@ -60,7 +70,7 @@ def main() -> int:
             c.execute("SELECT outbox_complete(%s::bigint[], %s)", ([r[0] for r in rows], rows[0][1]))
         seconds = time.perf_counter() - t0
         print(f"{n:,} events over {args.aggregates:,} aggregates in {seconds:.2f} s ({n / seconds:,.0f} events/s), "
-              f"{claims} claims of up to {args.batch}; PostgreSQL {c.info.server_version // 10000}")
+              f"{claims} claims of up to {args.batch}{f' by shard {args.shard}' if args.shard else ''}; PostgreSQL {c.info.server_version // 10000}")
         print(f"\n{'ms':>9} {'µs/event':>9} {'calls':>7} {'rows':>8}  statement")
         for ms, calls, nrows, query in c.execute(
                 "SELECT total_exec_time, calls, rows, query FROM pg_stat_statements "
