@@ -4,6 +4,7 @@ statements included.
     .venv/bin/python bench/pg_profile.py                          # 200,000 events over 50,000 aggregates
     .venv/bin/python bench/pg_profile.py --events 20000 --aggregates 200 --batch 500
     .venv/bin/python bench/pg_profile.py --shard 0/8                  # the claims of one shard
+    .venv/bin/python bench/pg_profile.py --past-days 8                # a week's partitions kept, as in production
 
 A throwaway cluster of its own (outboxpg.embedded.EmbeddedPostgres, the tests' settings) with
 pg_stat_statements loaded (track = all: the statements inside the PL/pgSQL functions count
@@ -12,6 +13,9 @@ server-side, VACUUM ANALYZE; then one connection claims `--batch` and completes 
 until a claim comes back empty (the database side of a worker, no broker). With `--shard I/N`
 shards are enabled and the claims are that shard's (`outbox_claim(..., shard => 'I/N')`): its
 events are drained, the other shards' stay, and the figures per event are of the shard's events.
+With `--past-days N`, N daily partitions before today's are made first, named and bounded as
+outbox_maintain makes them (a new install has today's, 3 ahead and the default; the default
+`retention` of 7 days keeps about 8 more), empty: what their number costs the claims and reports.
 Printed: the rate, and the statements and functions by total execution time, each also in µs
 per event. The cluster is stopped and removed at the end (also on Ctrl-C). pg_stat_statements
 costs time of its own: the rate is lower than without it; the shares are what this is for.
@@ -26,6 +30,7 @@ import time
 from pathlib import Path
 
 import psycopg
+from psycopg import sql
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from outboxpg.embedded import EmbeddedPostgres  # noqa: E402
@@ -38,11 +43,15 @@ def main() -> int:
     ap.add_argument("--aggregates", type=int, default=50_000)
     ap.add_argument("--batch", type=int, default=500, help="outbox_claim's batch_size (default 500, the worker's)")
     ap.add_argument("--shard", default=None, metavar="I/N", help="claim shard I of N only (shards enabled)")
+    ap.add_argument("--past-days", type=int, default=0, metavar="N",
+                    help="N empty daily partitions before today's, as a week's retention keeps them (default 0)")
     ap.add_argument("--top", type=int, default=20, help="statements shown (default 20)")
     args = ap.parse_args()
     if args.shard is not None and not ((m := re.fullmatch(r"(\d+)/(\d+)", args.shard))
                                        and int(m[1]) < int(m[2]) <= 64):
         ap.error(f"--shard: I/N with 0 <= I < N <= 64, got {args.shard!r}")
+    if args.past_days < 0:
+        ap.error("--past-days must be 0 or more")
     if args.events < 1 or args.aggregates < 1 or args.batch < 1:
         ap.error("--events, --aggregates and --batch must be 1 or more")
     settings = {"shared_preload_libraries": "pg_stat_statements", "pg_stat_statements.track": "all",
@@ -50,6 +59,16 @@ def main() -> int:
     with EmbeddedPostgres(settings=settings) as pg, psycopg.connect(pg.dsn, autocommit=True) as c:
         migrate(pg.dsn)
         c.execute("CREATE EXTENSION pg_stat_statements")
+        for day in range(1, args.past_days + 1):
+            bounds = c.execute(
+                "SELECT d - interval '1 day' * %s, d - interval '1 day' * (%s - 1), "
+                "       'outbox_p' || to_char(d - interval '1 day' * %s, 'YYYYMMDD\"T\"HH24MISS') "
+                "FROM (SELECT date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC' AS d) t",
+                (day, day, day)).fetchone()
+            assert bounds is not None
+            lo, hi, name = bounds
+            c.execute(sql.SQL("CREATE TABLE {} PARTITION OF outbox FOR VALUES FROM ({}) TO ({})").format(
+                sql.Identifier(name), sql.Literal(lo), sql.Literal(hi)))
         c.execute("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
                   "SELECT 'order', 'a' || (g %% %s), 'e', jsonb_build_object('n', g) "
                   "FROM generate_series(1, %s) g", (args.aggregates, args.events))
@@ -69,8 +88,11 @@ def main() -> int:
             n += len(rows)
             c.execute("SELECT outbox_complete(%s::bigint[], %s)", ([r[0] for r in rows], rows[0][1]))
         seconds = time.perf_counter() - t0
+        row = c.execute("SELECT count(*) FROM pg_inherits WHERE inhparent = 'outbox'::regclass").fetchone()
+        parts = row[0] if row else 0
         print(f"{n:,} events over {args.aggregates:,} aggregates in {seconds:.2f} s ({n / seconds:,.0f} events/s), "
-              f"{claims} claims of up to {args.batch}{f' by shard {args.shard}' if args.shard else ''}; PostgreSQL {c.info.server_version // 10000}")
+              f"{claims} claims of up to {args.batch}{f' by shard {args.shard}' if args.shard else ''}; "
+              f"{parts} partitions; PostgreSQL {c.info.server_version // 10000}")
         print(f"\n{'ms':>9} {'µs/event':>9} {'calls':>7} {'rows':>8}  statement")
         for ms, calls, nrows, query in c.execute(
                 "SELECT total_exec_time, calls, rows, query FROM pg_stat_statements "
