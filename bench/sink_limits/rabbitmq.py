@@ -15,7 +15,7 @@ with ``<prefix>.#`` to the URL's exchange (``?exchange=``, default ``outbox``; d
 The broker's own confirm latency, the floor under the worker's commit -> stored latency:
 
     .venv/bin/python bench/sink_limits/rabbitmq.py latency [--url amqp://guest:guest@127.0.0.1:5672/]
-        [--rate 1000] [--seconds 15] [--repeat 1]
+        [--rate 1000] [--seconds 15] [--repeat 1] [--queue-types classic,quorum]
 
 publishes the drain's message at ``--rate`` a second, arrivals spaced as pgbench -R spaces its
 transactions (Poisson), each in a task of its own that does not wait for the others (independent
@@ -25,6 +25,9 @@ after), as ``run`` does; once persistent (the sink's messages: confirmed once on
 transient (confirmed once enqueued: the same path without the disk). For each it prints
 publish -> confirm p50 / p99 / max, and how late the publishes started against their schedule
 (the client's own event loop falling behind). ``--repeat`` alternates the two that many times.
+``--queue-types`` picks the queue's type (``x-queue-type``), each in turn: ``classic`` (the
+default, as the drains use) or ``quorum`` (RabbitMQ's replicated queue, confirmed once its log
+is on disk), whose confirms wait for the disk differently.
 """
 
 from __future__ import annotations
@@ -118,7 +121,8 @@ def _message(payload: bytes, i: int, aggregate: str, persistent: bool = True) ->
 
 
 @contextlib.asynccontextmanager
-async def _bound_exchange(url: str, prefix: str) -> AsyncIterator[tuple[AbstractExchange, str, Any]]:
+async def _bound_exchange(url: str, prefix: str, queue_type: str = "classic",
+                          ) -> AsyncIterator[tuple[AbstractExchange, str, Any]]:
     """(a durable topic exchange of its own in confirm mode, a routing key it routes to a durable
     queue, how many messages that queue holds: an async function); both deleted afterwards."""
     server, _ = _split(url)
@@ -127,7 +131,7 @@ async def _bound_exchange(url: str, prefix: str) -> AsyncIterator[tuple[Abstract
     try:
         channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
         exchange = await channel.declare_exchange(name, aio_pika.ExchangeType.TOPIC, durable=True)
-        queue = await channel.declare_queue(name, durable=True)
+        queue = await channel.declare_queue(name, durable=True, arguments={"x-queue-type": queue_type})
         await queue.bind(exchange, "#")
 
         async def held() -> int:
@@ -161,9 +165,10 @@ async def run(url: str, count: int, payload: bytes) -> float:
     return count / elapsed
 
 
-async def latency(url: str, rate: float, seconds: float, payload: bytes, persistent: bool) -> dict[str, float]:
+async def latency(url: str, rate: float, seconds: float, payload: bytes, persistent: bool,
+                  queue_type: str = "classic") -> dict[str, float]:
     """Publish -> confirm of one message at a time at ``rate`` a second (see the module's docstring)."""
-    async with _bound_exchange(url, "lat") as (exchange, routing_key, held):
+    async with _bound_exchange(url, "lat", queue_type) as (exchange, routing_key, held):
         confirmed: list[float] = []
         late: list[float] = []
         tasks: set[asyncio.Task[None]] = set()
@@ -212,20 +217,27 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=1000.0, help="messages a second (default 1000)")
     ap.add_argument("--seconds", type=float, default=15.0, help="seconds of each measurement (default 15)")
     ap.add_argument("--repeat", type=int, default=1, help="persistent and transient alternated this many times")
+    ap.add_argument("--queue-types", default="classic", metavar="TYPE,TYPE",
+                    help="the queue's x-queue-type, each in turn: classic (default) and/or quorum")
     a = ap.parse_args()
+    types = [t.strip() for t in a.queue_types.split(",") if t.strip()]
+    if not types or any(t not in ("classic", "quorum") for t in types):
+        ap.error(f"--queue-types: classic and/or quorum, comma-separated, got {a.queue_types!r}")
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from sink_drain import PAYLOAD
 
     print(f"rabbitmq latency {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: {a.rate:,.0f} messages/s for {a.seconds:g} s, "
-          "one at a time, confirm mode, mandatory, a durable topic exchange and a durable queue", flush=True)
+          f"one at a time, confirm mode, mandatory, a durable topic exchange and a durable queue "
+          f"({', '.join(types)})", flush=True)
     for n in range(a.repeat):
-        for persistent in (True, False):
-            load = os.getloadavg()[0]
-            r = asyncio.run(latency(a.url, a.rate, a.seconds, PAYLOAD, persistent))
-            kind = "persistent" if persistent else "transient "
-            print(f"  {n + 1}. {kind} (load {load:.1f}): {r['sent']:,} at {r['achieved']:,.0f}/s, publish -> "
-                  f"confirm p50 {r['p50']:.1f} ms, p99 {r['p99']:.1f} ms, max {r['max']:.1f} ms (publishes started "
-                  f"late by up to {r['late_p99']:.1f} ms at p99)", flush=True)
+        for queue_type in types:
+            for persistent in (True, False):
+                load = os.getloadavg()[0]
+                r = asyncio.run(latency(a.url, a.rate, a.seconds, PAYLOAD, persistent, queue_type))
+                kind = "persistent" if persistent else "transient "
+                print(f"  {n + 1}. {queue_type} {kind} (load {load:.1f}): {r['sent']:,} at {r['achieved']:,.0f}/s, "
+                      f"publish -> confirm p50 {r['p50']:.1f} ms, p99 {r['p99']:.1f} ms, max {r['max']:.1f} ms "
+                      f"(publishes started late by up to {r['late_p99']:.1f} ms at p99)", flush=True)
     return 0
 
 
