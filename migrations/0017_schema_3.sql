@@ -437,6 +437,70 @@ BEGIN
 END;
 $$;
 
+-- The floor, raised first if it is more than 20 ms old.
+CREATE OR REPLACE FUNCTION outbox_heads_floor() RETURNS timestamptz
+LANGUAGE plpgsql
+VOLATILE
+SET search_path FROM CURRENT
+SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET jit = off
+AS $$
+DECLARE
+    floor_at    timestamptz := to_timestamp(coalesce(pg_sequence_last_value('outbox_heads_floor_us'), 0) / 1000000.0);
+    at          timestamptz := clock_timestamp();
+    at_cs       bigint := floor(extract(epoch FROM at) * 100)::bigint;     -- `at` in the writers' unit
+    writers     timestamptz;
+    first_ready timestamptz;
+    raised      timestamptz;
+BEGIN
+    IF floor_at > at THEN
+        -- The clock went back: no floor until the next call raises one from the start.
+        PERFORM setval('outbox_heads_floor_us', 0);
+        RETURN '-infinity';
+    END IF;
+    IF floor_at > at - interval '20 milliseconds'
+       OR current_setting('transaction_isolation') <> 'read committed' THEN
+        RETURN floor_at;
+    END IF;
+    -- The first head, read twice. A floor that it does not let rise by 20 ms or more stays as
+    -- it is, before the read of pg_locks, which takes every lock partition's lock and scans
+    -- every backend's locks: behind an old due head (a backlog), that is every claim, and
+    -- staying low is always safe. Otherwise first the writers at work (the caller's own lock
+    -- among them), then, in a snapshot taken after that, the first head again: a writer that
+    -- ends in between is seen by one or the other.
+    FOR look IN 1..2 LOOP
+        SELECT h.ready_at INTO first_ready
+          FROM outbox_heads h
+         WHERE h.ready_at >= floor_at
+         ORDER BY h.ready_at
+         LIMIT 1;
+        EXIT WHEN look = 2;
+        IF first_ready < floor_at + interval '20 milliseconds' THEN
+            RETURN floor_at;
+        END IF;
+        -- Ages are taken modulo 2^32 centiseconds (a lock newer than `at` has a negative age).
+        -- The result is the lock's own centisecond, at or before the moment it was taken.
+        SELECT to_timestamp((at_cs - max(CASE WHEN a.age >= 2147483648 THEN a.age - 4294967296 ELSE a.age END)) / 100.0)
+          INTO writers
+          FROM (SELECT ((at_cs - l.objid::bigint) % 4294967296 + 4294967296) % 4294967296 AS age
+                  FROM pg_locks l
+                 WHERE l.locktype = 'advisory' AND l.classid = 1868724338 AND l.objsubid = 2
+                   AND l.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())) a;
+    END LOOP;
+    raised := least(at, writers, first_ready);      -- least ignores NULLs
+    IF raised > floor_at THEN
+        PERFORM setval('outbox_heads_floor_us', floor(extract(epoch FROM raised) * 1000000)::bigint);
+        RETURN raised;
+    END IF;
+    RETURN floor_at;
+END;
+$$;
+
+COMMENT ON FUNCTION outbox_heads_floor() IS
+    'Called by outbox_claim: the time below which no head is due (the lower end of its index range), raised first when more than 20 ms old and the first head lets it rise by 20 ms or more.';
+
 -- Take newly committed events into outbox_heads: up to `chunk` in-flow events above the intake
 -- cursor, oldest first. Returns the cursor afterwards, or NULL when another claim is taking in
 -- right now (one at a time: the others skip it rather than wait).

@@ -176,7 +176,7 @@ COMMENT ON FUNCTION outbox_commit_horizon() IS
 -- exactly where a claim starts reading, and under a held snapshot none of them goes away (at
 -- 2,000 events/s with a snapshot held 60 s: 42,393 entries read per claim without the floor).
 -- The floor is kept in a sequence (outbox_heads_floor_us), not a row, and raised by the claims,
--- at most every 20 ms, to the least of:
+-- at most every 20 ms and only when the first head lies 20 ms or more above it, to the least of:
 --   * the first ready_at among the heads (read without locks, so a head another claim has
 --     locked, or is about to give back by rolling back, still counts with its committed value);
 --   * the oldest time announced by a transaction still writing heads (outbox_heads_writing);
@@ -235,21 +235,31 @@ BEGIN
        OR current_setting('transaction_isolation') <> 'read committed' THEN
         RETURN floor_at;
     END IF;
-    -- First the writers at work (the caller's own lock among them), then, in a snapshot taken
-    -- after that, the first head: a writer that ends in between is seen by one or the other.
-    -- Ages are taken modulo 2^32 centiseconds (a lock newer than `at` has a negative age).
-    -- The result is the lock's own centisecond, at or before the moment it was taken.
-    SELECT to_timestamp((at_cs - max(CASE WHEN a.age >= 2147483648 THEN a.age - 4294967296 ELSE a.age END)) / 100.0)
-      INTO writers
-      FROM (SELECT ((at_cs - l.objid::bigint) % 4294967296 + 4294967296) % 4294967296 AS age
-              FROM pg_locks l
-             WHERE l.locktype = 'advisory' AND l.classid = 1868724338 AND l.objsubid = 2
-               AND l.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())) a;
-    SELECT h.ready_at INTO first_ready
-      FROM outbox_heads h
-     WHERE h.ready_at >= floor_at
-     ORDER BY h.ready_at
-     LIMIT 1;
+    -- The first head, read twice. A floor that it does not let rise by 20 ms or more stays as
+    -- it is, before the read of pg_locks, which takes every lock partition's lock and scans
+    -- every backend's locks: behind an old due head (a backlog), that is every claim, and
+    -- staying low is always safe. Otherwise first the writers at work (the caller's own lock
+    -- among them), then, in a snapshot taken after that, the first head again: a writer that
+    -- ends in between is seen by one or the other.
+    FOR look IN 1..2 LOOP
+        SELECT h.ready_at INTO first_ready
+          FROM outbox_heads h
+         WHERE h.ready_at >= floor_at
+         ORDER BY h.ready_at
+         LIMIT 1;
+        EXIT WHEN look = 2;
+        IF first_ready < floor_at + interval '20 milliseconds' THEN
+            RETURN floor_at;
+        END IF;
+        -- Ages are taken modulo 2^32 centiseconds (a lock newer than `at` has a negative age).
+        -- The result is the lock's own centisecond, at or before the moment it was taken.
+        SELECT to_timestamp((at_cs - max(CASE WHEN a.age >= 2147483648 THEN a.age - 4294967296 ELSE a.age END)) / 100.0)
+          INTO writers
+          FROM (SELECT ((at_cs - l.objid::bigint) % 4294967296 + 4294967296) % 4294967296 AS age
+                  FROM pg_locks l
+                 WHERE l.locktype = 'advisory' AND l.classid = 1868724338 AND l.objsubid = 2
+                   AND l.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())) a;
+    END LOOP;
     raised := least(at, writers, first_ready);      -- least ignores NULLs
     IF raised > floor_at THEN
         PERFORM setval('outbox_heads_floor_us', floor(extract(epoch FROM raised) * 1000000)::bigint);
@@ -260,7 +270,7 @@ END;
 $$;
 
 COMMENT ON FUNCTION outbox_heads_floor() IS
-    'Called by outbox_claim: the time below which no head is due (the lower end of its index range), raised first when more than 20 ms old.';
+    'Called by outbox_claim: the time below which no head is due (the lower end of its index range), raised first when more than 20 ms old and the first head lets it rise by 20 ms or more.';
 
 -- Take newly committed events into outbox_heads: up to `chunk` in-flow events above the intake
 -- cursor, oldest first. Returns the cursor afterwards, or NULL when another claim is taking in

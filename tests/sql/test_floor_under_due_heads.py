@@ -122,6 +122,26 @@ def test_a_head_the_commit_guard_holds_back_keeps_the_floor_below_it(dsn: str, c
     assert later in ids and len(ids) == 2
 
 
+def set_floor_us(conn: Conn, us: int) -> None:
+    conn.execute("SELECT setval('outbox_heads_floor_us', %s)", (us,))
+
+
+def test_a_floor_just_under_the_first_head_stays_where_it_is(conn: Conn) -> None:
+    """Behind a first head that lies less than 20 ms above the floor (a backlog's oldest head,
+    which stays first for as long as it is leased), the claims leave the floor as it is, and
+    with it the read of pg_locks that a raise needs; 20 ms or more above it, they raise it."""
+    i = insert(conn, "order", "a")
+    assert claim_ids(conn) == [i]                            # leased: the head keeps its ready_at
+    (ready,) = conn.execute("SELECT (extract(epoch FROM ready_at) * 1e6)::bigint FROM outbox_heads").fetchone()  # type: ignore[misc]
+    set_floor_us(conn, ready - 10_000)
+    time.sleep(0.05)                                         # the floor is more than 20 ms old
+    assert claim_ids(conn) == []
+    assert floor_us(conn) == ready - 10_000
+    set_floor_us(conn, ready - 30_000)
+    assert claim_ids(conn) == []
+    assert floor_us(conn) == ready
+
+
 def test_a_floor_ahead_of_the_clock_is_reset(conn: Conn) -> None:
     """The clock went back (or the sequence was set by hand): the claim starts again from nothing."""
     i = insert(conn, "order", "a")
