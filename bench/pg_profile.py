@@ -5,6 +5,7 @@ statements included.
     .venv/bin/python bench/pg_profile.py --events 20000 --aggregates 200 --batch 500
     .venv/bin/python bench/pg_profile.py --shard 0/8                  # the claims of one shard
     .venv/bin/python bench/pg_profile.py --past-days 8                # a week's partitions kept, as in production
+    .venv/bin/python bench/pg_profile.py --app-locks 80               # 80 application transactions in flight
 
 A throwaway cluster of its own (outboxpg.embedded.EmbeddedPostgres, the tests' settings) with
 pg_stat_statements loaded (track = all: the statements inside the PL/pgSQL functions count
@@ -16,6 +17,9 @@ events are drained, the other shards' stay, and the figures per event are of the
 With `--past-days N`, N daily partitions before today's are made first, named and bounded as
 outbox_maintain makes them (a new install has today's, 3 ahead and the default; the default
 `retention` of 7 days keeps about 8 more), empty: what their number costs the claims and reports.
+With `--app-locks N`, N other sessions each hold a transaction open with locks on 60 tables of
+their own (none of outbox's) through the drain: an application's transactions in flight, in the
+lock table that anything reading pg_locks scans.
 Printed: the rate, and the statements and functions by total execution time, each also in µs
 per event. The cluster is stopped and removed at the end (also on Ctrl-C). pg_stat_statements
 costs time of its own: the rate is lower than without it; the shares are what this is for.
@@ -45,13 +49,15 @@ def main() -> int:
     ap.add_argument("--shard", default=None, metavar="I/N", help="claim shard I of N only (shards enabled)")
     ap.add_argument("--past-days", type=int, default=0, metavar="N",
                     help="N empty daily partitions before today's, as a week's retention keeps them (default 0)")
+    ap.add_argument("--app-locks", type=int, default=0, metavar="N",
+                    help="N other sessions holding 60 table locks each in an open transaction (default 0)")
     ap.add_argument("--top", type=int, default=20, help="statements shown (default 20)")
     args = ap.parse_args()
     if args.shard is not None and not ((m := re.fullmatch(r"(\d+)/(\d+)", args.shard))
                                        and int(m[1]) < int(m[2]) <= 64):
         ap.error(f"--shard: I/N with 0 <= I < N <= 64, got {args.shard!r}")
-    if args.past_days < 0:
-        ap.error("--past-days must be 0 or more")
+    if args.past_days < 0 or args.app_locks < 0:
+        ap.error("--past-days and --app-locks must be 0 or more")
     if args.events < 1 or args.aggregates < 1 or args.batch < 1:
         ap.error("--events, --aggregates and --batch must be 1 or more")
     settings = {"shared_preload_libraries": "pg_stat_statements", "pg_stat_statements.track": "all",
@@ -75,6 +81,16 @@ def main() -> int:
         if args.shard:
             c.execute("SELECT outbox_shards_enable()")
         c.execute("VACUUM ANALYZE")
+        holders = []
+        if args.app_locks:
+            tables = [f"app_table_{t}" for t in range(60)]
+            for t in tables:
+                c.execute(sql.SQL("CREATE TABLE {} (id integer)").format(sql.Identifier(t)))
+            for _ in range(args.app_locks):
+                h = psycopg.connect(pg.dsn)
+                h.execute(sql.SQL("LOCK TABLE {} IN ACCESS SHARE MODE").format(
+                    sql.SQL(", ").join(sql.Identifier(t) for t in tables)))
+                holders.append(h)
         c.execute("SELECT pg_stat_statements_reset()")
         c.execute("SELECT pg_stat_reset()")
         n = claims = 0
@@ -88,11 +104,13 @@ def main() -> int:
             n += len(rows)
             c.execute("SELECT outbox_complete(%s::bigint[], %s)", ([r[0] for r in rows], rows[0][1]))
         seconds = time.perf_counter() - t0
+        for h in holders:
+            h.close()
         row = c.execute("SELECT count(*) FROM pg_inherits WHERE inhparent = 'outbox'::regclass").fetchone()
         parts = row[0] if row else 0
         print(f"{n:,} events over {args.aggregates:,} aggregates in {seconds:.2f} s ({n / seconds:,.0f} events/s), "
               f"{claims} claims of up to {args.batch}{f' by shard {args.shard}' if args.shard else ''}; "
-              f"{parts} partitions; PostgreSQL {c.info.server_version // 10000}")
+              f"{parts} partitions; {args.app_locks} sessions holding locks; PostgreSQL {c.info.server_version // 10000}")
         print(f"\n{'ms':>9} {'µs/event':>9} {'calls':>7} {'rows':>8}  statement")
         for ms, calls, nrows, query in c.execute(
                 "SELECT total_exec_time, calls, rows, query FROM pg_stat_statements "
