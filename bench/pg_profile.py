@@ -56,8 +56,8 @@ def main() -> int:
     if args.shard is not None and not ((m := re.fullmatch(r"(\d+)/(\d+)", args.shard))
                                        and int(m[1]) < int(m[2]) <= 64):
         ap.error(f"--shard: I/N with 0 <= I < N <= 64, got {args.shard!r}")
-    if args.past_days < 0 or args.app_locks < 0:
-        ap.error("--past-days and --app-locks must be 0 or more")
+    if args.past_days < 0 or not 0 <= args.app_locks <= 150:
+        ap.error("--past-days: 0 or more; --app-locks: 0 to 150 (the cluster takes 200 connections)")
     if args.events < 1 or args.aggregates < 1 or args.batch < 1:
         ap.error("--events, --aggregates and --batch must be 1 or more")
     settings = {"shared_preload_libraries": "pg_stat_statements", "pg_stat_statements.track": "all",
