@@ -142,6 +142,7 @@ class Subscriber:
         self.topic = topic
         self.received: list[Received] = []
         self.disconnects: list[str] = []   # why the connection ended, each time
+        self.connects: list[bool] = []     # each CONNACK: whether the broker had kept the session
         self._lock = threading.Lock()
         self._subscribed = threading.Event()
         self.client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=client_id or f"sub-{free_port()}",
@@ -164,8 +165,17 @@ class Subscriber:
 
     def _on_connect(self, client: paho.Client, userdata: object, flags: object, reason: object,
                     properties: object) -> None:
-        if not getattr(flags, "session_present", False):
+        present = bool(getattr(flags, "session_present", False))
+        if not present:
+            self._subscribed.clear()
             client.subscribe(self.topic, qos=1)
+        self.connects.append(present)
+
+    def subscribed_since(self, connects: int) -> bool:
+        """Connected again after ``connects`` CONNACKs, with its subscription in place (the
+        session kept, or subscribed anew and acknowledged)."""
+        return (self.client.is_connected() and len(self.connects) > connects
+                and (self.connects[-1] or self._subscribed.is_set()))
 
     def _on_message(self, client: paho.Client, userdata: object, msg: paho.MQTTMessage) -> None:
         props = msg.properties

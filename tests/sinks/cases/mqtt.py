@@ -8,7 +8,8 @@ started, with QoS 1 and a persistent session (clean start off, session expiry an
 to the broker directly (a cut of the proxy does not touch it). Across a restart its session
 (its subscription and the messages queued for it) is restored from the persistence file, and it
 reconnects by itself; a message it received whose PUBACK the restart lost comes again (a
-duplicate, which a consumer drops by Outbox-Msg-Id)."""
+duplicate, which a consumer drops by Outbox-Msg-Id). The proxy lets the worker back in only
+once the subscriber is subscribed again after a restart."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ class MqttCase(SinkCase):
         self.proxy = proxy
         self.subscriber = subscriber
         self.url = f"mqtt://127.0.0.1:{proxy.port}"
+        self._connects = 0
 
     async def read_back(self) -> list[Stored]:
         """What the subscriber received, once it is connected and has received nothing new for
@@ -54,10 +56,24 @@ class MqttCase(SinkCase):
                        payload=m.payload) for m in self.subscriber.messages()]
 
     async def stop(self) -> None:
+        # The worker's way back (the proxy) opens only once the subscriber is subscribed again
+        # (start): a broker that lost the subscriber's session over the restart would drop what
+        # the worker published before the subscriber's new SUBSCRIBE, a loss of this harness's
+        # reader, not of the sink.
+        self._connects = len(self.subscriber.connects)
+        self.proxy.refuse(3600)
         await asyncio.to_thread(self.broker.stop)
 
     async def start(self) -> None:
         await asyncio.to_thread(self.broker.start)
+        deadline = time.monotonic() + 20
+        while not self.subscriber.subscribed_since(self._connects):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the subscriber is not subscribed again 20 s after the broker's restart "
+                                     f"(disconnects: {self.subscriber.disconnects[-3:]}); broker log: "
+                                     f"{self.broker.log()[-1500:]}")
+            await asyncio.sleep(0.02)
+        self.proxy.refuse(0)
 
 
 @pytest.fixture
