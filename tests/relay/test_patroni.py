@@ -35,6 +35,8 @@ import pytest
 from helpers import insert
 from jetstream import StreamHandle, make_stream, read_stream
 
+from outboxpg.cli.errors import EXIT_CONNECT
+
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("soak")]
 
 WORKER = str(Path(sys.executable).parent / "outboxpg-worker")
@@ -148,7 +150,7 @@ def writable(dsn: str, timeout: float) -> float:
     raise AssertionError(f"{dsn} did not accept writes within {timeout:g} s")
 
 
-async def marker_delivered(stream: StreamHandle, dsn: str, since: float) -> float:
+async def marker_delivered(stream: StreamHandle, dsn: str, since: float, log: Path | None = None) -> float:
     """Commit a marker event on the new leader (``dsn``) and wait for it in the stream: seconds
     from ``since`` (time.time() when the leader became writable) to JetStream storing it."""
     with psycopg.connect(dsn, autocommit=True) as c:
@@ -164,7 +166,8 @@ async def marker_delivered(stream: StreamHandle, dsn: str, since: float) -> floa
         except Exception:  # noqa: BLE001 - not there yet
             pass
         await asyncio.sleep(0.02)
-    raise AssertionError("the marker committed on the new leader was not delivered within 20 s")
+    raise AssertionError("the marker committed on the new leader was not delivered within 20 s"
+                         + (f"; the worker's log:\n{log.read_text(errors='replace')[-4000:]}" if log else ""))
 
 
 async def all_in_stream(stream: StreamHandle, want: set[str], timeout: float) -> list[Any]:
@@ -204,9 +207,23 @@ def worker_log(tmp_path: Path) -> Path:
 
 
 def start_worker(dsn: str, nats_url: str, log: Path, *extra: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([WORKER, "--dsn", dsn, "--nats-url", nats_url, "--lease", "4", "--publish-timeout", "1",
-                             "--maintenance-interval", "0", "--name", "relay-1", *extra],
-                            stdout=subprocess.DEVNULL, stderr=log.open("wb"))
+    """The worker, once it has started (its ``event=start``). A worker exits at start when it
+    cannot connect (exit 3), and its supervisor starts it again: so does this, up to 3 times a
+    second apart. On a loaded machine, Patroni's REST API can miss two of haproxy's checks in a
+    row, and haproxy then closes new sessions until the leader is routed again."""
+    for attempt in range(4):
+        worker = subprocess.Popen([WORKER, "--dsn", dsn, "--nats-url", nats_url, "--lease", "4",
+                                   "--publish-timeout", "1", "--maintenance-interval", "0", "--name", "relay-1",
+                                   *extra], stdout=subprocess.DEVNULL, stderr=log.open("ab"))
+        deadline = time.monotonic() + 30
+        while worker.poll() is None and "event=start " not in log.read_text(errors="replace"):
+            if time.monotonic() > deadline:
+                return worker
+            time.sleep(0.05)
+        if worker.returncode != EXIT_CONNECT or attempt == 3:
+            return worker
+        time.sleep(1)
+    return worker
 
 
 def stop_worker(worker: subprocess.Popen[bytes]) -> None:
@@ -233,7 +250,7 @@ async def test_switchover_and_failover_deliver_every_acknowledged_event_once_in_
     stream = await make_stream(nats_server.url)
     install(cluster, stream.prefix)
     dsn = multi_host(cluster)
-    worker = start_worker(dsn, nats_server.url, worker_log)
+    worker = await asyncio.to_thread(start_worker, dsn, nats_server.url, worker_log)
     producers = Producers(dsn).start()
     took: dict[str, float] = {}
     try:
@@ -241,14 +258,14 @@ async def test_switchover_and_failover_deliver_every_acknowledged_event_once_in_
         # Switchover: node1 hands over to node2 (it stops, node2 promotes, node1 follows node2).
         await asyncio.to_thread(cluster.switchover, "node2")
         since = await asyncio.to_thread(writable, cluster.nodes["node2"].dsn_for("app"), 30)
-        took["switchover"] = await marker_delivered(stream, cluster.nodes["node2"].dsn_for("app"), since)
+        took["switchover"] = await marker_delivered(stream, cluster.nodes["node2"].dsn_for("app"), since, worker_log)
         await asyncio.to_thread(cluster.wait_streaming, "node1", 60, True)
         await asyncio.sleep(1)
         # Failover: node2 crashes; its leader key expires (ttl), node1 (its synchronous
         # standby: it has every acknowledged commit) promotes.
         await asyncio.to_thread(cluster.crash, "node2")
         since = await asyncio.to_thread(writable, cluster.nodes["node1"].dsn_for("app"), 60)
-        took["failover"] = await marker_delivered(stream, cluster.nodes["node1"].dsn_for("app"), since)
+        took["failover"] = await marker_delivered(stream, cluster.nodes["node1"].dsn_for("app"), since, worker_log)
         await asyncio.sleep(1)
         producers.finish()
         acked = list(producers.acked)
@@ -284,7 +301,8 @@ async def test_standby_flushed_behind_haproxy_loses_no_published_event_when_the_
     stream = await make_stream(nats_server.url)
     install(cluster, stream.prefix)
     with HAProxy(haproxy_bin, cluster) as haproxy:
-        worker = start_worker(haproxy.dsn_for("app"), nats_server.url, worker_log, "--standby-flushed", "any")
+        worker = await asyncio.to_thread(start_worker, haproxy.dsn_for("app"), nats_server.url, worker_log,
+                                         "--standby-flushed", "any")
         producers = Producers(multi_host(cluster)).start()
         try:
             await asyncio.sleep(3)
