@@ -31,6 +31,7 @@ import argparse
 import re
 import sys
 import time
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import psycopg
@@ -65,16 +66,11 @@ def main() -> int:
     with EmbeddedPostgres(settings=settings) as pg, psycopg.connect(pg.dsn, autocommit=True) as c:
         migrate(pg.dsn)
         c.execute("CREATE EXTENSION pg_stat_statements")
+        today = datetime.now(timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0)
         for day in range(1, args.past_days + 1):
-            bounds = c.execute(
-                "SELECT d - interval '1 day' * %s, d - interval '1 day' * (%s - 1), "
-                "       'outbox_p' || to_char(d - interval '1 day' * %s, 'YYYYMMDD\"T\"HH24MISS') "
-                "FROM (SELECT date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC' AS d) t",
-                (day, day, day)).fetchone()
-            assert bounds is not None
-            lo, hi, name = bounds
+            lo = today - timedelta(days=day)
             c.execute(sql.SQL("CREATE TABLE {} PARTITION OF outbox FOR VALUES FROM ({}) TO ({})").format(
-                sql.Identifier(name), sql.Literal(lo), sql.Literal(hi)))
+                sql.Identifier(f"outbox_p{lo:%Y%m%dT%H%M%S}"), sql.Literal(lo), sql.Literal(lo + timedelta(days=1))))
         c.execute("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
                   "SELECT 'order', 'a' || (g %% %s), 'e', jsonb_build_object('n', g) "
                   "FROM generate_series(1, %s) g", (args.aggregates, args.events))

@@ -212,17 +212,17 @@ def start_worker(dsn: str, nats_url: str, log: Path, *extra: str) -> subprocess.
     second apart. On a loaded machine, Patroni's REST API can miss two of haproxy's checks in a
     row, and haproxy then closes new sessions until the leader is routed again."""
     for attempt in range(4):
+        if attempt:
+            time.sleep(1)
         worker = subprocess.Popen([WORKER, "--dsn", dsn, "--nats-url", nats_url, "--lease", "4",
                                    "--publish-timeout", "1", "--maintenance-interval", "0", "--name", "relay-1",
                                    *extra], stdout=subprocess.DEVNULL, stderr=log.open("ab"))
         deadline = time.monotonic() + 30
-        while worker.poll() is None and "event=start " not in log.read_text(errors="replace"):
-            if time.monotonic() > deadline:
-                return worker
+        while (worker.poll() is None and time.monotonic() < deadline
+               and "event=start " not in log.read_text(errors="replace")):
             time.sleep(0.05)
-        if worker.returncode != EXIT_CONNECT or attempt == 3:
-            return worker
-        time.sleep(1)
+        if worker.returncode != EXIT_CONNECT:
+            break
     return worker
 
 
