@@ -35,6 +35,10 @@ webhooks for http://, https://) has
     async def cleanup(url: str, prefix: str) -> None    # optional: remove what prepare made
     WORKER_ARGS: list[str]                              # optional: flags for the worker (--ensure-sink, ...)
 
+For amqp://, ``--amqp-queue-type quorum`` makes the queue the drains, the latency and the client
+alone publish into a quorum queue instead of a classic one (RabbitMQ confirms a persistent message
+once the queue has it on disk, and the two types write to disk differently).
+
 Each run uses a subject prefix of its own (outbox_settings.subject_prefix), a template database
 migrated once and a throwaway database per measurement on --dsn's server (default the service on
 127.0.0.1:5432), all dropped at the end; it stops only the processes it started, by PID. The CPU
@@ -350,6 +354,9 @@ def sink_row(r: Result, quick: bool) -> list[str]:
 
 async def run_sink(b: Bench, url: str, a: argparse.Namespace) -> Result:
     family = family_of(url)
+    if hasattr(family, "QUEUE_TYPE"):
+        family.QUEUE_TYPE = a.amqp_queue_type
+        log(f"  into a durable {a.amqp_queue_type} queue")
     r = Result(url)
     drains = [(5_000, 200), (20_000, 5_000)] if a.quick else [(20_000, 200), (200_000, 50_000)]
     for n, aggregates in drains if a.only in (None, "drain") else []:
@@ -381,6 +388,8 @@ def main() -> int:
     ap.add_argument("--limit-count", type=int, default=None, help="messages the client alone publishes "
                     "(default: the larger drain's count)")
     ap.add_argument("--pgbench", default=None)
+    ap.add_argument("--amqp-queue-type", choices=["classic", "quorum"], default="classic",
+                    help="x-queue-type of the queue that amqp:// drains, latency and limit publish into")
     a = ap.parse_args()
     a.seconds = a.seconds or (5 if a.quick else 15)
     b = Bench(a)

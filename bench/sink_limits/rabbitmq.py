@@ -12,6 +12,9 @@ its own, deleted after.
 with ``<prefix>.#`` to the URL's exchange (``?exchange=``, default ``outbox``; declared as
 --ensure-sink declares it, and deleted after if this made it), and how many messages it holds.
 
+``QUEUE_TYPE`` is the ``x-queue-type`` of every queue these declare: ``classic`` unless
+bench/sink_drain.py's ``--amqp-queue-type`` sets it (``quorum``: RabbitMQ's replicated queue).
+
 The broker's own confirm latency, the floor under the worker's commit -> stored latency:
 
     .venv/bin/python bench/sink_limits/rabbitmq.py latency [--url amqp://guest:guest@127.0.0.1:5672/]
@@ -49,6 +52,8 @@ import aio_pika
 from aio_pika.abc import AbstractConnection, AbstractExchange
 
 INFLIGHT = 200
+QUEUE_TYPES = ("classic", "quorum")
+QUEUE_TYPE = "classic"
 DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/"
 WORKER_ARGS: list[str] = ["--ensure-sink"]
 
@@ -80,7 +85,7 @@ async def prepare(url: str, prefix: str) -> None:
             channel = await (await _connection(server)).channel()
             await channel.declare_exchange(exchange, aio_pika.ExchangeType.TOPIC, durable=True)
             _made_exchange.add((server, exchange))
-        queue = await channel.declare_queue(prefix, durable=True)
+        queue = await channel.declare_queue(prefix, durable=True, arguments={"x-queue-type": QUEUE_TYPE})
         await queue.bind(exchange, f"{prefix}.#")
     finally:
         await channel.close()
@@ -149,7 +154,7 @@ async def _bound_exchange(url: str, prefix: str, queue_type: str = "classic",
 
 
 async def run(url: str, count: int, payload: bytes) -> float:
-    async with _bound_exchange(url, "lim") as (exchange, routing_key, held):
+    async with _bound_exchange(url, "lim", QUEUE_TYPE) as (exchange, routing_key, held):
         next_id = iter(range(1, count + 1))
 
         async def lane() -> None:
@@ -221,7 +226,7 @@ def main() -> int:
                     help="the queue's x-queue-type, each in turn: classic (default) and/or quorum")
     a = ap.parse_args()
     types = [t.strip() for t in a.queue_types.split(",") if t.strip()]
-    if not types or any(t not in ("classic", "quorum") for t in types):
+    if not types or any(t not in QUEUE_TYPES for t in types):
         ap.error(f"--queue-types: classic and/or quorum, comma-separated, got {a.queue_types!r}")
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from sink_drain import PAYLOAD
