@@ -966,7 +966,8 @@ def phase_drain(b: Bench, q: bool) -> None:
         o, nw = res["old"], res["new"]
         log(f"  {name:<42} old {o.text()}  new {nw.text()}  {ratio(o.rate, nw.rate)}")
         log(f"  {'':<42} cpu old: {o.cpu_text()}; new: {nw.cpu_text()}"
-            + (f"; new started delivering after {nw.first_s:.2f} s" if nw.first_s is not None else ""))
+            + "; first event stored after " + " / ".join(
+                f"{x.first_s:.2f}" if x.first_s is not None else "-" for x in (o, nw)) + " s (old / new)")
         if o.order or nw.order:
             log(f"  {'':<42} old: {o.order or 'order not checked'}; new: {nw.order or 'order not checked'}")
     if b.args.mixes:
