@@ -17,6 +17,9 @@ events are drained, the other shards' stay, and the figures per event are of the
 With `--past-days N`, N daily partitions before today's are made first, named and bounded as
 outbox_maintain makes them (a new install has today's, 3 ahead and the default; the default
 `retention` of 7 days keeps about 8 more), empty: what their number costs the claims and reports.
+With `--detach-empty`, every partition without a row is detached before the drain (the 3 ahead
+and the default of a new install, and --past-days' ones): the scans of one partition, what a
+claim and a report would cost if their plans pruned every partition but the events'.
 With `--app-locks N`, N other sessions each hold a transaction open with locks on 60 tables of
 their own (none of outbox's) through the drain: an application's transactions in flight, in the
 lock table that anything reading pg_locks scans.
@@ -50,6 +53,8 @@ def main() -> int:
     ap.add_argument("--shard", default=None, metavar="I/N", help="claim shard I of N only (shards enabled)")
     ap.add_argument("--past-days", type=int, default=0, metavar="N",
                     help="N empty daily partitions before today's, as a week's retention keeps them (default 0)")
+    ap.add_argument("--detach-empty", action="store_true",
+                    help="detach every partition without a row before the drain (what pruning could save)")
     ap.add_argument("--app-locks", type=int, default=0, metavar="N",
                     help="N other sessions holding 60 table locks each in an open transaction (default 0)")
     ap.add_argument("--top", type=int, default=20, help="statements shown (default 20)")
@@ -74,6 +79,12 @@ def main() -> int:
         c.execute("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
                   "SELECT 'order', 'a' || (g %% %s), 'e', jsonb_build_object('n', g) "
                   "FROM generate_series(1, %s) g", (args.aggregates, args.events))
+        if args.detach_empty:
+            empty = c.execute("SELECT p.inhrelid::regclass::text FROM pg_inherits p "
+                              "WHERE p.inhparent = 'outbox'::regclass "
+                              "AND NOT EXISTS (SELECT 1 FROM outbox o WHERE o.tableoid = p.inhrelid)").fetchall()
+            for (name,) in empty:
+                c.execute(sql.SQL("ALTER TABLE outbox DETACH PARTITION {}").format(sql.SQL(name)))
         if args.shard:
             c.execute("SELECT outbox_shards_enable()")
         c.execute("VACUUM ANALYZE")
