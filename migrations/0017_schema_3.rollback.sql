@@ -19,6 +19,7 @@ DROP FUNCTION outbox_claim(integer, interval, text, bigint, text, boolean);
 DROP FUNCTION outbox_intake_wait();
 DROP FUNCTION outbox_fail(bigint, uuid, text, boolean, interval);
 DROP FUNCTION outbox_next_wakeup(text);
+DROP FUNCTION outbox_complete(bigint[], uuid, timestamptz, timestamptz);
 DROP FUNCTION outbox_shards_disable();
 DROP FUNCTION outbox_shards_enable();
 DROP FUNCTION outbox_shard_buckets(text);
@@ -97,6 +98,62 @@ BEGIN
       INTO settled, open_below, held_keys;
 END;
 $$;
+
+CREATE OR REPLACE FUNCTION outbox_complete(ids bigint[], lease_token uuid) RETURNS integer
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+SET plan_cache_mode = force_generic_plan  -- see outbox_claim, also for the settings below
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET enable_hashjoin = off
+SET enable_mergejoin = off
+SET enable_material = off
+SET jit = off
+AS $$
+DECLARE
+    done  integer;
+    lo    bigint;
+    hi    bigint;
+    types text[];
+    aggs  text[];
+BEGIN
+    IF ids IS NULL OR lease_token IS NULL THEN
+        RAISE EXCEPTION 'outbox_complete: ids and lease_token must not be NULL'
+            USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    SELECT min(i), max(i) INTO lo, hi FROM unnest(ids) i;
+    IF hi - lo < 2 * cardinality(ids) THEN
+        -- (Nearly) consecutive ids, as a claim from a backlog hands out: one range scan of
+        -- outbox_in_flow_idx per partition, where "id = ANY" probes every partition for every
+        -- id. "IS TRUE" keeps the list out of the index condition.
+        WITH done AS (
+            UPDATE outbox o
+               SET state = 'published', published_at = clock_timestamp(), locked_until = NULL
+             WHERE o.in_flow
+               AND o.id BETWEEN lo AND hi
+               AND (o.id = ANY (ids)) IS TRUE
+               AND o.state = 'processing'
+               AND o.lease_token = outbox_complete.lease_token
+         RETURNING o.aggregate_type, o.aggregate_id)
+        SELECT count(*), array_agg(d.aggregate_type), array_agg(d.aggregate_id) INTO done, types, aggs FROM done d;
+    ELSE
+        WITH done AS (
+            UPDATE outbox o
+               SET state = 'published', published_at = clock_timestamp(), locked_until = NULL
+             WHERE o.in_flow                -- found by id in outbox_in_flow_idx
+               AND o.id = ANY (ids)
+               AND o.state = 'processing'
+               AND o.lease_token = outbox_complete.lease_token
+         RETURNING o.aggregate_type, o.aggregate_id)
+        SELECT count(*), array_agg(d.aggregate_type), array_agg(d.aggregate_id) INTO done, types, aggs FROM done d;
+    END IF;
+    IF done > 0 THEN
+        PERFORM outbox_refresh_heads(types, aggs);
+    END IF;
+    RETURN done;
+END;
+$$;
+ALTER FUNCTION outbox_complete(bigint[], uuid) SECURITY DEFINER;
 
 CREATE OR REPLACE FUNCTION outbox_fail(id bigint, lease_token uuid, error text, permanent boolean DEFAULT false)
 RETURNS text
@@ -1209,6 +1266,9 @@ SELECT h.backlog, h.pending, h.processing, h.waiting_retry, h.dead, h.expired_le
 
 COMMENT ON FUNCTION outbox_claim(integer, interval, text) IS
     'Lease up to batch_size due events under a new lease_token: runs of up to max_run consecutive events per aggregate, oldest heads first, rows in id order; reclaims expired runs (one failed attempt for the run''s first event).';
+
+COMMENT ON FUNCTION outbox_complete(bigint[], uuid) IS
+    'Mark leased events published; returns how many were still held by lease_token (the rest changed nothing).';
 
 COMMENT ON FUNCTION outbox_fail(bigint, uuid, text, boolean) IS
     'Record a failed attempt: returns ''pending'' (retry scheduled with backoff), ''dead'' (permanent or out of attempts), or NULL when lease_token no longer holds the event (nothing changed).';

@@ -23,6 +23,8 @@ DROP FUNCTION outbox_replay(bigint[], text, text, text, timestamptz, timestamptz
 DROP FUNCTION outbox_fail(bigint, uuid, text, boolean);
 -- outbox_next_wakeup takes a shard.
 DROP FUNCTION outbox_next_wakeup();
+-- outbox_complete takes the events' created_at range (created_min, created_max).
+DROP FUNCTION outbox_complete(bigint[], uuid);
 
 -- outbox_stats and outbox_health count scheduled events apart from those waiting for a retry (a
 -- column more, in the middle); outbox_replay_candidates takes include_replays. Made again below.
@@ -1531,6 +1533,81 @@ $$;
 COMMENT ON FUNCTION outbox_claim(integer, interval, text, bigint, text, boolean) IS
     'Lease up to batch_size due events (at most max_bytes of them, default outbox_settings.max_claim_bytes; one at least) under a new lease_token: runs of up to max_run consecutive events per aggregate, oldest heads first, rows in id order; reclaims expired runs (one failed attempt for the run''s first event). shard ''I/N'': the aggregates of that shard only (outbox_shards_enable first). quiet_only: the quiet aggregates'' heads among the first 16 due, no busy one (a lane beside full batches).';
 
+-- Mark leased events published. created_min and created_max, when given, are the least and the
+-- greatest created_at of the events, as the claim returned them: created_at is the partition
+-- key, so the update then reads only the partitions that can hold them. Without them it reads
+-- every partition (each partition's outbox_in_flow_idx, rows or not), and an install keeps a
+-- week of partitions by default. A range that leaves an event out leaves it leased (it is not
+-- counted), as a wrong token does; a range cut to milliseconds leaves none out.
+CREATE OR REPLACE FUNCTION outbox_complete(ids bigint[], lease_token uuid,
+                                           created_min timestamptz DEFAULT NULL,
+                                           created_max timestamptz DEFAULT NULL) RETURNS integer
+LANGUAGE plpgsql
+-- Runs as its owner: a worker has no rights on the tables.
+SECURITY DEFINER
+SET search_path FROM CURRENT
+SET plan_cache_mode = force_generic_plan  -- see outbox_claim, also for the settings below
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET enable_hashjoin = off
+SET enable_mergejoin = off
+SET enable_material = off
+SET jit = off
+AS $$
+DECLARE
+    done  integer;
+    lo    bigint;
+    hi    bigint;
+    -- Parameters of the generic plans below: their partitions are pruned as each call starts.
+    -- A millisecond wider on each side, for clients whose time type keeps only milliseconds
+    -- (JavaScript's Date, for one): created_at has microseconds.
+    since timestamptz := coalesce(created_min - interval '1 millisecond', '-infinity');
+    until timestamptz := coalesce(created_max + interval '1 millisecond', 'infinity');
+    types text[];
+    aggs  text[];
+BEGIN
+    IF ids IS NULL OR lease_token IS NULL THEN
+        RAISE EXCEPTION 'outbox_complete: ids and lease_token must not be NULL'
+            USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    SELECT min(i), max(i) INTO lo, hi FROM unnest(ids) i;
+    IF hi - lo < 2 * cardinality(ids) THEN
+        -- (Nearly) consecutive ids, as a claim from a backlog hands out: one range scan of
+        -- outbox_in_flow_idx per partition, where "id = ANY" probes every partition for every
+        -- id. "IS TRUE" keeps the list out of the index condition.
+        WITH done AS (
+            UPDATE outbox o
+               SET state = 'published', published_at = clock_timestamp(), locked_until = NULL
+             WHERE o.in_flow
+               AND o.id BETWEEN lo AND hi
+               AND o.created_at BETWEEN since AND until
+               AND (o.id = ANY (ids)) IS TRUE
+               AND o.state = 'processing'
+               AND o.lease_token = outbox_complete.lease_token
+         RETURNING o.aggregate_type, o.aggregate_id)
+        SELECT count(*), array_agg(d.aggregate_type), array_agg(d.aggregate_id) INTO done, types, aggs FROM done d;
+    ELSE
+        WITH done AS (
+            UPDATE outbox o
+               SET state = 'published', published_at = clock_timestamp(), locked_until = NULL
+             WHERE o.in_flow                -- found by id in outbox_in_flow_idx
+               AND o.id = ANY (ids)
+               AND o.created_at BETWEEN since AND until
+               AND o.state = 'processing'
+               AND o.lease_token = outbox_complete.lease_token
+         RETURNING o.aggregate_type, o.aggregate_id)
+        SELECT count(*), array_agg(d.aggregate_type), array_agg(d.aggregate_id) INTO done, types, aggs FROM done d;
+    END IF;
+    IF done > 0 THEN
+        PERFORM outbox_refresh_heads(types, aggs);
+    END IF;
+    RETURN done;
+END;
+$$;
+
+COMMENT ON FUNCTION outbox_complete(bigint[], uuid, timestamptz, timestamptz) IS
+    'Mark leased events published; returns how many were still held by lease_token (the rest changed nothing). created_min and created_max, the least and greatest created_at of the events, let it read only their partitions.';
+
 -- A failed attempt. The retry waits the backoff (outbox_retry_delay) or, when the destination said
 -- how long to wait (an HTTP Retry-After, say), that long if it is longer: up to backoff_cap, so
 -- that no answer can park an event for longer than the backoff ever would. Asked to wait, the
@@ -2046,7 +2123,7 @@ REVOKE EXECUTE ON FUNCTION
     outbox_intake_wait(),
     outbox_aggregate_bucket(text, text), outbox_shard_buckets(text), outbox_shards_enable(),
     outbox_shards_disable(), outbox_claim(integer, interval, text, bigint, text, boolean),
-    outbox_refresh_heads(text[], text[]), outbox_complete(bigint[], uuid),
+    outbox_refresh_heads(text[], text[]), outbox_complete(bigint[], uuid, timestamptz, timestamptz),
     outbox_fail(bigint, uuid, text, boolean, interval), outbox_release(bigint[], uuid),
     outbox_extend(bigint[], uuid, interval),
     outbox_requeue(bigint[]), outbox_discard(bigint[], text),
@@ -2064,7 +2141,7 @@ GRANT EXECUTE ON FUNCTION outbox_idempotency_event(text) TO outbox_producer;
 -- 6. Workers: the functions the worker calls, the two settings it reads at start, and the
 --    one-row outbox_health for its metrics (counts and ages, no event data).
 GRANT EXECUTE ON FUNCTION
-    outbox_claim(integer, interval, text, bigint, text, boolean), outbox_complete(bigint[], uuid),
+    outbox_claim(integer, interval, text, bigint, text, boolean), outbox_complete(bigint[], uuid, timestamptz, timestamptz),
     outbox_fail(bigint, uuid, text, boolean, interval), outbox_release(bigint[], uuid),
     outbox_extend(bigint[], uuid, interval),
     outbox_next_wakeup(text), outbox_worker_idle(), outbox_worker_busy(), outbox_maintain(boolean),

@@ -145,7 +145,15 @@ $$;
 COMMENT ON FUNCTION outbox_refresh_heads(text[], text[]) IS
     'Called by the report and repair functions: recompute (or drop) the heads of the given aggregates from their first unfinished event.';
 
-CREATE OR REPLACE FUNCTION outbox_complete(ids bigint[], lease_token uuid) RETURNS integer
+-- Mark leased events published. created_min and created_max, when given, are the least and the
+-- greatest created_at of the events, as the claim returned them: created_at is the partition
+-- key, so the update then reads only the partitions that can hold them. Without them it reads
+-- every partition (each partition's outbox_in_flow_idx, rows or not), and an install keeps a
+-- week of partitions by default. A range that leaves an event out leaves it leased (it is not
+-- counted), as a wrong token does; a range cut to milliseconds leaves none out.
+CREATE OR REPLACE FUNCTION outbox_complete(ids bigint[], lease_token uuid,
+                                           created_min timestamptz DEFAULT NULL,
+                                           created_max timestamptz DEFAULT NULL) RETURNS integer
 LANGUAGE plpgsql
 -- Runs as its owner: a worker has no rights on the tables.
 SECURITY DEFINER
@@ -162,6 +170,11 @@ DECLARE
     done  integer;
     lo    bigint;
     hi    bigint;
+    -- Parameters of the generic plans below: their partitions are pruned as each call starts.
+    -- A millisecond wider on each side, for clients whose time type keeps only milliseconds
+    -- (JavaScript's Date, for one): created_at has microseconds.
+    since timestamptz := coalesce(created_min - interval '1 millisecond', '-infinity');
+    until timestamptz := coalesce(created_max + interval '1 millisecond', 'infinity');
     types text[];
     aggs  text[];
 BEGIN
@@ -179,6 +192,7 @@ BEGIN
                SET state = 'published', published_at = clock_timestamp(), locked_until = NULL
              WHERE o.in_flow
                AND o.id BETWEEN lo AND hi
+               AND o.created_at BETWEEN since AND until
                AND (o.id = ANY (ids)) IS TRUE
                AND o.state = 'processing'
                AND o.lease_token = outbox_complete.lease_token
@@ -190,6 +204,7 @@ BEGIN
                SET state = 'published', published_at = clock_timestamp(), locked_until = NULL
              WHERE o.in_flow                -- found by id in outbox_in_flow_idx
                AND o.id = ANY (ids)
+               AND o.created_at BETWEEN since AND until
                AND o.state = 'processing'
                AND o.lease_token = outbox_complete.lease_token
          RETURNING o.aggregate_type, o.aggregate_id)
@@ -202,8 +217,8 @@ BEGIN
 END;
 $$;
 
-COMMENT ON FUNCTION outbox_complete(bigint[], uuid) IS
-    'Mark leased events published; returns how many were still held by lease_token (the rest changed nothing).';
+COMMENT ON FUNCTION outbox_complete(bigint[], uuid, timestamptz, timestamptz) IS
+    'Mark leased events published; returns how many were still held by lease_token (the rest changed nothing). created_min and created_max, the least and greatest created_at of the events, let it read only their partitions.';
 
 -- A failed attempt. The retry waits the backoff (outbox_retry_delay) or, when the destination said
 -- how long to wait (an HTTP Retry-After, say), that long if it is longer: up to backoff_cap, so

@@ -105,7 +105,7 @@ REVOKE EXECUTE ON FUNCTION
     outbox_intake_wait(),
     outbox_aggregate_bucket(text, text), outbox_shard_buckets(text), outbox_shards_enable(),
     outbox_shards_disable(), outbox_claim(integer, interval, text, bigint, text, boolean),
-    outbox_refresh_heads(text[], text[]), outbox_complete(bigint[], uuid),
+    outbox_refresh_heads(text[], text[]), outbox_complete(bigint[], uuid, timestamptz, timestamptz),
     outbox_fail(bigint, uuid, text, boolean, interval), outbox_release(bigint[], uuid),
     outbox_extend(bigint[], uuid, interval),
     outbox_requeue(bigint[]), outbox_discard(bigint[], text),
@@ -147,7 +147,7 @@ GRANT EXECUTE ON FUNCTION outbox_cancel(bigint[]) TO outbox_producer;
 -- 6. Workers: the functions the worker calls, the two settings it reads at start, and the
 --    one-row outbox_health for its metrics (counts and ages, no event data).
 GRANT EXECUTE ON FUNCTION
-    outbox_claim(integer, interval, text, bigint, text, boolean), outbox_complete(bigint[], uuid),
+    outbox_claim(integer, interval, text, bigint, text, boolean), outbox_complete(bigint[], uuid, timestamptz, timestamptz),
     outbox_fail(bigint, uuid, text, boolean, interval), outbox_release(bigint[], uuid),
     outbox_extend(bigint[], uuid, interval),
     outbox_next_wakeup(text), outbox_worker_idle(), outbox_worker_busy(), outbox_maintain(boolean),

@@ -11,6 +11,7 @@ DROP FUNCTION outbox_claim(integer, interval, text, bigint, text, boolean);
 DROP FUNCTION outbox_intake_wait();
 DROP FUNCTION outbox_fail(bigint, uuid, text, boolean, interval);
 DROP FUNCTION outbox_next_wakeup(text);
+DROP FUNCTION outbox_complete(bigint[], uuid, timestamptz, timestamptz);
 DROP FUNCTION outbox_shards_disable();
 DROP FUNCTION outbox_shards_enable();
 DROP FUNCTION outbox_shard_buckets(text);

@@ -15,6 +15,8 @@ DROP FUNCTION outbox_replay(bigint[], text, text, text, timestamptz, timestamptz
 DROP FUNCTION outbox_fail(bigint, uuid, text, boolean);
 -- outbox_next_wakeup takes a shard.
 DROP FUNCTION outbox_next_wakeup();
+-- outbox_complete takes the events' created_at range (created_min, created_max).
+DROP FUNCTION outbox_complete(bigint[], uuid);
 
 -- outbox_stats and outbox_health count scheduled events apart from those waiting for a retry (a
 -- column more, in the middle); outbox_replay_candidates takes include_replays. Made again below.

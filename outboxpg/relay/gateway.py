@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -57,7 +57,8 @@ SELECT count(*)::int, count(flush_lsn)::int, max(flush_lsn)::text
   FROM pg_stat_replication
  WHERE %(standby)s = 'any' OR application_name = %(standby)s
 """
-_COMPLETE = "SELECT outbox_complete(%s::bigint[], %s)"
+# The completed events' created_at range: the update reads only their partitions.
+_COMPLETE = "SELECT outbox_complete(%s::bigint[], %s, %s, %s)"
 _FAIL = "SELECT outbox_fail(%s, %s, %s, %s, %s)"
 _RELEASE = "SELECT outbox_release(%s::bigint[], %s)"
 _EXTEND = "SELECT outbox_extend(%s::bigint[], %s, %s)"
@@ -216,22 +217,24 @@ class Gateway:
         return int(row[0])
 
     async def report(self, ok: Sequence[int], token: Any, failed: Sequence[tuple[int, str, bool, timedelta | None]],
-                     released: Sequence[int]) -> Reported | None:
-        """Complete ``ok``, fail each (id, error text, permanent, retry after) of ``failed``, release
+                     released: Sequence[int], ok_created: tuple[datetime, datetime] | None = None) -> Reported | None:
+        """Complete ``ok`` (whose created_at lie within ``ok_created``, the least and the greatest,
+        when given), fail each (id, error text, permanent, retry after) of ``failed``, release
         ``released``, all under ``token``; tried up to five times on database errors, then None
         (logged: the leases will expire and the events be retried)."""
         ok_ids = id_array(ok)
+        complete = (ok_ids, token, *(ok_created or (None, None)))
         delay = 0.0
         for attempt in range(_REPORT_ATTEMPTS):
             try:
                 async with self.pool.connection() as conn:
                     if not failed:
                         # The usual case: one statement, no pipeline to set up.
-                        cur = await conn.execute(_COMPLETE, (ok_ids, token), prepare=True)
+                        cur = await conn.execute(_COMPLETE, complete, prepare=True)
                         return (await cur.fetchone())[0], [], 0  # type: ignore[index]
                     # Any order is fine for the SQL: each call touches only its own ids.
                     async with conn.pipeline():
-                        done_cur = await conn.execute(_COMPLETE, (ok_ids, token), prepare=True) if ok else None
+                        done_cur = await conn.execute(_COMPLETE, complete, prepare=True) if ok else None
                         fail_curs = [await conn.execute(_FAIL, (event_id, token, text, permanent, wait), prepare=True)
                                      for event_id, text, permanent, wait in failed]
                         release_cur = (await conn.execute(_RELEASE, (id_array(released), token), prepare=True)

@@ -565,7 +565,7 @@ class Worker:
         reported = await self.gateway.report(
             [e.id for e in delivered], token,
             [(e.id, describe(o, whole=True), isinstance(o, PermanentError), retry_after(o)) for e, o in failed],
-            released)
+            released, created_range(delivered))
         if reported is None:
             log.error("event=report_failed events=%d note=%r", len(events),
                       "leases will expire and the events be retried (deduplicated by msg_id)")
@@ -622,6 +622,15 @@ def split_short_runs(events: Sequence[OutboxEvent], most: int) -> tuple[list[Out
     for run in runs_of(events):
         (short if len(run) <= most else long).extend(events[i] for i in run)
     return sorted(short, key=lambda e: e.id), sorted(long, key=lambda e: e.id)
+
+
+def created_range(events: Sequence[OutboxEvent]) -> tuple[datetime, datetime] | None:
+    """The least and the greatest created_at of ``events`` (None for none): outbox_complete then
+    reads only the partitions that can hold them."""
+    if not events:
+        return None
+    created = [e.created_at for e in events]
+    return min(created), max(created)
 
 
 def split_runs(events: Sequence[OutboxEvent], outcomes: Sequence[BaseException | None]
