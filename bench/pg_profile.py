@@ -11,9 +11,10 @@ A throwaway cluster of its own (outboxpg.embedded.EmbeddedPostgres, the tests' s
 pg_stat_statements loaded (track = all: the statements inside the PL/pgSQL functions count
 apart) and track_functions = all; the current schema installed; the events inserted
 server-side, VACUUM ANALYZE; then one connection claims `--batch` and completes what it got
-until a claim comes back empty (the database side of a worker, no broker). With `--shard I/N`
-shards are enabled and the claims are that shard's (`outbox_claim(..., shard => 'I/N')`): its
-events are drained, the other shards' stay, and the figures per event are of the shard's events.
+(with the events' created_at range, as the worker does) until a claim comes back empty (the
+database side of a worker, no broker). With `--shard I/N` shards are enabled and the claims
+are that shard's (`outbox_claim(..., shard => 'I/N')`): its events are drained, the other
+shards' stay, and the figures per event are of the shard's events.
 With `--past-days N`, N daily partitions before today's are made first, named and bounded as
 outbox_maintain makes them (a new install has today's, 3 ahead and the default; the default
 `retention` of 7 days keeps about 8 more), empty: what their number costs the claims and reports.
@@ -103,13 +104,15 @@ def main() -> int:
         n = claims = 0
         t0 = time.perf_counter()
         while True:
-            rows = c.execute("SELECT id, lease_token FROM outbox_claim(%s, shard => %s)",
+            rows = c.execute("SELECT id, lease_token, created_at FROM outbox_claim(%s, shard => %s)",
                              (args.batch, args.shard)).fetchall()
             claims += 1
             if not rows:
                 break
             n += len(rows)
-            c.execute("SELECT outbox_complete(%s::bigint[], %s)", ([r[0] for r in rows], rows[0][1]))
+            # As the worker reports: with the events' created_at range (their partitions only).
+            c.execute("SELECT outbox_complete(%s::bigint[], %s, %s, %s)",
+                      ([r[0] for r in rows], rows[0][1], min(r[2] for r in rows), max(r[2] for r in rows)))
         seconds = time.perf_counter() - t0
         for h in holders:
             h.close()
