@@ -54,7 +54,7 @@ async function publish(event) {
 const CLAIM = `
   SELECT id, subject, aggregate_type, aggregate_id, event_type,
          payload::text AS payload,      -- the stored JSON text; selected as jsonb it would arrive parsed
-         headers, msg_id, attempts, lease_token
+         headers, msg_id, attempts, lease_token, created_at
     FROM outbox_claim($1, $2::interval, $3)`;
 
 // Publish one run (one aggregate's rows, in id order): one after another, stop at the first
@@ -89,7 +89,10 @@ async function handleBatch(client, rows) {
 
   const published = outcomes.flatMap((o) => o.published);
   if (published.length) {
-    const { rows: [{ n }] } = await client.query("SELECT outbox_complete($1::bigint[], $2) AS n", [published, token]);
+    // Their created_at range (a Date keeps milliseconds, enough): the report reads only their partitions.
+    const created = rows.filter((r) => published.includes(r.id)).map((r) => r.created_at.getTime());
+    const { rows: [{ n }] } = await client.query("SELECT outbox_complete($1::bigint[], $2, $3, $4) AS n",
+      [published, token, new Date(Math.min(...created)), new Date(Math.max(...created))]);
     if (n !== published.length) {
       log({ lease_lost: true, note: `completed ${n} of ${published.length}: the rest were claimed by another worker` });
     }
