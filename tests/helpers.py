@@ -76,8 +76,10 @@ def claim_ids(conn: psycopg.Connection[Any], n: int = 100) -> list[int]:
     return [r[0] for r in conn.execute("SELECT id FROM outbox_claim(%s)", (n,)).fetchall()]
 
 
-def complete(conn: psycopg.Connection[Any], ids: list[int] | None, token: Any) -> int:
-    row = conn.execute("SELECT outbox_complete(%s::bigint[], %s::uuid)", (ids, token)).fetchone()
+def complete(conn: psycopg.Connection[Any], ids: list[int] | None, token: Any,
+             created_min: Any = None, created_max: Any = None) -> int:
+    row = conn.execute("SELECT outbox_complete(%s::bigint[], %s::uuid, %s, %s)",
+                       (ids, token, created_min, created_max)).fetchone()
     assert row is not None
     return row[0]
 

@@ -8,12 +8,9 @@ from datetime import timedelta
 from typing import Any
 
 import psycopg
-
-from tests.helpers import claim, insert_series
+from helpers import claim, complete, insert_series
 
 Conn = psycopg.Connection[Any]
-
-COMPLETE = "SELECT outbox_complete(%s::bigint[], %s::uuid, %s, %s)"
 
 
 def in_flow_index_of_other_partitions(conn: Conn, created_at: Any) -> list[str]:
@@ -50,18 +47,18 @@ def test_a_report_with_the_events_range_reads_only_their_partition(conn: Conn) -
     assert len(others) >= 4                     # today's partition is one of 5 on a new install
     with conn.transaction():
         before = scans(conn, others)
-        (done,) = conn.execute(COMPLETE, (ids, token, lo, hi)).fetchone()  # type: ignore[misc]
+        done = complete(conn, ids, token, lo, hi)
         after = scans(conn, others)
     assert done == 3
     assert after - before == 0, after - before
 
 
 def test_a_report_without_a_range_reads_every_partition(conn: Conn) -> None:
-    ids, token, _, _ = claimed(conn, 3)
-    others = in_flow_index_of_other_partitions(conn, conn.execute("SELECT min(created_at) FROM outbox").fetchone()[0])  # type: ignore[index]
+    ids, token, lo, _ = claimed(conn, 3)
+    others = in_flow_index_of_other_partitions(conn, lo)
     with conn.transaction():
         before = scans(conn, others)
-        (done,) = conn.execute(COMPLETE, (ids, token, None, None)).fetchone()  # type: ignore[misc]
+        done = complete(conn, ids, token)
         after = scans(conn, others)
     assert done == 3
     assert after - before >= len(others)
@@ -69,12 +66,10 @@ def test_a_report_without_a_range_reads_every_partition(conn: Conn) -> None:
 
 def test_a_range_that_leaves_an_event_out_leaves_it_leased(conn: Conn) -> None:
     ids, token, lo, hi = claimed(conn, 2)
-    (done,) = conn.execute(COMPLETE, (ids, token, lo - timedelta(days=2), lo - timedelta(days=1))).fetchone()  # type: ignore[misc]
-    assert done == 0
+    assert complete(conn, ids, token, lo - timedelta(days=2), lo - timedelta(days=1)) == 0
     states = conn.execute("SELECT state, count(*) FROM outbox GROUP BY state").fetchall()
     assert states == [("processing", 2)]
-    (done,) = conn.execute(COMPLETE, (ids, token, lo, hi)).fetchone()  # type: ignore[misc]
-    assert done == 2
+    assert complete(conn, ids, token, lo, hi) == 2
     assert conn.execute("SELECT state, count(*) FROM outbox GROUP BY state").fetchall() == [("published", 2)]
 
 
@@ -84,5 +79,4 @@ def test_a_range_cut_to_milliseconds_leaves_no_event_out(conn: Conn) -> None:
     conn.execute("UPDATE outbox SET created_at = date_trunc('millisecond', created_at) + interval '999 microseconds'")
     lo = lo.replace(microsecond=lo.microsecond // 1000 * 1000)
     (cut,) = conn.execute("SELECT date_trunc('millisecond', max(created_at)) FROM outbox").fetchone()  # type: ignore[misc]
-    (done,) = conn.execute(COMPLETE, (ids, token, lo, cut)).fetchone()  # type: ignore[misc]
-    assert done == 2
+    assert complete(conn, ids, token, lo, cut) == 2
