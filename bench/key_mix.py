@@ -45,13 +45,16 @@ Phases (one line of figures per measurement, old and new side by side):
   6 snapshot  the 20,000-over-200 drain while a REPEATABLE READ transaction that ran a SELECT
            stays open on the same database (taken after the prefill, before the worker starts).
   7 backlog  a deep backlog of 10 aggregates (200,000 and 1,000,000 events; --quick 50,000) is
-           committed, one worker starts, and one second later pgbench commits 100 events/s over
-           50 OTHER aggregates while the backlog drains: the fresh events' commit -> JetStream
-           latency during the drain (p50 / p99 / max; target p99 <= 50 ms), after it, and how long
-           the backlog took to drain (the rate of each side, new/old). Where the wait went: until
-           a claim handed the event out (claimed_at), until JetStream stored it (the message's
-           own timestamp; the latency above is the bench's receipt, 1-2 ms later), and until the
-           worker reported it published (published_at, after the ack). --backlogs N,N picks the
+           committed, one worker starts, and one second later pgbench commits 100 events/s
+           (--fresh-rate R; 0: the backlog alone) over 50 OTHER aggregates while the backlog
+           drains: the fresh events' commit -> JetStream latency during the drain (p50 / p99 /
+           max; target p99 <= 50 ms), after it, and how long the backlog took to drain (the rate
+           of each side, new/old). Where the wait went: until a claim handed the event out
+           (claimed_at), until JetStream stored it (the message's own timestamp; the latency above
+           is the bench's receipt, 1-2 ms later), and until the worker reported it published
+           (published_at, after the ack). What the drain took until it ended: CPU per backlog
+           event, and the claims and reports made (pg_stat_user_functions), so that the fresh
+           traffic's cost to the drain shows beside --fresh-rate 0. --backlogs N,N picks the
            depths; --timeline DIR writes every fresh event's times and what autovacuum and the
            checkpointer did every 100 ms (DIR/backlog-N-SIDE.jsonl), to see where a tail comes from.
 
@@ -747,15 +750,32 @@ class Bench:
         """n events over 10 aggregates committed; a worker drains them while pgbench commits 100/s
         over 50 other aggregates (event_type 'fresh', a subject of their own)."""
         self.fresh(s)
+        # The functions' calls, for the claims and reports the drain took (pg_stat_user_functions).
+        self.admin(sql.SQL("ALTER DATABASE {} SET track_functions = 'pl'").format(sql.Identifier(s.dbname)))
         asyncio.run(self.reset_stream(s))
         self.fill(s, n, 10)
         self.quiet_wait(s.dbname)
-        with CpuMeter(s.dbname, nats_port=self.nats_port, interval=0.5) as meter:
-            r = asyncio.run(self._backlog(s, n, cap))
+        meter = CpuMeter(s.dbname, nats_port=self.nats_port, interval=0.5).start()
+        try:
+            r = asyncio.run(self._backlog(s, n, cap, meter))
+        finally:
+            if not meter.result:
+                meter.stop()
         r["foreign"] = meter.foreign
+        r["cpu"] = meter.per_event_us(n)
         return r
 
-    async def _backlog(self, s: Side, n: int, cap: float) -> dict[str, Any]:
+    def drain_counts(self, s: Side, meter: CpuMeter) -> dict[str, int]:
+        """At the end of a phase 7 drain: the CPU taken so far (meter stopped) and the claims and
+        reports made (pg_stat_user_functions, as the worker's backends flushed them: at most a
+        second late)."""
+        meter.stop()
+        with contextlib.suppress(psycopg.Error), psycopg.connect(s.dsn, autocommit=True) as c:
+            return dict(c.execute("SELECT funcname::text, calls FROM pg_stat_user_functions "
+                                  "WHERE funcname IN ('outbox_claim', 'outbox_complete')").fetchall())
+        return {}
+
+    async def _backlog(self, s: Side, n: int, cap: float, meter: CpuMeter) -> dict[str, Any]:
         fresh: list[tuple[float, float]] = []            # (commit, latency)
         stored: dict[float, float] = {}                  # commit -> JetStream's store time - commit
         nc = await nats.connect(self.nats_url)
@@ -781,6 +801,7 @@ class Bench:
                    if self.args.timeline else None)
         p = self.start_worker(s, "backlog")
         pg = None
+        calls: dict[str, int] = {}
         drained_at: float | None = None          # wall clock, as the fresh events' commit times
         stop_at = None
         try:
@@ -788,13 +809,14 @@ class Bench:
             pg = await asyncio.create_subprocess_exec(
                 self.pgbench, "-h", str(conn.get("host", "127.0.0.1")), "-p", str(conn.get("port", 5432)),
                 "-U", str(conn.get("user", "postgres")), "-n", "-M", "prepared", "-f", str(script), "-c", "1",
-                "-R", "100", "-T", str(int(cap) + 10), s.dbname, env=env,
-                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+                "-R", str(self.args.fresh_rate), "-T", str(int(cap) + 10), s.dbname, env=env,
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL) if self.args.fresh_rate else None
             while True:
                 got = (await js.stream_info(s.stream)).state.messages - len(fresh)
                 now = time.monotonic()
                 if drained_at is None and got >= n:
                     drained_at, stop_at = time.time(), now + 3.0
+                    calls = self.drain_counts(s, meter)
                 if stop_at is not None and now >= stop_at:
                     break
                 if now - t0 >= cap:
@@ -834,7 +856,7 @@ class Bench:
         if self.args.timeline:
             self.write_timeline(s, n, t0_wall, drained_at, fresh, stored, background)
         return {"n": n, "drain_s": elapsed, "drained": got, "during": during, "after": after, "waited": waited,
-                "reported": reported, "stored": in_store}
+                "reported": reported, "stored": in_store, "calls": calls}
 
     async def _sample_background(self, s: Side, into: list[tuple[float, int, str, str]]) -> None:
         """Every 100 ms: (time, autovacuum workers, what they vacuum, what the checkpointer
@@ -1163,7 +1185,7 @@ def phase_snapshot(b: Bench, q: bool) -> None:
 def phase_backlog(b: Bench, q: bool) -> None:
     depths = b.args.backlogs or ((50_000,) if q else (200_000, 1_000_000))
     cap = 60.0 if q else 240.0
-    log("\n7. a backlog of 10 aggregates drains while pgbench commits 100 events/s over 50 OTHER aggregates "
+    log(f"\n7. a backlog of 10 aggregates drains while pgbench commits {b.args.fresh_rate} events/s over 50 OTHER aggregates "
         f"(from 1 s after the worker's start); one worker; cap {cap:.0f} s; latency = JetStream receipt - commit")
     for n in depths:
         res = {}
@@ -1186,6 +1208,10 @@ def phase_backlog(b: Bench, q: bool) -> None:
             if lab == "new" and d:
                 target = f"  [target p99 <= 50 ms: {'met' if pct(d, 0.99) * 1000 <= 50 else 'MISSED'}]"
             log(f"  {n:>9,} {lab}: {drain}; fresh events {during}, {after}; foreign CPU {r['foreign']:.0f}%{target}")
+            c, calls = r.get("cpu") or {}, r.get("calls") or {}
+            log(f"  {'':>9} {lab}: cpu worker {c.get('worker', 0):4.0f} pg {c.get('pg', 0):4.0f} nats {c.get('nats', 0):3.0f} "
+                f"us per backlog event; during the drain outbox_claim called {calls.get('outbox_claim', 0):,} times, "
+                f"outbox_complete {calls.get('outbox_complete', 0):,}")
             if r.get("waited"):
                 w = r["waited"]
                 log(f"  {'':>9} {lab}: of which until a claim handed them out: p50 {pct(w, 0.5) * 1000:8.1f} "
@@ -1243,6 +1269,9 @@ def main() -> int:
                          "for a second in which other users take < 10%% of the CPU")
     ap.add_argument("--backlogs", type=lambda t: [int(x) for x in t.split(",")], default=None, metavar="N,N",
                     help="phase 7: the backlogs to drain (default 200000,1000000; quick 50000)")
+    ap.add_argument("--fresh-rate", type=int, default=100, metavar="R",
+                    help="phase 7: the other aggregates' events a second during the drain (default 100; 0: the "
+                         "backlog alone, to see what the fresh traffic costs the drain)")
     ap.add_argument("--timeline", default=None, metavar="DIR",
                     help="phase 7: write each fresh event's latency and the server's background work "
                          "(autovacuum, checkpointer) over time to DIR/backlog-N-SIDE.jsonl")
