@@ -747,8 +747,9 @@ class Bench:
     # -- phase 7: a backlog and fresh traffic of other aggregates ---------------------------------
 
     def backlog(self, s: Side, n: int, cap: float) -> dict[str, Any]:
-        """n events over 10 aggregates committed; a worker drains them while pgbench commits 100/s
-        over 50 other aggregates (event_type 'fresh', a subject of their own)."""
+        """n events over 10 aggregates committed; a worker drains them while pgbench commits
+        --fresh-rate events a second (100) over 50 other aggregates (event_type 'fresh', a subject
+        of their own)."""
         self.fresh(s)
         # The functions' calls, for the claims and reports the drain took (pg_stat_user_functions).
         self.admin(sql.SQL("ALTER DATABASE {} SET track_functions = 'pl'").format(sql.Identifier(s.dbname)))
@@ -820,6 +821,8 @@ class Bench:
                 if stop_at is not None and now >= stop_at:
                     break
                 if now - t0 >= cap:
+                    if drained_at is None:                    # not drained: what it took until the cap
+                        calls = self.drain_counts(s, meter)
                     break
                 if p.poll() is not None:
                     raise RuntimeError(f"worker exited with {p.returncode}; its log:\n{self.worker_tail(p)}")
@@ -1276,6 +1279,8 @@ def main() -> int:
                     help="phase 7: write each fresh event's latency and the server's background work "
                          "(autovacuum, checkpointer) over time to DIR/backlog-N-SIDE.jsonl")
     args = ap.parse_args()
+    if args.fresh_rate < 0:
+        ap.error(f"--fresh-rate: events a second, 0 or more, got {args.fresh_rate}")
     if args.check_order is None:
         args.check_order = args.quick
     phases = parse_only(args.only)
