@@ -1264,6 +1264,9 @@ SELECT h.backlog, h.pending, h.processing, h.waiting_retry, h.dead, h.expired_le
                       ORDER BY x.xmin_age DESC NULLS LAST
                       LIMIT 1) x ON true;
 
+COMMENT ON FUNCTION outbox_worker_idle() IS
+    'Call on a dedicated session before sleeping: from its return until outbox_worker_busy() every insert into outbox NOTIFYs channel outbox. Claim once more after it returns.';
+
 COMMENT ON FUNCTION outbox_claim(integer, interval, text) IS
     'Lease up to batch_size due events under a new lease_token: runs of up to max_run consecutive events per aggregate, oldest heads first, rows in id order; reclaims expired runs (one failed attempt for the run''s first event).';
 

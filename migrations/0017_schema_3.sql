@@ -322,6 +322,9 @@ $$;
 COMMENT ON FUNCTION outbox_cancel(bigint[]) IS
     'Take the caller''s own not-yet-delivered events (pending, scheduled or not, and dead) out of the flow: discarded with reason ''cancelled''; the next event of their aggregate becomes claimable. A claimed event, and other producers'' events, are left alone. Returns how many were cancelled.';
 
+COMMENT ON FUNCTION outbox_worker_idle() IS
+    'Call on a dedicated session before sleeping: from its return until outbox_worker_busy() every insert into outbox NOTIFYs channel outbox. Claim once more after it returns, and each time a lock_timeout ends its wait (an open producing transaction can hold it back for long).';
+
 -- When each head can be claimed: ready_at, or, while a run holds it, leased_until. A head that
 -- came due within the last second counts too (it is returned, in the past: claim now): it may
 -- have come due between the worker's last claim and this call. Heads the commit-order guard

@@ -14,7 +14,9 @@
 --   * A worker about to sleep calls outbox_worker_idle(), which takes the wakeup lock
 --     exclusively, at session level. It waits while producers that skipped the NOTIFY are
 --     still open; once it returns, all of their events are committed and visible, so the
---     worker claims once more and then sleeps until a notification arrives.
+--     worker claims once more and then sleeps until a notification arrives. One of them may
+--     stay open for long while the others commit, so the worker waits with a lock_timeout (a
+--     second) and claims once more each time the wait runs out, then queues again.
 --   * A worker that wakes calls outbox_worker_busy() to let go of the lock, and drains.
 --   * The trigger tries to take the lock *shared* until its transaction ends. That fails only
 --     while a worker holds it or waits for it: then the trigger NOTIFYs. Otherwise every worker
@@ -69,7 +71,7 @@ END;
 $$;
 
 COMMENT ON FUNCTION outbox_worker_idle() IS
-    'Call on a dedicated session before sleeping: from its return until outbox_worker_busy() every insert into outbox NOTIFYs channel outbox. Claim once more after it returns.';
+    'Call on a dedicated session before sleeping: from its return until outbox_worker_busy() every insert into outbox NOTIFYs channel outbox. Claim once more after it returns, and each time a lock_timeout ends its wait (an open producing transaction can hold it back for long).';
 
 CREATE OR REPLACE FUNCTION outbox_worker_busy() RETURNS boolean
 LANGUAGE plpgsql

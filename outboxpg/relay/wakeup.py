@@ -102,42 +102,32 @@ class IdleLock:
 
     async def acquire(self, wake: asyncio.Event, within: float | None = None) -> bool | None:
         """Queue for the lock; True once it is granted, False if ``wake`` was set first, None if
-        ``within`` seconds passed first (the request is then withdrawn). From the moment we
-        queue, producers NOTIFY.
+        it was not granted within a request (a second, the connection's lock_timeout) or within
+        ``within`` seconds: claim once more, then queue again. From the moment we queue,
+        producers NOTIFY.
 
-        The request is renewed every second (the connection's lock_timeout): a statement that
-        waits holds its snapshot, and a worker queued behind another idle one would hold the
-        xmin horizon, VACUUM of the whole database, for as long as the fleet stays idle. Between
-        two requests a producer may skip its NOTIFY (nobody queues for an instant): the request
-        after it waits for that producer's commit, and the claim that follows a granted request
-        sees its events, as for any worker that takes the lock."""
+        A request lasts a second: a statement that waits holds its snapshot, and a worker queued
+        behind another idle one would hold the xmin horizon, VACUUM of the whole database, for as
+        long as the fleet stays idle. And the worker claims after each one, granted or not:
+        producers that wrote while no worker was idle skipped their NOTIFY, and the request waits
+        for them; while one of them stays open (a long transaction) the lock is never granted,
+        and what the others commit meanwhile is seen by the claim after the request that ran out,
+        not by a claim after a grant that does not come."""
         conn = await self._connection()
-        deadline = None if within is None else asyncio.get_running_loop().time() + within
-        while True:
-            left = None if deadline is None else max(deadline - asyncio.get_running_loop().time(), 0.0)
-            request = asyncio.ensure_future(conn.execute(statements.WORKER_IDLE))
-            woken = asyncio.ensure_future(wake.wait())
-            try:
-                await asyncio.wait({request, woken}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                woken.cancel()
-            if not request.done():
-                with contextlib.suppress(Exception):
-                    await conn.cancel_safe(timeout=5)
-                try:
-                    await request
-                except (psycopg.errors.QueryCanceled, psycopg.errors.LockNotAvailable):
-                    return False if wake.is_set() else None
-                break       # granted just before the cancel arrived: we hold it after all
-            try:
-                request.result()
-            except psycopg.errors.LockNotAvailable:
-                if wake.is_set():
-                    return False
-                if deadline is not None and asyncio.get_running_loop().time() >= deadline:
-                    return None
-                continue    # another worker holds it: queue again, with a new snapshot
-            break
+        request = asyncio.ensure_future(conn.execute(statements.WORKER_IDLE))
+        woken = asyncio.ensure_future(wake.wait())
+        try:
+            await asyncio.wait({request, woken}, timeout=within, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            woken.cancel()
+        if not request.done():
+            with contextlib.suppress(Exception):
+                await conn.cancel_safe(timeout=5)
+        try:
+            await request
+        except (psycopg.errors.QueryCanceled, psycopg.errors.LockNotAvailable):
+            return False if wake.is_set() else None
+        # Granted (also just before a cancel arrived: we hold it after all).
         self.held = True
         self.lost.clear()
         self._watch_connection(conn)

@@ -83,10 +83,6 @@ LOOK_AGAIN_MOST = 0.050
 # front and the intake's chunk, which the next full claim would otherwise read.
 LANE_BATCH = 100
 
-# A shard's worker queued for the wakeup lock claims by itself this long after it queued (see
-# Worker._queued_for), then at its shard's next wakeup.
-QUEUED_LOOK = 1.0
-
 # A batch that holds both short runs (at most this many events: a quiet aggregate's share of a
 # claim, outbox_claim) and long ones (a busy aggregate's) is published and reported in two
 # parts side by side: the short runs' report does not wait for the long runs' publish. Until a
@@ -142,7 +138,6 @@ class Worker:
         self._handing_back = 0        # batches in their pause after _hand_back: no looking again
         self._lane: asyncio.Task[None] | None = None     # the lane's batch out, if any
         self._lane_wait = LOOK_AGAIN_LEAST
-        self._queued_looked = False     # a shard's worker queued for the wakeup lock looked once
         # What a DBA sees in pg_stat_activity.application_name for each connection (unless the
         # DSN or $PGAPPNAME names one: libpq's fallback_application_name gives way to those).
         self.application_name = application_name(config.name)
@@ -232,8 +227,6 @@ class Worker:
                 claimed = await self._drain()
                 if self._stopping:
                     break
-                if claimed:
-                    self._queued_looked = False
                 if self._looked_again:
                     self._looked_again = False
                     self._look_again = LOOK_AGAIN_LEAST if claimed else min(2 * self._look_again, LOOK_AGAIN_MOST)
@@ -260,15 +253,16 @@ class Worker:
                     continue
                 if not self.idle_lock.held:
                     try:
-                        granted = await self.idle_lock.acquire(self._wake, await self._queued_for())
-                        self._queued_looked = granted is None
+                        await self.idle_lock.acquire(self._wake, await self._queued_for())
                     except psycopg.Error as exc:
                         log.warning("event=idle_lock_failed error=%r", first_line(exc))
                         await self.idle_lock.close()
                         await self._db_backoff()
                     # Granted: producers that skipped NOTIFY have all committed; the next drain
-                    # sees their events. Not granted: a notification came first, or a shard's
-                    # worker queued behind another looks for itself (_queued_for). Either way: drain.
+                    # sees their events. Not granted: a notification came first, or the request
+                    # ran out (a second: a producer that skipped NOTIFY may have committed since,
+                    # while another stays open), or a shard's worker queued behind another looks
+                    # for itself (_queued_for). Either way: drain, then queue again.
                     continue
                 why = await self._sleep(await self._sleep_seconds())
                 if why == "wake" and not self._stopping:
@@ -332,16 +326,13 @@ class Worker:
         return "lost"
 
     async def _queued_for(self) -> float | None:
-        """How long a worker of a shard waits in the queue for the wakeup lock before it claims by
-        itself: the holder's claims and its sleep until the next wakeup cover the holder's own
-        shard only. Once a second after it queued (a producer that skipped NOTIFY before the
-        holder took the lock committed before it did, and this worker's last claim may have
-        missed its events), then until its shard's next wakeup or the poll, as the holder. None
-        for a worker of every aggregate: whichever worker holds the lock claims for all."""
+        """How long a worker of a shard waits in the queue for the wakeup lock (at most a request,
+        a second) before it claims by itself: the holder's claims and its sleep until the next
+        wakeup cover the holder's own shard only, so a queued worker claims its own at its
+        shard's next wakeup. None for a worker of every aggregate: whichever worker holds the
+        lock claims for all."""
         if self._shard() is None:
             return None
-        if not self._queued_looked:
-            return QUEUED_LOOK
         return await self._sleep_seconds()
 
     async def _sleep_seconds(self) -> float:

@@ -12,7 +12,7 @@ import psycopg
 import pytest
 from jetstream import make_stream, read_stream
 from locks import WAKEUP_LOCK
-from workers import all_in, count_in, equals, fleet_idle, start, wait_until
+from workers import all_in, count_in, equals, fleet_idle, queued_for_wakeup_lock, start, wait_until
 
 from outboxpg import Event, enqueue, enqueue_many
 from outboxpg.events import OutboxEvent
@@ -471,6 +471,48 @@ async def test_idle_workers_queued_for_the_wakeup_lock_hold_back_no_vacuum(dsn, 
     for w in workers:
         await w.stop()
     assert held_back == [], held_back
+
+
+async def test_an_event_whose_producer_skipped_notify_goes_out_while_another_producer_stays_open(dsn, conn):
+    """Two producers write while the worker drains, so neither NOTIFYs (20_producing's lane of the
+    wakeup lock: every worker is busy). One commits after the worker's last claim, the other stays
+    open. The worker that goes idle queues for the wakeup lock, which the open one keeps from being
+    granted: it must still claim what the committed one wrote, instead of queuing again and again
+    until its poll (120 s here; the event once waited for all of it)."""
+    delivered: dict[int, float] = {}
+    gate = asyncio.Event()
+
+    async def publish(event: OutboxEvent) -> None:
+        await gate.wait()
+        delivered[event.id] = time.monotonic()
+
+    running = start(dsn, FunctionPublisher(publish), poll_interval=120)
+    await wait_until(running.idle, 10, "worker idle")
+    first = enqueue(conn, "order", "first", "e", {})          # wakes the worker: it lets the lock go
+
+    async def lock_free() -> bool:
+        row = conn.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = %s "
+                           "AND objid = %s AND objsubid = 2", WAKEUP_LOCK).fetchone()
+        return row == (0,)
+    await wait_until(lock_free, 5, "the worker draining, the wakeup lock free")
+    open_one = psycopg.connect(dsn)
+    later = psycopg.connect(dsn)
+    try:
+        enqueue(open_one, "order", "open", "e", {})           # no NOTIFY: the worker is busy
+        committed = enqueue(later, "order", "later", "e", {})
+        gate.set()                                            # the worker finishes, claims, goes idle
+        await wait_until(queued_for_wakeup_lock(conn), 5, "the worker queued for the wakeup lock")
+        t0 = time.monotonic()
+        later.commit()
+        await wait_until(lambda: _has(delivered, committed), 5, "the committed producer's event delivered")
+        waited = delivered[committed] - t0
+    finally:
+        open_one.rollback()
+        open_one.close()
+        later.close()
+        await running.stop()
+    assert first in delivered
+    assert waited < 2.0, waited
 
 
 async def test_a_run_the_lane_had_out_is_followed_by_the_rest_of_its_aggregate(dsn, conn):
