@@ -304,8 +304,11 @@ async def test_worker_delivers_in_commit_safe_order_when_the_lower_id_commits_la
 @pytest.mark.slow
 async def test_other_aggregates_flow_promptly_while_a_producer_holds_the_intake_back(dsn, conn):
     """A transaction left open holds back its two aggregates; events of 40 others, written at
-    about 200/s meanwhile, are each delivered well within a second of their commit (a head
-    made from a stale view once made such aggregates wait for a lease that had ended: 30 s)."""
+    about 200/s meanwhile, are each delivered within 1.5 s of their commit (a head made from a
+    stale view once made such aggregates wait for a lease that had ended: 30 s). Most go out in
+    milliseconds; the bound is the wakeup lock's: the open transaction keeps it from being
+    granted, so an event committed without a NOTIFY just before the worker queued for it waits
+    for the request to run out (a second) and the claim after it (docs/explanation/wakeup.md)."""
     delivered: dict[int, float] = {}
 
     async def publish(event: OutboxEvent) -> None:
@@ -335,4 +338,4 @@ async def test_other_aggregates_flow_promptly_while_a_producer_holds_the_intake_
     await held.close()
     await running.stop()
     late = sorted(delivered[i] - committed[i] for i in committed)
-    assert late[-1] < 1.0, f"slowest {late[-1]:.2f} s, p50 {late[len(late) // 2] * 1000:.1f} ms"
+    assert late[-1] < 1.5, f"slowest {late[-1]:.2f} s, p50 {late[len(late) // 2] * 1000:.1f} ms"
