@@ -325,13 +325,13 @@ COMMENT ON FUNCTION outbox_cancel(bigint[]) IS
 COMMENT ON FUNCTION outbox_worker_idle() IS
     'Call on a dedicated session before sleeping: from its return until outbox_worker_busy() every insert into outbox NOTIFYs channel outbox. Claim once more after it returns, and each time a lock_timeout ends its wait (an open producing transaction can hold it back for long).';
 
--- When each head can be claimed: ready_at, or, while a run holds it, leased_until. A head that
--- came due within the last second counts too (it is returned, in the past: claim now): it may
--- have come due between the worker's last claim and this call. Heads the commit-order guard
--- holds back are left out: the producer's commit wakes the workers, and claiming them now finds
--- nothing. A parked head wakes nobody: its time running out makes nothing due. Index lookups
--- only, pinned like the claim's (a plan made from statistics taken during a burst must not turn
--- into scans of whole partitions later).
+-- When each head can be claimed: ready_at, or, while a run holds it, leased_until; now while
+-- committed events wait to be taken in. A head that came due within the last second counts too
+-- (it is returned, in the past: claim now): it may have come due between the worker's last
+-- claim and this call. Heads the commit-order guard holds back are left out: the producer's
+-- commit wakes the workers, and claiming them now finds nothing. A parked head wakes nobody: its
+-- time running out makes nothing due. Index lookups only, pinned like the claim's (a plan made
+-- from statistics taken during a burst must not turn into scans of whole partitions later).
 CREATE OR REPLACE FUNCTION outbox_next_wakeup(shard text DEFAULT NULL) RETURNS timestamptz
 LANGUAGE plpgsql
 VOLATILE
@@ -350,6 +350,18 @@ BEGIN
     SELECT * INTO g FROM outbox_commit_guard();
     IF NOT (SELECT s.commit_order_guard FROM outbox_settings s) THEN
         g.settled := g.last_id;
+    END IF;
+    -- Events committed that no claim has taken in yet (above outbox_intake_mark): claim now.
+    -- A worker's last claim before it idles takes in what it sees, so there are none then,
+    -- unless another claim's transaction holds the intake row (one left open in psql, until the
+    -- server ends it: outbox_claim). The worker then looks again after each claim, and takes
+    -- them in once that transaction is gone, not at its poll. A leased event above the mark
+    -- (another worker's) costs one claim, whose intake raises the mark past it.
+    IF EXISTS (SELECT 1 FROM outbox o
+                WHERE o.in_flow
+                  AND o.id > coalesce(pg_sequence_last_value('outbox_intake_mark'), 0)
+                  AND o.id <= g.settled) THEN
+        RETURN now();
     END IF;
     -- Leased heads sit among the due ones (ready_at passed), at or above the floor: a walk over
     -- the runs in flight, which is short whenever a worker is idle.
@@ -376,7 +388,7 @@ END;
 $$;
 
 COMMENT ON FUNCTION outbox_next_wakeup(text) IS
-    'Earliest moment a retry becomes due or a lease expires (NULL if none; in the past if one just came due): how long an idle worker may sleep. shard ''I/N'': of that shard''s aggregates only.';
+    'Earliest moment a retry becomes due or a lease expires, or now while committed events wait to be taken in (NULL if none; in the past if one just came due): how long an idle worker may sleep. shard ''I/N'': of that shard''s aggregates only.';
 
 -- The commit-order guard, read once per claim, from the producers' advisory locks
 -- (20_producing.sql says which). Returns, in this order of reading:
@@ -1097,6 +1109,18 @@ BEGIN
     IF lease <= interval '0' THEN
         RAISE EXCEPTION 'outbox_claim: lease must be positive, got %', lease
             USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    -- Until this transaction ends it holds the intake row, and the heads it makes are invisible
+    -- to every other claim: a caller that claims in a transaction and leaves it idle (psql after
+    -- BEGIN, a driver that does not autocommit, a worker hung between its claim and its commit)
+    -- would keep every new event from every claim for as long as it stays. So the server ends
+    -- the transaction once it has been idle for as long as the lease, which has run out by then
+    -- anyway: the claim is undone, its events are claimed again. A shorter timeout of the
+    -- session's own stays. In autocommit the transaction ends with the call, and this with it.
+    IF current_setting('idle_in_transaction_session_timeout')::interval = interval '0'
+       OR current_setting('idle_in_transaction_session_timeout')::interval > lease THEN
+        PERFORM set_config('idle_in_transaction_session_timeout',
+                           least(ceil(extract(epoch FROM lease) * 1000), 2147483647)::bigint::text, true);
     END IF;
     quiet_only := coalesce(quiet_only, false);    -- NULL: as the default, like the other arguments
     budget := coalesce(max_bytes, cfg.max_claim_bytes);

@@ -888,6 +888,18 @@ BEGIN
         RAISE EXCEPTION 'outbox_claim: lease must be positive, got %', lease
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
+    -- Until this transaction ends it holds the intake row, and the heads it makes are invisible
+    -- to every other claim: a caller that claims in a transaction and leaves it idle (psql after
+    -- BEGIN, a driver that does not autocommit, a worker hung between its claim and its commit)
+    -- would keep every new event from every claim for as long as it stays. So the server ends
+    -- the transaction once it has been idle for as long as the lease, which has run out by then
+    -- anyway: the claim is undone, its events are claimed again. A shorter timeout of the
+    -- session's own stays. In autocommit the transaction ends with the call, and this with it.
+    IF current_setting('idle_in_transaction_session_timeout')::interval = interval '0'
+       OR current_setting('idle_in_transaction_session_timeout')::interval > lease THEN
+        PERFORM set_config('idle_in_transaction_session_timeout',
+                           least(ceil(extract(epoch FROM lease) * 1000), 2147483647)::bigint::text, true);
+    END IF;
     quiet_only := coalesce(quiet_only, false);    -- NULL: as the default, like the other arguments
     budget := coalesce(max_bytes, cfg.max_claim_bytes);
     IF budget < 1 THEN

@@ -515,6 +515,41 @@ async def test_an_event_whose_producer_skipped_notify_goes_out_while_another_pro
     assert waited < 2.0, waited
 
 
+async def test_events_go_out_soon_after_a_claim_left_open_elsewhere_is_ended(dsn, conn):
+    """A session claims in a transaction and leaves it idle (psql after BEGIN): until it ends, no
+    claim takes new events in. The server ends it after its lease (4 s here, outbox_claim); the
+    idle worker, which found nothing while it stayed, must then claim the events without waiting
+    for a notification (they were announced while the session stayed) or its poll (120 s)."""
+    delivered: dict[int, float] = {}
+
+    async def publish(event: OutboxEvent) -> None:
+        delivered[event.id] = time.monotonic()
+
+    running = start(dsn, FunctionPublisher(publish), poll_interval=120)
+    await wait_until(running.idle, 10, "worker idle")
+    ids = [enqueue(conn, "order", f"before-{n}", "e", {}) for n in range(3)]
+    await wait_until(lambda: _has(delivered, ids[-1]), 5, "the first events delivered")
+    left_open = psycopg.connect(dsn)
+    try:
+        left_open.execute("SELECT * FROM outbox_claim(1, '4 seconds')").fetchall()   # holds the intake row
+        t0 = time.monotonic()
+        later = [r[0] for r in conn.execute(                 # one statement: one notification
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
+            "SELECT 'order', 'later-' || g, 'e', '{}' FROM generate_series(1, 5) g RETURNING id").fetchall()]
+        await asyncio.sleep(0.5)
+        await wait_until(running.idle, 5, "the worker idle again, having found nothing")
+        assert not any(i in delivered for i in later)
+
+        async def all_later() -> bool:
+            return all(i in delivered for i in later)
+        await wait_until(all_later, 10, "the later events delivered")
+        waited = max(delivered[i] for i in later) - t0
+    finally:
+        left_open.close()
+        await running.stop()
+    assert waited < 6.5, waited
+
+
 async def test_a_run_the_lane_had_out_is_followed_by_the_rest_of_its_aggregate(dsn, conn):
     """The worker's one batch is out with a busy aggregate's run, held by the publisher, and its
     lane takes a quiet aggregate's event beside it, held too; two more events of that aggregate

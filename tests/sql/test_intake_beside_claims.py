@@ -159,6 +159,38 @@ def test_the_wait_for_an_intake_held_open_is_bounded(dsn: str, conn: Conn) -> No
     assert 0.9 <= waited < 10
 
 
+def test_a_claim_left_idle_in_its_transaction_is_ended_after_its_lease(dsn: str, conn: Conn) -> None:
+    """A claim in a transaction left idle (psql after BEGIN, a driver that does not autocommit, a
+    worker hung between its claim and its commit) holds the intake row, and the heads it made
+    are invisible to every other claim: every event, of every aggregate, waited for that
+    session, however long. The server ends such a transaction once it has been idle for its
+    lease; the claim is undone, and the other claims take everything."""
+    backlog(conn, 5, aggregates=5)
+    with connect(dsn, autocommit=False) as a:
+        assert len(claim(a, 1, lease="2 seconds")) == 1
+        backlog(conn, 5, aggregates=5, start=100)
+        assert claim(conn, 100) == []                    # held back: waits a second, takes nothing
+        time.sleep(2.5)
+        with pytest.raises(psycopg.errors.IdleInTransactionSessionTimeout):
+            a.execute("SELECT 1")
+    assert len(claim(conn, 100)) == 10
+
+
+def test_a_claim_keeps_a_shorter_idle_timeout_of_its_session(dsn: str, conn: Conn) -> None:
+    """A session's own idle_in_transaction_session_timeout, when shorter than the lease, stays;
+    a claim in autocommit changes nothing of the session."""
+    backlog(conn, 5, aggregates=5)
+    with connect(dsn, autocommit=False) as a:
+        a.execute("SET idle_in_transaction_session_timeout = '1500ms'")
+        a.commit()
+        claim(a, 1, lease="1 hour")
+        assert a.execute("SHOW idle_in_transaction_session_timeout").fetchone() == ("1500ms",)
+        a.rollback()
+    conn.execute("SET idle_in_transaction_session_timeout = 0")
+    claim(conn, 1, lease="1 second")
+    assert conn.execute("SHOW idle_in_transaction_session_timeout").fetchone() == ("0",)
+
+
 def test_a_claim_under_repeatable_read_does_not_wait_for_the_intake(dsn: str, conn: Conn) -> None:
     """Under REPEATABLE READ a look after the wait would see the snapshot it had (and a lock on
     the intake row that changed since it began would fail): such a claim comes back empty at
