@@ -326,8 +326,8 @@ COMMENT ON FUNCTION outbox_worker_idle() IS
     'Call on a dedicated session before sleeping: from its return until outbox_worker_busy() every insert into outbox NOTIFYs channel outbox. Claim once more after it returns, and each time a lock_timeout ends its wait (an open producing transaction can hold it back for long).';
 
 -- When each head can be claimed: ready_at, or, while a run holds it, leased_until; now while
--- committed events wait to be taken in. A head that came due within the last second counts too
--- (it is returned, in the past: claim now): it may have come due between the worker's last
+-- another transaction holds the intake row. A head that came due within the last second counts
+-- too (it is returned, in the past: claim now): it may have come due between the worker's last
 -- claim and this call. Heads the commit-order guard holds back are left out: the producer's
 -- commit wakes the workers, and claiming them now finds nothing. A parked head wakes nobody: its
 -- time running out makes nothing due. Index lookups only, pinned like the claim's (a plan made
@@ -351,16 +351,20 @@ BEGIN
     IF NOT (SELECT s.commit_order_guard FROM outbox_settings s) THEN
         g.settled := g.last_id;
     END IF;
-    -- Events committed that no claim has taken in yet (above outbox_intake_mark): claim now.
-    -- A worker's last claim before it idles takes in what it sees, so there are none then,
-    -- unless another claim's transaction holds the intake row (one left open in psql, until the
-    -- server ends it: outbox_claim). The worker then looks again after each claim, and takes
-    -- them in once that transaction is gone, not at its poll. A leased event above the mark
-    -- (another worker's) costs one claim, whose intake raises the mark past it.
-    IF EXISTS (SELECT 1 FROM outbox o
-                WHERE o.in_flow
-                  AND o.id > coalesce(pg_sequence_last_value('outbox_intake_mark'), 0)
-                  AND o.id <= g.settled) THEN
+    -- Another transaction holds the intake row: claim now. A claim left open in its transaction
+    -- (psql after BEGIN, until the server ends it: outbox_claim) keeps every claim from taking
+    -- new events in, and when it ends, nothing announces the events it kept back (their
+    -- notification is spent). A claim that finds the row still held and nothing to hand out
+    -- waits for it up to a second (outbox_intake_wait): an idle worker claims about once a second
+    -- until it ends, not at its poll. Another worker's claim running at this moment costs one
+    -- claim more. Read from pg_locks (the relation lock that row lock comes with): the row
+    -- itself is not touched.
+    IF EXISTS (SELECT 1 FROM pg_locks l
+                WHERE l.locktype = 'relation'
+                  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+                  AND l.relation = 'outbox_intake'::regclass
+                  AND l.mode IN ('RowShareLock', 'RowExclusiveLock')
+                  AND l.granted AND l.pid <> pg_backend_pid()) THEN
         RETURN now();
     END IF;
     -- Leased heads sit among the due ones (ready_at passed), at or above the floor: a walk over
@@ -388,7 +392,7 @@ END;
 $$;
 
 COMMENT ON FUNCTION outbox_next_wakeup(text) IS
-    'Earliest moment a retry becomes due or a lease expires, or now while committed events wait to be taken in (NULL if none; in the past if one just came due): how long an idle worker may sleep. shard ''I/N'': of that shard''s aggregates only.';
+    'Earliest moment a retry becomes due or a lease expires, or now while another transaction holds the intake row (NULL if none; in the past if one just came due): how long an idle worker may sleep. shard ''I/N'': of that shard''s aggregates only.';
 
 -- The commit-order guard, read once per claim, from the producers' advisory locks
 -- (20_producing.sql says which). Returns, in this order of reading:
