@@ -15,6 +15,7 @@ DROP FUNCTION outbox_take_idempotency_key();
 DROP FUNCTION outbox_untrusted_creators();
 DROP VIEW outbox_health;
 DROP FUNCTION outbox_xmin_holders();
+DROP FUNCTION outbox_open_claims();
 DROP FUNCTION outbox_claim(integer, interval, text, bigint, text, boolean);
 DROP FUNCTION outbox_intake_wait();
 DROP FUNCTION outbox_fail(bigint, uuid, text, boolean, interval);

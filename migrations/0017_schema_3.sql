@@ -1878,6 +1878,42 @@ SELECT count(*) FILTER (WHERE state = 'pending')                                
 COMMENT ON VIEW outbox_stats IS
     'One row: events per state (of the pending ones: scheduled, never tried and not due yet; waiting_retry, failed and waiting for their next attempt), age of the oldest undelivered event that is due (from its due time), oldest running lease''s age, last claim time.';
 
+-- Claims whose transaction has stayed open for more than a second, one row per session. Such a
+-- transaction holds the intake row: until it ends, no claim takes new events in, and the
+-- claims' last_claim_at (written on that row) stands still. A worker's claim is a transaction
+-- of milliseconds; one left open is a session that claimed after BEGIN (psql, a driver that
+-- does not autocommit), which the server ends once it has been idle for its lease
+-- (outbox_claim). Found by the lock it holds on outbox_intake, named by pid, state, age and
+-- application_name, never by its query. Without pg_read_all_stats for the owner the age of
+-- other roles' sessions is unknown, and none of them is listed.
+CREATE OR REPLACE FUNCTION outbox_open_claims()
+RETURNS TABLE (pid integer, xact_age interval, state text, application_name text)
+LANGUAGE plpgsql
+STABLE
+-- Runs as its owner: reads other roles' sessions in pg_stat_activity.
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    RETURN QUERY
+    SELECT a.pid, now() - a.xact_start, a.state, a.application_name::text
+      FROM pg_stat_activity a
+     WHERE a.xact_start < now() - interval '1 second'
+       AND a.pid <> pg_backend_pid()
+       AND EXISTS (SELECT 1 FROM pg_locks l
+                    WHERE l.pid = a.pid
+                      AND l.locktype = 'relation'
+                      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+                      AND l.relation = 'outbox_intake'::regclass
+                      AND l.mode IN ('RowShareLock', 'RowExclusiveLock')
+                      AND l.granted)
+     ORDER BY a.xact_start;
+END;
+$$;
+
+COMMENT ON FUNCTION outbox_open_claims() IS
+    'Sessions whose claim has held its transaction open for over a second: until they end, no claim takes new events in (the server ends one idle for its lease).';
+
 CREATE OR REPLACE FUNCTION outbox_health_row()
 RETURNS TABLE (
     backlog                    bigint,
@@ -2162,8 +2198,8 @@ REVOKE EXECUTE ON FUNCTION
     outbox_replay_candidates(bigint[], text, text, text, timestamptz, timestamptz, boolean),
     outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean, integer, boolean),
     outbox_maintain(boolean), outbox_forget_deleted(), outbox_idempotency_forget(integer),
-    outbox_open_producers(), outbox_health_row(), outbox_xmin_holders(), outbox_unfinished_subjects(integer),
-    outbox_untrusted_creators()
+    outbox_open_producers(), outbox_open_claims(), outbox_health_row(), outbox_xmin_holders(),
+    outbox_unfinished_subjects(integer), outbox_untrusted_creators()
 FROM PUBLIC;
 
 -- outboxpg.enqueue asks which of its events holds a key.
@@ -2196,8 +2232,8 @@ GRANT EXECUTE ON FUNCTION
     outbox_replay_candidates(bigint[], text, text, text, timestamptz, timestamptz, boolean),
     outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean, integer, boolean),
     outbox_maintain(boolean), outbox_idempotency_forget(integer), outbox_idempotency_event(text),
-    outbox_unfinished_subjects(integer), outbox_health_row(), outbox_open_producers(), outbox_xmin_holders(),
-    outbox_untrusted_creators()
+    outbox_unfinished_subjects(integer), outbox_health_row(), outbox_open_producers(), outbox_open_claims(),
+    outbox_xmin_holders(), outbox_untrusted_creators()
 TO outbox_operator;
 
 -- Which shard an aggregate is in (its bucket, the shard's buckets): for operators and workers

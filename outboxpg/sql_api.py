@@ -75,6 +75,8 @@ HEALTH_ROW = _f("outbox_health_row", callers=(WORKER, OPERATOR), definer=True,  
                 settings=(*LOOKUP, *PATH))
 # status, sql/health.sql (reads other roles' sessions in pg_stat_activity)
 OPEN_PRODUCERS = _f("outbox_open_producers", callers=(WORKER, OPERATOR), definer=True)
+# status: claims left open, which keep every claim from taking new events in
+OPEN_CLAIMS = _f("outbox_open_claims", callers=(OPERATOR,), definer=True)
 # behind outbox_health's xmin holder columns; the worker's xmin_held log line (reads other
 # roles' sessions in pg_stat_activity)
 XMIN_HOLDERS = _f("outbox_xmin_holders", callers=(WORKER, OPERATOR), definer=True, settings=("jit=off", *PATH))
@@ -128,7 +130,7 @@ TAKE_IDEMPOTENCY_KEY = _f("outbox_take_idempotency_key", definer=True, trigger=T
 
 FUNCTIONS: tuple[SqlFunction, ...] = (
     CLAIM, COMPLETE, FAIL, RELEASE, EXTEND, NEXT_WAKEUP, UNFINISHED_SUBJECTS, WORKER_IDLE, WORKER_BUSY,
-    MAINTAIN, HEALTH_ROW, OPEN_PRODUCERS, XMIN_HOLDERS, UNTRUSTED_CREATORS, REQUEUE, DISCARD, REPLAY,
+    MAINTAIN, HEALTH_ROW, OPEN_PRODUCERS, OPEN_CLAIMS, XMIN_HOLDERS, UNTRUSTED_CREATORS, REQUEUE, DISCARD, REPLAY,
     REPLAY_CANDIDATES, CANCEL, IDEMPOTENCY_EVENT, IDEMPOTENCY_FORGET,
     AGGREGATE_KEY, RETRY_DELAY, AGGREGATE_BUCKET, SHARD_BUCKETS, SHARDS_ENABLE, SHARDS_DISABLE,
     COMMIT_GUARD, REPLAY_CHECK, COMMIT_HORIZON, TAKE_IN, INTAKE_WAIT, REFRESH_HEADS, HEADS_FLOOR, HEADS_WRITING,

@@ -25,6 +25,8 @@ HEALTH = "SELECT now() AS checked_at, * FROM outbox_health"
 # Who holds what back (0013), the oldest first; any of them may have ended meanwhile.
 OPEN_PRODUCERS = ("SELECT pid, xact_age, state, held_above, aggregates, all_newer FROM outbox_open_producers() "
                   "ORDER BY xact_age DESC NULLS LAST, held_above")
+# Claims left open in their transaction (0017): no claim takes new events in until they end.
+OPEN_CLAIMS = "SELECT pid, xact_age, state, application_name FROM outbox_open_claims()"
 # Events failing now, by reason (0016), the most frequent first.
 FAILING = ("SELECT reason, events, min_attempts, max_attempts, retrying_now, next_retry_at, event_types, ids, "
            "subjects FROM outbox_failing ORDER BY events DESC, max_attempts DESC, reason LIMIT 20")

@@ -4,6 +4,7 @@
 --   SELECT * FROM outbox_stats;                  -- every event counted: a tool for people
 --   SELECT * FROM outbox_failing ORDER BY events DESC LIMIT 20;   -- what keeps failing, and why
 --   SELECT * FROM outbox_open_producers();       -- open producing transactions, what they hold back
+--   SELECT * FROM outbox_open_claims();          -- claims left open: no claim takes new events in
 --   SELECT * FROM outbox_xmin_holders();         -- what holds back VACUUM, the oldest first
 --   SELECT * FROM outbox_unfinished_subjects();  -- where the next events go
 --
@@ -135,6 +136,42 @@ $$;
 
 COMMENT ON FUNCTION outbox_open_producers() IS
     'Open transactions that have inserted into outbox, with what they hold back: the aggregates they wrote (all_newer: every event above held_above).';
+
+-- Claims whose transaction has stayed open for more than a second, one row per session. Such a
+-- transaction holds the intake row: until it ends, no claim takes new events in, and the
+-- claims' last_claim_at (written on that row) stands still. A worker's claim is a transaction
+-- of milliseconds; one left open is a session that claimed after BEGIN (psql, a driver that
+-- does not autocommit), which the server ends once it has been idle for its lease
+-- (outbox_claim). Found by the lock it holds on outbox_intake, named by pid, state, age and
+-- application_name, never by its query. Without pg_read_all_stats for the owner the age of
+-- other roles' sessions is unknown, and none of them is listed.
+CREATE OR REPLACE FUNCTION outbox_open_claims()
+RETURNS TABLE (pid integer, xact_age interval, state text, application_name text)
+LANGUAGE plpgsql
+STABLE
+-- Runs as its owner: reads other roles' sessions in pg_stat_activity.
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    RETURN QUERY
+    SELECT a.pid, now() - a.xact_start, a.state, a.application_name::text
+      FROM pg_stat_activity a
+     WHERE a.xact_start < now() - interval '1 second'
+       AND a.pid <> pg_backend_pid()
+       AND EXISTS (SELECT 1 FROM pg_locks l
+                    WHERE l.pid = a.pid
+                      AND l.locktype = 'relation'
+                      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+                      AND l.relation = 'outbox_intake'::regclass
+                      AND l.mode IN ('RowShareLock', 'RowExclusiveLock')
+                      AND l.granted)
+     ORDER BY a.xact_start;
+END;
+$$;
+
+COMMENT ON FUNCTION outbox_open_claims() IS
+    'Sessions whose claim has held its transaction open for over a second: until they end, no claim takes new events in (the server ends one idle for its lease).';
 
 CREATE OR REPLACE FUNCTION outbox_health_row()
 RETURNS TABLE (

@@ -113,8 +113,8 @@ REVOKE EXECUTE ON FUNCTION
     outbox_replay_candidates(bigint[], text, text, text, timestamptz, timestamptz, boolean),
     outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean, integer, boolean),
     outbox_maintain(boolean), outbox_forget_deleted(), outbox_idempotency_forget(integer),
-    outbox_open_producers(), outbox_health_row(), outbox_xmin_holders(), outbox_unfinished_subjects(integer),
-    outbox_untrusted_creators()
+    outbox_open_producers(), outbox_open_claims(), outbox_health_row(), outbox_xmin_holders(),
+    outbox_unfinished_subjects(integer), outbox_untrusted_creators()
 FROM PUBLIC;
 
 -- 4. The schema itself: PUBLIC usually has USAGE (public schema); grant it where it has not.
@@ -171,8 +171,8 @@ GRANT EXECUTE ON FUNCTION
     outbox_replay_candidates(bigint[], text, text, text, timestamptz, timestamptz, boolean),
     outbox_replay(bigint[], text, text, text, timestamptz, timestamptz, boolean, integer, boolean),
     outbox_maintain(boolean), outbox_idempotency_forget(integer), outbox_idempotency_event(text),
-    outbox_unfinished_subjects(integer), outbox_health_row(), outbox_open_producers(), outbox_xmin_holders(),
-    outbox_untrusted_creators()
+    outbox_unfinished_subjects(integer), outbox_health_row(), outbox_open_producers(), outbox_open_claims(),
+    outbox_xmin_holders(), outbox_untrusted_creators()
 TO outbox_operator;
 -- An aggregate's advisory lock key (a hash of its name): sql/health.sql matches the keys that open
 -- producing transactions hold in pg_locks with the events they hold back.

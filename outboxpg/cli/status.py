@@ -118,6 +118,8 @@ def _snapshot(conn: psycopg.Connection[Any], with_states: bool, nats_url: str | 
         if health["open_producers"]:
             # Who holds what back (0013); any of them may have ended meanwhile.
             producers = cur.execute(statements.OPEN_PRODUCERS).fetchall()
+        # Claims left open in their transaction: they keep every claim from taking new events in.
+        claims = cur.execute(statements.OPEN_CLAIMS).fetchall()
         # Events failing now (outbox_failing): like outbox_health, it reads only unfinished events.
         failing = cur.execute(statements.FAILING).fetchall()
         untrusted = cur.execute(statements.INSTALL_UNTRUSTED_CREATORS).fetchone()
@@ -133,8 +135,8 @@ def _snapshot(conn: psycopg.Connection[Any], with_states: bool, nats_url: str | 
     subjects = _check_subjects(conn, nats_url) if nats_url else None
     checked_at = health.pop("checked_at")
     return {"database": where_am_i(conn), "checked_at": checked_at, "health": health, "producers": producers,
-            "failing": failing, "states": states, "subjects": subjects,
-            "attention": _attention(health, producers, failing, max_attempts, subjects, untrusted)}
+            "open_claims": claims, "failing": failing, "states": states, "subjects": subjects,
+            "attention": _attention(health, producers, failing, max_attempts, subjects, untrusted, claims)}
 
 
 def _plural(n: int, word: str) -> str:
@@ -148,6 +150,16 @@ def _producer_text(pid: int | None, xact_age: Any, state: str | None) -> str:
     if state:
         parts.append(state)
     return ", ".join(parts)
+
+
+def _claim_text(c: dict[str, Any]) -> str:
+    """'pid 1234 (open 20.0 s, idle in transaction, application 'psql')'."""
+    parts = [f"open {age(c['xact_age'])}"]
+    if c["state"]:
+        parts.append(c["state"])
+    if c["application_name"]:
+        parts.append(f"application {c['application_name']!r}")
+    return f"pid {c['pid']} ({', '.join(parts)})"
 
 
 def _held_note(h: dict[str, Any], producers: list[dict[str, Any]]) -> str:
@@ -212,8 +224,12 @@ def _no_stream_note(f: dict[str, Any]) -> str:
 
 def _attention(h: dict[str, Any], producers: list[dict[str, Any]], failing: list[dict[str, Any]],
                max_attempts: int | None, subjects: dict[str, Any] | None = None,
-               untrusted: dict[str, Any] | None = None) -> list[str]:
+               untrusted: dict[str, Any] | None = None, claims: list[dict[str, Any]] | None = None) -> list[str]:
     notes = []
+    for c in claims or []:
+        notes.append(f"a claim's transaction is open in {_claim_text(c)}: no claim takes new events in until "
+                     f"it ends (the server ends it once idle for its lease; SELECT pg_terminate_backend({c['pid']}) "
+                     "ends it now)")
     if untrusted is not None and untrusted["who"] is not None:
         notes.append(f"workers refuse to start: {untrusted_creators_text(untrusted['who'], untrusted['schema'])}")
     if h["dead"]:
@@ -239,8 +255,9 @@ def _attention(h: dict[str, Any], producers: list[dict[str, Any]], failing: list
     if holder is not None:
         notes.append(f"the xmin horizon is held back by {holder.text()}: {holder.advice()}")
     # last_claim_at is when a worker last called outbox_claim, whatever it found: recent means a
-    # worker runs, even while everything it could claim is held back.
-    if h["backlog"] and not h["worker_claimed_last_minute"]:
+    # worker runs, even while everything it could claim is held back. A claim left open holds the
+    # row it is written on: then it says nothing of the workers.
+    if h["backlog"] and not h["worker_claimed_last_minute"] and not claims:
         notes.append(f"backlog of {h['backlog']} but no claim in the last minute: is a worker running?")
     return notes
 
@@ -302,6 +319,7 @@ def _render(snap: dict[str, Any]) -> list[str]:
 def _as_json(snap: dict[str, Any]) -> dict[str, Any]:
     return {"database": snap["database"], "checked_at": snap["checked_at"], "health": jsonable(snap["health"]),
             "producers": [jsonable(p) for p in snap["producers"]],
+            "open_claims": [jsonable(c) for c in snap["open_claims"]],
             "failing": [jsonable(f) for f in snap["failing"]], "states": snap["states"],
             **({"subjects": snap["subjects"]} if snap["subjects"] is not None else {}),
             "attention": snap["attention"]}

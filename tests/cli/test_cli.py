@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import signal
+import time
 from typing import Any
 
 import orjson
@@ -134,6 +135,36 @@ def test_status_when_an_open_transaction_holds_back_every_newer_event(dsn: str, 
     h = js.json()["health"]
     assert (h["backlog"], h["held_by_open_transactions"], h["worker_claimed_last_minute"]) == (1200, 1200, True)
     assert js.json()["producers"][0]["all_newer"] is True
+
+
+def test_status_names_a_claim_left_open_instead_of_asking_for_a_worker(dsn: str, conn: psycopg.Connection[Any],
+                                                                        operator_dsn: str) -> None:
+    """A session claimed after BEGIN and stays (psql): no claim takes new events in, and the claims'
+    last_claim_at, written on the row it holds, stands still. status names that session, not a
+    missing worker; an operator login sees it too."""
+    insert(conn, "order", "o-1")
+    conn.execute("UPDATE outbox_intake SET last_claim_at = now() - interval '61 seconds'")
+    with psycopg.connect(dsn, application_name="left in psql") as left:
+        assert len(claim(left, 1)) == 1                  # its transaction stays open, idle
+        pid = left.info.backend_pid
+        insert(conn, "order", "o-2")
+        time.sleep(1.2)                                  # open for over a second
+        text, js, as_operator = run_all(("status", "--dsn", dsn), ("status", "--dsn", dsn, "--json"),
+                                        ("status", "--dsn", operator_dsn, "--json", "--health-only"))
+        left.rollback()
+    assert text.code == 0 and text.err == "", text
+    assert "is a worker running?" not in text.out, text.out
+    assert (f"  ! a claim's transaction is open in pid {pid} (open ") in text.out, text.out
+    assert (", idle in transaction, application 'left in psql'): no claim takes new events in until it ends (the "
+            f"server ends it once idle for its lease; SELECT pg_terminate_backend({pid}) ends it now)") in text.out
+    for obj in (js.json(), as_operator.json()):
+        (c,) = obj["open_claims"]
+        assert (c["pid"], c["state"], c["application_name"]) == (pid, "idle in transaction", "left in psql")
+        assert 1 <= c["xact_age_seconds"] < 60
+    # Ended: a worker's claim in autocommit is never listed.
+    assert len(claim(conn, 10)) == 2
+    after = run("status", "--dsn", dsn, "--json").json()
+    assert after["open_claims"] == [] and after["attention"] == []
 
 
 def test_status_says_when_no_worker_claims(dsn: str, conn: psycopg.Connection[Any]) -> None:
