@@ -10,6 +10,8 @@
 --   2. the open producing transactions (outbox_open_producers()): backend pid, who, how long open,
 --      and what each holds back until it commits or rolls back: the aggregates it wrote, or every
 --      event above an id once it wrote more than outbox_settings.commit_order_max_aggregates;
+--      then the claims left open in their transaction for over a second (outbox_open_claims()):
+--      until one ends, no claim takes new events in (the server ends it once idle for its lease);
 --   3. what holds back the xmin horizon (outbox_xmin_holders()), the oldest first: sessions (pid,
 --      application, state, since when, the start of the query), prepared transactions, replication
 --      slots; past_threshold: older than outbox_settings.xmin_warn_after. While one holds, VACUUM
@@ -70,6 +72,11 @@ SELECT p.pid,
   LEFT JOIN pg_stat_activity a ON a.pid = p.pid
  CROSS JOIN outbox_settings s
  ORDER BY p.xact_age DESC NULLS LAST, p.held_above;
+
+\echo '== claims left open in their transaction: no claim takes new events in until they end (outbox_open_claims())'
+SELECT c.pid, c.application_name, date_trunc('second', c.xact_age) AS open_for, c.state
+  FROM outbox_open_claims() c
+ ORDER BY c.xact_age DESC;
 
 \echo '== what holds back the xmin horizon (VACUUM), the oldest first (outbox_xmin_holders())'
 SELECT x.kind,
