@@ -357,14 +357,8 @@ BEGIN
     -- notification is spent). A claim that finds the row still held and nothing to hand out
     -- waits for it up to a second (outbox_intake_wait): an idle worker claims about once a second
     -- until it ends, not at its poll. Another worker's claim running at this moment costs one
-    -- claim more. Read from pg_locks (the relation lock that row lock comes with): the row
-    -- itself is not touched.
-    IF EXISTS (SELECT 1 FROM pg_locks l
-                WHERE l.locktype = 'relation'
-                  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-                  AND l.relation = 'outbox_intake'::regclass
-                  AND l.mode IN ('RowShareLock', 'RowExclusiveLock')
-                  AND l.granted AND l.pid <> pg_backend_pid()) THEN
+    -- claim more. The row itself is not touched (outbox_intake_holders).
+    IF EXISTS (SELECT 1 FROM outbox_intake_holders()) THEN
         RETURN now();
     END IF;
     -- Leased heads sit among the due ones (ready_at passed), at or above the floor: a walk over
@@ -910,6 +904,28 @@ $$;
 COMMENT ON FUNCTION outbox_intake_wait() IS
     'Called by outbox_claim when it found the intake row held and had nothing to hand out: waits for the holder to end (true), at most 1 s or half the statement_timeout (false).';
 
+-- The sessions, other than this one, whose transaction holds the intake row or is locking it
+-- right now. A row lock comes with a lock on its table, which pg_locks shows (the row lock itself
+-- shows only to a session waiting for it). outbox_next_wakeup claims again while there is one;
+-- outbox_open_claims names those open for over a second.
+CREATE OR REPLACE FUNCTION outbox_intake_holders() RETURNS SETOF integer
+LANGUAGE sql
+STABLE
+SET search_path FROM CURRENT
+AS $$
+    SELECT DISTINCT l.pid
+      FROM pg_locks l
+     WHERE l.locktype = 'relation'
+       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+       AND l.relation = 'outbox_intake'::regclass
+       AND l.mode IN ('RowShareLock', 'RowExclusiveLock')
+       AND l.granted
+       AND l.pid <> pg_backend_pid()
+$$;
+
+COMMENT ON FUNCTION outbox_intake_holders() IS
+    'Called by outbox_next_wakeup and outbox_open_claims: the other sessions whose transaction holds or locks the intake row.';
+
 -- The bucket of an aggregate, 0 to 63.
 CREATE OR REPLACE FUNCTION outbox_aggregate_bucket(aggregate_type text, aggregate_id text) RETURNS integer
 LANGUAGE sql
@@ -1102,6 +1118,7 @@ DECLARE
     buckets integer[];      -- the shard's buckets; NULL: no shard, every head
     due_buckets integer[];  -- those with a due head, the one whose first waited longest first
     window_end timestamptz := 'infinity';   -- quiet_only: the last ready_at of the front read
+    idle_limit interval;    -- the session's idle_in_transaction_session_timeout (0: none)
 BEGIN
     IF batch_size IS NULL OR batch_size < 1 THEN
         RAISE EXCEPTION 'outbox_claim: batch_size must be 1 or more, got %', coalesce(batch_size::text, 'NULL')
@@ -1121,8 +1138,8 @@ BEGIN
     -- the transaction once it has been idle for as long as the lease, which has run out by then
     -- anyway: the claim is undone, its events are claimed again. A shorter timeout of the
     -- session's own stays. In autocommit the transaction ends with the call, and this with it.
-    IF current_setting('idle_in_transaction_session_timeout')::interval = interval '0'
-       OR current_setting('idle_in_transaction_session_timeout')::interval > lease THEN
+    idle_limit := current_setting('idle_in_transaction_session_timeout')::interval;
+    IF idle_limit = interval '0' OR idle_limit > lease THEN
         PERFORM set_config('idle_in_transaction_session_timeout',
                            least(ceil(extract(epoch FROM lease) * 1000), 2147483647)::bigint::text, true);
     END IF;
@@ -1883,9 +1900,9 @@ COMMENT ON VIEW outbox_stats IS
 -- claims' last_claim_at (written on that row) stands still. A worker's claim is a transaction
 -- of milliseconds; one left open is a session that claimed after BEGIN (psql, a driver that
 -- does not autocommit), which the server ends once it has been idle for its lease
--- (outbox_claim). Found by the lock it holds on outbox_intake, named by pid, state, age and
--- application_name, never by its query. Without pg_read_all_stats for the owner the age of
--- other roles' sessions is unknown, and none of them is listed.
+-- (outbox_claim). Found by its lock on the intake row (outbox_intake_holders), named by pid,
+-- state, age and application_name, never by its query. Without pg_read_all_stats for the owner
+-- the age of other roles' sessions is unknown, and none of them is listed.
 CREATE OR REPLACE FUNCTION outbox_open_claims()
 RETURNS TABLE (pid integer, xact_age interval, state text, application_name text)
 LANGUAGE plpgsql
@@ -1897,16 +1914,9 @@ AS $$
 BEGIN
     RETURN QUERY
     SELECT a.pid, now() - a.xact_start, a.state, a.application_name::text
-      FROM pg_stat_activity a
+      FROM outbox_intake_holders() h(holder)
+      JOIN pg_stat_activity a ON a.pid = h.holder
      WHERE a.xact_start < now() - interval '1 second'
-       AND a.pid <> pg_backend_pid()
-       AND EXISTS (SELECT 1 FROM pg_locks l
-                    WHERE l.pid = a.pid
-                      AND l.locktype = 'relation'
-                      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-                      AND l.relation = 'outbox_intake'::regclass
-                      AND l.mode IN ('RowShareLock', 'RowExclusiveLock')
-                      AND l.granted)
      ORDER BY a.xact_start;
 END;
 $$;
@@ -2187,7 +2197,7 @@ REVOKE EXECUTE ON FUNCTION
     outbox_wake_workers(), outbox_worker_idle(), outbox_worker_busy(), outbox_next_wakeup(text),
     outbox_retry_delay(integer, interval, interval), outbox_commit_guard(), outbox_commit_horizon(),
     outbox_heads_writing(), outbox_heads_floor(), outbox_take_in(bigint, bigint, integer),
-    outbox_intake_wait(),
+    outbox_intake_wait(), outbox_intake_holders(),
     outbox_aggregate_bucket(text, text), outbox_shard_buckets(text), outbox_shards_enable(),
     outbox_shards_disable(), outbox_claim(integer, interval, text, bigint, text, boolean),
     outbox_refresh_heads(text[], text[]), outbox_complete(bigint[], uuid, timestamptz, timestamptz),

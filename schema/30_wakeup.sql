@@ -127,14 +127,8 @@ BEGIN
     -- notification is spent). A claim that finds the row still held and nothing to hand out
     -- waits for it up to a second (outbox_intake_wait): an idle worker claims about once a second
     -- until it ends, not at its poll. Another worker's claim running at this moment costs one
-    -- claim more. Read from pg_locks (the relation lock that row lock comes with): the row
-    -- itself is not touched.
-    IF EXISTS (SELECT 1 FROM pg_locks l
-                WHERE l.locktype = 'relation'
-                  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-                  AND l.relation = 'outbox_intake'::regclass
-                  AND l.mode IN ('RowShareLock', 'RowExclusiveLock')
-                  AND l.granted AND l.pid <> pg_backend_pid()) THEN
+    -- claim more. The row itself is not touched (outbox_intake_holders).
+    IF EXISTS (SELECT 1 FROM outbox_intake_holders()) THEN
         RETURN now();
     END IF;
     -- Leased heads sit among the due ones (ready_at passed), at or above the floor: a walk over

@@ -663,6 +663,28 @@ $$;
 COMMENT ON FUNCTION outbox_intake_wait() IS
     'Called by outbox_claim when it found the intake row held and had nothing to hand out: waits for the holder to end (true), at most 1 s or half the statement_timeout (false).';
 
+-- The sessions, other than this one, whose transaction holds the intake row or is locking it
+-- right now. A row lock comes with a lock on its table, which pg_locks shows (the row lock itself
+-- shows only to a session waiting for it). outbox_next_wakeup claims again while there is one;
+-- outbox_open_claims names those open for over a second.
+CREATE OR REPLACE FUNCTION outbox_intake_holders() RETURNS SETOF integer
+LANGUAGE sql
+STABLE
+SET search_path FROM CURRENT
+AS $$
+    SELECT DISTINCT l.pid
+      FROM pg_locks l
+     WHERE l.locktype = 'relation'
+       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+       AND l.relation = 'outbox_intake'::regclass
+       AND l.mode IN ('RowShareLock', 'RowExclusiveLock')
+       AND l.granted
+       AND l.pid <> pg_backend_pid()
+$$;
+
+COMMENT ON FUNCTION outbox_intake_holders() IS
+    'Called by outbox_next_wakeup and outbox_open_claims: the other sessions whose transaction holds or locks the intake row.';
+
 -- == Shards =====================================================================================
 --
 -- A worker may claim the aggregates of one shard only: outbox_claim(..., shard => 'I/N'). Each
@@ -876,6 +898,7 @@ DECLARE
     buckets integer[];      -- the shard's buckets; NULL: no shard, every head
     due_buckets integer[];  -- those with a due head, the one whose first waited longest first
     window_end timestamptz := 'infinity';   -- quiet_only: the last ready_at of the front read
+    idle_limit interval;    -- the session's idle_in_transaction_session_timeout (0: none)
 BEGIN
     IF batch_size IS NULL OR batch_size < 1 THEN
         RAISE EXCEPTION 'outbox_claim: batch_size must be 1 or more, got %', coalesce(batch_size::text, 'NULL')
@@ -895,8 +918,8 @@ BEGIN
     -- the transaction once it has been idle for as long as the lease, which has run out by then
     -- anyway: the claim is undone, its events are claimed again. A shorter timeout of the
     -- session's own stays. In autocommit the transaction ends with the call, and this with it.
-    IF current_setting('idle_in_transaction_session_timeout')::interval = interval '0'
-       OR current_setting('idle_in_transaction_session_timeout')::interval > lease THEN
+    idle_limit := current_setting('idle_in_transaction_session_timeout')::interval;
+    IF idle_limit = interval '0' OR idle_limit > lease THEN
         PERFORM set_config('idle_in_transaction_session_timeout',
                            least(ceil(extract(epoch FROM lease) * 1000), 2147483647)::bigint::text, true);
     END IF;

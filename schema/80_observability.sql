@@ -142,9 +142,9 @@ COMMENT ON FUNCTION outbox_open_producers() IS
 -- claims' last_claim_at (written on that row) stands still. A worker's claim is a transaction
 -- of milliseconds; one left open is a session that claimed after BEGIN (psql, a driver that
 -- does not autocommit), which the server ends once it has been idle for its lease
--- (outbox_claim). Found by the lock it holds on outbox_intake, named by pid, state, age and
--- application_name, never by its query. Without pg_read_all_stats for the owner the age of
--- other roles' sessions is unknown, and none of them is listed.
+-- (outbox_claim). Found by its lock on the intake row (outbox_intake_holders), named by pid,
+-- state, age and application_name, never by its query. Without pg_read_all_stats for the owner
+-- the age of other roles' sessions is unknown, and none of them is listed.
 CREATE OR REPLACE FUNCTION outbox_open_claims()
 RETURNS TABLE (pid integer, xact_age interval, state text, application_name text)
 LANGUAGE plpgsql
@@ -156,16 +156,9 @@ AS $$
 BEGIN
     RETURN QUERY
     SELECT a.pid, now() - a.xact_start, a.state, a.application_name::text
-      FROM pg_stat_activity a
+      FROM outbox_intake_holders() h(holder)
+      JOIN pg_stat_activity a ON a.pid = h.holder
      WHERE a.xact_start < now() - interval '1 second'
-       AND a.pid <> pg_backend_pid()
-       AND EXISTS (SELECT 1 FROM pg_locks l
-                    WHERE l.pid = a.pid
-                      AND l.locktype = 'relation'
-                      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-                      AND l.relation = 'outbox_intake'::regclass
-                      AND l.mode IN ('RowShareLock', 'RowExclusiveLock')
-                      AND l.granted)
      ORDER BY a.xact_start;
 END;
 $$;

@@ -10,6 +10,7 @@ DROP FUNCTION outbox_xmin_holders();
 DROP FUNCTION outbox_open_claims();
 DROP FUNCTION outbox_claim(integer, interval, text, bigint, text, boolean);
 DROP FUNCTION outbox_intake_wait();
+DROP FUNCTION outbox_intake_holders();
 DROP FUNCTION outbox_fail(bigint, uuid, text, boolean, interval);
 DROP FUNCTION outbox_next_wakeup(text);
 DROP FUNCTION outbox_complete(bigint[], uuid, timestamptz, timestamptz);
