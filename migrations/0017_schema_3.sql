@@ -407,7 +407,11 @@ DECLARE
     unlocked boolean;
 BEGIN
     held_keys := '{}';
-    FOR look IN 1..2 LOOP
+    -- Four looks: each look that finds no producer open where one was open at its lock test
+    -- saw one end inside its own reads, which takes a producer's whole transaction to fit in
+    -- the time between two statements here. A test saw two such looks in a row once, on a
+    -- machine loaded far beyond its cores; four in a row are left to chance.
+    FOR look IN 1..4 LOOP
         -- The lock first, then the last id. With the lock taken, no producing transaction is
         -- open and none takes an id until it is let go (the trigger takes it, shared, before
         -- nextval): every id handed out so far is settled. It is let go in the statement that
@@ -446,7 +450,8 @@ BEGIN
           INTO settled, open_below, held_keys, seen;
         -- None open any more: the ones that held the lock ended since, maybe after the read of
         -- last_id, half way through a transaction whose end would then wait for the next claim.
-        -- Try the lock once more.
+        -- Try the lock again. (After the last look, settled is that last_id: still true, since
+        -- the transaction that held ids up to it has ended, only short of its end.)
         EXIT WHEN seen;
     END LOOP;
 END;
