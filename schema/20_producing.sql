@@ -168,29 +168,31 @@ BEGIN
     IF horizon IS NULL OR horizon > coalesce(pg_sequence_last_value('outbox_id_seq'), 0)
        OR (keys <> 'all' AND keys !~ '^,([0-9-]+,)*$') THEN
         -- The transaction's first event, or a value this trigger did not write: announce it.
+        -- The aggregate's lock before the horizon's: a claim that sees this transaction's
+        -- horizon sees what it holds back too, never a horizon with no aggregate beside it.
         horizon := coalesce(pg_sequence_last_value('outbox_id_seq'), 0);
         PERFORM pg_advisory_xact_lock_shared(1868724336, 3),
-                pg_advisory_xact_lock_shared(-horizon - 1),
                 pg_advisory_xact_lock_shared(1868724337, key::integer),
+                pg_advisory_xact_lock_shared(-horizon - 1),
                 set_config('outboxpg.held_aggregates', horizon || ':,' || key || ',', true);
     ELSIF keys = 'all' THEN
         PERFORM pg_advisory_xact_lock_shared(1868724336, 3),
-                pg_advisory_xact_lock_shared(-horizon - 1),
-                pg_advisory_xact_lock_shared(1868724336, 4);
+                pg_advisory_xact_lock_shared(1868724336, 4),
+                pg_advisory_xact_lock_shared(-horizon - 1);
     ELSIF strpos(keys, ',' || key || ',') > 0 THEN
         PERFORM pg_advisory_xact_lock_shared(1868724336, 3),
-                pg_advisory_xact_lock_shared(-horizon - 1),
-                pg_advisory_xact_lock_shared(1868724337, key::integer);
+                pg_advisory_xact_lock_shared(1868724337, key::integer),
+                pg_advisory_xact_lock_shared(-horizon - 1);
     ELSIF length(keys) - length(replace(keys, ',', '')) - 1     -- keys named so far
           < (SELECT s.commit_order_max_aggregates FROM outbox_settings s) THEN
         PERFORM pg_advisory_xact_lock_shared(1868724336, 3),
-                pg_advisory_xact_lock_shared(-horizon - 1),
                 pg_advisory_xact_lock_shared(1868724337, key::integer),
+                pg_advisory_xact_lock_shared(-horizon - 1),
                 set_config('outboxpg.held_aggregates', horizon || ':' || keys || key || ',', true);
     ELSE
         PERFORM pg_advisory_xact_lock_shared(1868724336, 3),
-                pg_advisory_xact_lock_shared(-horizon - 1),
                 pg_advisory_xact_lock_shared(1868724336, 4),
+                pg_advisory_xact_lock_shared(-horizon - 1),
                 set_config('outboxpg.held_aggregates', horizon || ':all', true);
     END IF;
     NEW.id := nextval('outbox_id_seq');
