@@ -61,6 +61,8 @@ FAIL = _f("outbox_fail", "bigint", "uuid", "text", "boolean", "interval", caller
 RELEASE = _f("outbox_release", "bigint[]", "uuid", callers=(WORKER,), definer=True, settings=(*PLANNER, *PATH))
 EXTEND = _f("outbox_extend", "bigint[]", "uuid", "interval", callers=(WORKER,), definer=True,
             settings=(*PLANNER, *PATH))
+# a new claims connection's plans, made ahead of its first claim (then undone)
+WARM_UP = _f("outbox_warm_up", "text", callers=(WORKER,), definer=True)
 NEXT_WAKEUP = _f("outbox_next_wakeup", "text", callers=(WORKER,), definer=True, settings=(*LOOKUP, *PATH))
 # the worker's start-up stream check and outboxpg status --nats-url
 UNFINISHED_SUBJECTS = _f("outbox_unfinished_subjects", "integer", callers=(WORKER, OPERATOR), definer=True,
@@ -131,7 +133,7 @@ ASSIGN_ID = _f("outbox_assign_id", trigger=True)
 TAKE_IDEMPOTENCY_KEY = _f("outbox_take_idempotency_key", definer=True, trigger=True)
 
 FUNCTIONS: tuple[SqlFunction, ...] = (
-    CLAIM, COMPLETE, FAIL, RELEASE, EXTEND, NEXT_WAKEUP, UNFINISHED_SUBJECTS, WORKER_IDLE, WORKER_BUSY,
+    CLAIM, COMPLETE, FAIL, RELEASE, EXTEND, WARM_UP, NEXT_WAKEUP, UNFINISHED_SUBJECTS, WORKER_IDLE, WORKER_BUSY,
     MAINTAIN, HEALTH_ROW, OPEN_PRODUCERS, OPEN_CLAIMS, XMIN_HOLDERS, UNTRUSTED_CREATORS, REQUEUE, DISCARD, REPLAY,
     REPLAY_CANDIDATES, CANCEL, IDEMPOTENCY_EVENT, IDEMPOTENCY_FORGET,
     AGGREGATE_KEY, RETRY_DELAY, AGGREGATE_BUCKET, SHARD_BUCKETS, SHARDS_ENABLE, SHARDS_DISABLE,
@@ -141,7 +143,7 @@ FUNCTIONS: tuple[SqlFunction, ...] = (
 
 # What outboxpg-worker checks at start (exists, and this login may execute it), in this order:
 # the first one missing is named. IDLE_CALLS only without --poll-only.
-WORKER_CALLS = (CLAIM, COMPLETE, FAIL, RELEASE, EXTEND, NEXT_WAKEUP, UNFINISHED_SUBJECTS, IDEMPOTENCY_FORGET,
+WORKER_CALLS = (CLAIM, COMPLETE, FAIL, RELEASE, EXTEND, WARM_UP, NEXT_WAKEUP, UNFINISHED_SUBJECTS, IDEMPOTENCY_FORGET,
                 UNTRUSTED_CREATORS)
 IDLE_CALLS = (WORKER_IDLE, WORKER_BUSY)
 XMIN_CALLS = (XMIN_HOLDERS,)   # not with --xmin-check-interval 0

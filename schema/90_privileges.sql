@@ -107,7 +107,7 @@ REVOKE EXECUTE ON FUNCTION
     outbox_shards_disable(), outbox_claim(integer, interval, text, bigint, text, boolean),
     outbox_refresh_heads(text[], text[]), outbox_complete(bigint[], uuid, timestamptz, timestamptz),
     outbox_fail(bigint, uuid, text, boolean, interval), outbox_release(bigint[], uuid),
-    outbox_extend(bigint[], uuid, interval),
+    outbox_extend(bigint[], uuid, interval), outbox_warm_up(text),
     outbox_requeue(bigint[]), outbox_discard(bigint[], text),
     outbox_replay_check(bigint[], text, text, text, timestamptz, timestamptz, boolean),
     outbox_replay_candidates(bigint[], text, text, text, timestamptz, timestamptz, boolean),
@@ -149,7 +149,7 @@ GRANT EXECUTE ON FUNCTION outbox_cancel(bigint[]) TO outbox_producer;
 GRANT EXECUTE ON FUNCTION
     outbox_claim(integer, interval, text, bigint, text, boolean), outbox_complete(bigint[], uuid, timestamptz, timestamptz),
     outbox_fail(bigint, uuid, text, boolean, interval), outbox_release(bigint[], uuid),
-    outbox_extend(bigint[], uuid, interval),
+    outbox_extend(bigint[], uuid, interval), outbox_warm_up(text),
     outbox_next_wakeup(text), outbox_worker_idle(), outbox_worker_busy(), outbox_maintain(boolean),
     outbox_idempotency_forget(integer), outbox_unfinished_subjects(integer),
     outbox_health_row(), outbox_open_producers(), outbox_xmin_holders(), outbox_untrusted_creators()

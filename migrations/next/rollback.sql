@@ -8,6 +8,7 @@ DROP FUNCTION outbox_untrusted_creators();
 DROP VIEW outbox_health;
 DROP FUNCTION outbox_xmin_holders();
 DROP FUNCTION outbox_open_claims();
+DROP FUNCTION outbox_warm_up(text);
 DROP FUNCTION outbox_claim(integer, interval, text, bigint, text, boolean);
 DROP FUNCTION outbox_intake_wait();
 DROP FUNCTION outbox_intake_holders();

@@ -6,8 +6,10 @@ The claims go on a connection of their own (a pool of one), with the look at the
 that the worker makes between them: the worker claims one batch at a time, and a connection's
 first outbox_claim compiles the function and plans its statements (15 to 20 ms of the server's
 CPU), which every connection of a shared pool would pay once, and again whenever the pool
-replaces it. The reports and the rest share the other pool, which keeps no connection of its own
-while the worker is idle (min_size 0: it closes one unused for max_idle, 10 minutes), so that
+replaces it. That connection calls outbox_warm_up() as it opens, before its first claim: the
+planning is paid when the worker starts (or reconnects), not in the middle of the first burst
+of events, where a fleet of workers would pay it all at once. The reports and the rest share
+the other pool, which keeps no connection of its own while the worker is idle (min_size 0: it closes one unused for max_idle, 10 minutes), so that
 an idle worker holds the connections it held before the claims had theirs: the claims', the
 LISTEN, the wakeup lock.
 
@@ -64,6 +66,8 @@ _RELEASE = "SELECT outbox_release(%s::bigint[], %s)"
 _EXTEND = "SELECT outbox_extend(%s::bigint[], %s, %s)"
 _SLEEP_FOR = "SELECT extract(epoch FROM outbox_next_wakeup(%s) - clock_timestamp())::float8"
 _PING = "SELECT 1"
+# A new claims connection plans the claim and the report ahead of its first claim (then undone).
+_WARM_UP = "SELECT outbox_warm_up(%s::text)"
 _MAINTAIN = "SELECT action, partition, detail FROM outbox_maintain()"
 # Keys of finished events forgotten (0022), a batch a run.
 _FORGET_KEYS = "SELECT outbox_idempotency_forget()"
@@ -147,7 +151,7 @@ class Gateway:
         kwargs = {"autocommit": True, "fallback_application_name": self.application_name, **CONNECT_OPTIONS,
                   **_poll_only_options(cfg)}
         self._claims = _Pool(cfg.dsn, min_size=1, max_size=1, open=False, timeout=10, kwargs=kwargs,
-                             configure=self._configure, name="outboxpg-worker-claims")
+                             configure=self._configure_claims, name="outboxpg-worker-claims")
         self._pool = _Pool(cfg.dsn, min_size=0, max_size=cfg.concurrency + 2, open=False, timeout=10, kwargs=kwargs,
                            configure=self._configure, name="outboxpg-worker")
         await self._claims.open(wait=False)
@@ -171,6 +175,14 @@ class Gateway:
             # same msg_id, and JetStream drops the duplicate. Not done in --poll-only mode, where
             # a pooler in transaction mode would carry a session SET over to other clients.
             await conn.execute("SET synchronous_commit = off")
+
+    async def _configure_claims(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        await self._configure(conn)
+        try:
+            await conn.execute(_WARM_UP, (self.cfg.shard or None,))
+        except psycopg.Error as exc:
+            # Only the first claim's speed depends on it: the connection serves as it is.
+            log.warning("event=warm_up_failed worker=%s error=%r", self.cfg.name, first_line(exc))
 
     async def claim(self, batch_size: int, lease: timedelta, name: str, shard: str | None = None,
                     quiet_only: bool = False) -> list[tuple[Any, ...]]:

@@ -455,6 +455,28 @@ async def test_claims_have_a_connection_of_their_own(dsn, conn):
         await gateway.close()
 
 
+async def test_the_claims_connection_is_warmed_up_before_its_first_claim(dsn, conn):
+    """The claims' connection calls outbox_warm_up() as it opens: its first claim, with events
+    waiting, plans no statement of the claim (it would plan over a hundred cold; the one planned
+    is the worker's own prepared statement), and the warm-up left none of its own events behind."""
+    for i in range(200):
+        enqueue(conn, "order", str(i % 20), "created", {})
+    gateway = Gateway(WorkerConfig(dsn=dsn, concurrency=1), "outboxpg-worker")
+    await gateway.open()
+    count = ("SELECT count(*) FROM pg_backend_memory_contexts WHERE name = 'CachedPlanSource' "
+             "AND ident NOT LIKE '%pg_backend_memory_contexts%'")
+    try:
+        async with gateway.claims.connection() as c:
+            before = (await (await c.execute(count)).fetchone())[0]
+        rows = await gateway.claim(50, timedelta(seconds=30), "w")
+        async with gateway.claims.connection() as c:
+            after = (await (await c.execute(count)).fetchone())[0]
+        assert len(rows) == 50 and before > 100 and after == before + 1, (len(rows), before, after)
+    finally:
+        await gateway.close()
+    assert conn.execute("SELECT count(*) FROM outbox WHERE aggregate_id = 'warm-up'").fetchone()[0] == 0
+
+
 async def test_idle_workers_queued_for_the_wakeup_lock_hold_back_no_vacuum(dsn, conn):
     """Two idle workers: one holds the wakeup lock, the other queues for it. A session waiting in
     a statement holds that statement's snapshot, and with it the xmin horizon: VACUUM of every
