@@ -7,11 +7,11 @@ that the worker makes between them: the worker claims one batch at a time, and a
 first outbox_claim compiles the function and plans its statements (15 to 20 ms of the server's
 CPU), which every connection of a shared pool would pay once, and again whenever the pool
 replaces it. That connection calls outbox_warm_up() as it opens, before its first claim: the
-planning is paid when the worker starts (or reconnects), not in the middle of the first burst
-of events, where a fleet of workers would pay it all at once. The reports and the rest share
-the other pool, which keeps no connection of its own while the worker is idle (min_size 0: it closes one unused for max_idle, 10 minutes), so that
-an idle worker holds the connections it held before the claims had theirs: the claims', the
-LISTEN, the wakeup lock.
+planning is paid when the worker starts (or reconnects), not in the middle of the first burst of
+events, where a fleet of workers would pay it all at once. The reports and the rest share the
+other pool, which keeps no connection of its own while the worker is idle (min_size 0: it closes
+one unused for max_idle, 10 minutes), so that an idle worker holds the connections it held
+before the claims had theirs: the claims', the LISTEN, the wakeup lock.
 
 The start-up checks of ``outboxpg-worker`` (outboxpg.cli.outboxpg_worker), the wakeup lock and
 the LISTEN connection (wakeup.py) send their own few statements on connections of their own;
