@@ -53,7 +53,7 @@ def _f(name: str, *args: str, callers: tuple[str, ...] = (), definer: bool = Fal
 
 # -- what the worker calls (as the owner: a worker has no rights on the tables) -----------------
 CLAIM = _f("outbox_claim", "integer", "interval", "text", "bigint", "text", "boolean", callers=(WORKER,), definer=True,
-           settings=(*PLANNER, *PATH))
+           settings=(*PLANNER, "enable_indexscan=on", *PATH))   # its updates by ctid turn index scans off
 COMPLETE = _f("outbox_complete", "bigint[]", "uuid", "timestamp with time zone", "timestamp with time zone",
               callers=(WORKER,), definer=True, settings=(*PLANNER, *PATH))
 FAIL = _f("outbox_fail", "bigint", "uuid", "text", "boolean", "interval", callers=(WORKER,), definer=True,
