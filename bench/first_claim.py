@@ -10,7 +10,8 @@ is rolled back (so every sample finds the same state). Besides the wall time it 
 backend's own CPU time for the statement (log_statement_stats: user + system, reported back to
 the client as a LOG notice), which other processes on a loaded machine do not inflate. Cases:
 an empty table; 1,000 pending events over 100 aggregates (the intake takes them in, the claim
-hands out 50); and the same claim on a warm connection. The database is dropped at the end.
+hands out 50); outbox_warm_up() on a new connection with those events pending, and the first
+claim after it; and the same claim on a warm connection. The database is dropped at the end.
 """
 
 from __future__ import annotations
@@ -33,15 +34,15 @@ CLAIM = "SELECT count(*) FROM outbox_claim(50)"
 _CPU = re.compile(r"!\s+([\d.]+) s user, ([\d.]+) s system")
 
 
-def timed(conn: psycopg.Connection[Any]) -> tuple[float, float]:
-    """(wall ms, backend CPU ms) of one claim, rolled back."""
+def timed(conn: psycopg.Connection[Any], statement: str = CLAIM) -> tuple[float, float]:
+    """(wall ms, backend CPU ms) of one claim (or ``statement``), rolled back."""
     notes: list[str] = []
     conn.add_notice_handler(lambda d: notes.append(d.message_detail or ""))
     conn.execute("SET log_statement_stats = on")
     conn.execute("SET client_min_messages = log")
     notes.clear()
     t0 = time.perf_counter()
-    conn.execute(CLAIM).fetchone()
+    conn.execute(statement).fetchone()
     wall = (time.perf_counter() - t0) * 1000
     conn.rollback()
     cpu = [float(m.group(1)) + float(m.group(2)) for n in notes if (m := _CPU.search(n))]
@@ -52,6 +53,14 @@ def first(dsn: str) -> tuple[float, float]:
     with psycopg.connect(dsn) as conn:
         conn.execute("SELECT 1")       # the connection's own start-up is not the claim's
         return timed(conn)
+
+
+def after_warm_up(dsn: str) -> tuple[tuple[float, float], tuple[float, float]]:
+    """On a new connection: outbox_warm_up() itself, then the first claim."""
+    with psycopg.connect(dsn) as conn:
+        conn.execute("SELECT 1")
+        warm_up = timed(conn, "SELECT outbox_warm_up()")   # undone by itself: the rollback changes nothing
+        return warm_up, timed(conn)
 
 
 def report(label: str, samples: list[tuple[float, float]]) -> None:
@@ -82,6 +91,9 @@ def main() -> int:
                          "SELECT 'order', (i % 100)::text, 'created', '{}' FROM generate_series(1, 1000) i")
             conn.commit()
         report("1,000 pending over 100 aggregates", [first(dsn) for _ in range(args.samples)])
+        pairs = [after_warm_up(dsn) for _ in range(args.samples)]
+        report("the same, outbox_warm_up() itself", [p[0] for p in pairs])
+        report("the same, the first claim after it", [p[1] for p in pairs])
         with psycopg.connect(dsn) as conn:
             timed(conn)
             report("the same, warm connection", [timed(conn) for _ in range(args.samples)])

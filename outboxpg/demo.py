@@ -123,6 +123,14 @@ async def _flow(dsn: str, nats_url: str, events: int, aggregates: int, rate: flo
                 if ahead > 0:
                     await asyncio.sleep(ahead)
 
+    # Written once the worker has made its first claim (its claims' connection warmed up before
+    # it): what follows is the relay's steady state, not its start.
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        until = time.monotonic() + 30
+        while not (await (await conn.execute(statements.DEMO_WORKER_CLAIMED)).fetchone())[0]:  # type: ignore[index]
+            if time.monotonic() > until or worker_task.done():
+                break       # the run below reports what did not arrive
+            await asyncio.sleep(0.05)
     say(f"\nwriting {events} events for {aggregates} orders at about {rate:g}/s "
         f"(each: UPDATE orders + INSERT INTO outbox, one transaction)\n")
     producing = asyncio.create_task(produce())

@@ -358,6 +358,8 @@ INBOX_RECEIVE = "SELECT outbox_inbox_receive(%s, %s)"
 
 # -- outboxpg demo (outboxpg.demo): the sample application's own table --------------------------
 
+# The demo writes once its worker has claimed (after its claims' connection warmed up).
+DEMO_WORKER_CLAIMED = "SELECT last_claim_at IS NOT NULL FROM outbox_intake"
 DEMO_CREATE_ORDERS = "CREATE TABLE orders (id text PRIMARY KEY, status text NOT NULL, amount numeric NOT NULL)"
 DEMO_UPSERT_ORDER = "INSERT INTO orders VALUES (%s, %s, %s) ON CONFLICT (id) DO UPDATE SET status = EXCLUDED.status"
 STATS = "SELECT * FROM outbox_stats"
