@@ -477,6 +477,22 @@ async def test_the_claims_connection_is_warmed_up_before_its_first_claim(dsn, co
     assert conn.execute("SELECT count(*) FROM outbox WHERE aggregate_id = 'warm-up'").fetchone()[0] == 0
 
 
+async def test_a_failed_warm_up_is_a_warning_and_the_connection_serves(dsn, conn, caplog):
+    """The warm-up claims as the worker will: a shard on a database whose shards are not enabled
+    fails there first. One warning line; the claims' connection is still handed out, and the
+    claim itself then fails with the database's own reason."""
+    gateway = Gateway(WorkerConfig(dsn=dsn, concurrency=1, shard="0/2"), "outboxpg-worker")
+    with caplog.at_level("WARNING", logger="outboxpg.worker"):
+        await gateway.open()
+        try:
+            with pytest.raises(psycopg.Error, match="shards are not enabled"):
+                await gateway.claim(10, timedelta(seconds=30), "w", shard="0/2")
+        finally:
+            await gateway.close()
+    warnings = [r.getMessage() for r in caplog.records if "warm_up_failed" in r.getMessage()]
+    assert len(warnings) == 1 and "shards are not enabled" in warnings[0], warnings
+
+
 async def test_idle_workers_queued_for_the_wakeup_lock_hold_back_no_vacuum(dsn, conn):
     """Two idle workers: one holds the wakeup lock, the other queues for it. A session waiting in
     a statement holds that statement's snapshot, and with it the xmin horizon: VACUUM of every
