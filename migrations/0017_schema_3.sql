@@ -1495,7 +1495,9 @@ BEGIN
             hi := greatest(hi, pass_hi);
 
             -- The updates by ctid: with index scans off while they are planned (see the last one).
-            PERFORM set_config('enable_indexscan', 'off', true);
+            IF r_ids IS NOT NULL OR x_ids IS NOT NULL THEN
+                PERFORM set_config('enable_indexscan', 'off', true);
+            END IF;
             IF r_ids IS NOT NULL THEN
                 -- Reclaim expired runs: the first event failed an attempt (retried after a backoff,
                 -- or dead: retry_at NULL), the rest go back unattempted. Their old token matches
@@ -1526,7 +1528,9 @@ BEGIN
                    AND (o.id = ANY (x_ids)) IS TRUE
                    AND o.created_at BETWEEN pass_lo AND pass_hi;
             END IF;
-            PERFORM set_config('enable_indexscan', 'on', true);
+            IF r_ids IS NOT NULL OR x_ids IS NOT NULL THEN
+                PERFORM set_config('enable_indexscan', 'on', true);
+            END IF;
             EXIT WHEN (r_ids IS NULL AND x_ids IS NULL AND cardinality(skip) = 0) OR cardinality(c_ids) >= n
                       OR taken >= budget;
             -- The busy heads left in the first pass share what remains.
@@ -1749,10 +1753,10 @@ COMMENT ON FUNCTION outbox_fail(bigint, uuid, text, boolean, interval) IS
 -- with values that stay true after a rollback, as for any claim rolled back). For those few
 -- milliseconds it holds what a claim holds (the intake row; the heads it claims, which other
 -- claims skip) and what a producer announces (its own event's aggregate, for the commit-order
--- guard), and it uses up two ids. outboxpg-worker calls it on its claims'
--- connection whenever it opens one; other languages call it once on a connection made for
--- claiming, before its first claim. `shard`: the shard the connection's claims will name, so
--- that the shard's own statements are planned too.
+-- guard), and it uses up two ids. outboxpg-worker calls it on its claims' connection whenever
+-- it opens one; other languages call it once on a connection made for claiming, before its
+-- first claim. `shard`: the shard the connection's claims will name, so that the shard's own
+-- statements are planned too.
 CREATE OR REPLACE FUNCTION outbox_warm_up(shard text DEFAULT NULL) RETURNS void
 LANGUAGE plpgsql
 -- Runs as its owner: a worker may not write events.

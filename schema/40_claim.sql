@@ -1273,7 +1273,9 @@ BEGIN
             hi := greatest(hi, pass_hi);
 
             -- The updates by ctid: with index scans off while they are planned (see the last one).
-            PERFORM set_config('enable_indexscan', 'off', true);
+            IF r_ids IS NOT NULL OR x_ids IS NOT NULL THEN
+                PERFORM set_config('enable_indexscan', 'off', true);
+            END IF;
             IF r_ids IS NOT NULL THEN
                 -- Reclaim expired runs: the first event failed an attempt (retried after a backoff,
                 -- or dead: retry_at NULL), the rest go back unattempted. Their old token matches
@@ -1304,7 +1306,9 @@ BEGIN
                    AND (o.id = ANY (x_ids)) IS TRUE
                    AND o.created_at BETWEEN pass_lo AND pass_hi;
             END IF;
-            PERFORM set_config('enable_indexscan', 'on', true);
+            IF r_ids IS NOT NULL OR x_ids IS NOT NULL THEN
+                PERFORM set_config('enable_indexscan', 'on', true);
+            END IF;
             EXIT WHEN (r_ids IS NULL AND x_ids IS NULL AND cardinality(skip) = 0) OR cardinality(c_ids) >= n
                       OR taken >= budget;
             -- The busy heads left in the first pass share what remains.

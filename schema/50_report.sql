@@ -390,10 +390,10 @@ COMMENT ON FUNCTION outbox_extend(bigint[], uuid, interval) IS
 -- with values that stay true after a rollback, as for any claim rolled back). For those few
 -- milliseconds it holds what a claim holds (the intake row; the heads it claims, which other
 -- claims skip) and what a producer announces (its own event's aggregate, for the commit-order
--- guard), and it uses up two ids. outboxpg-worker calls it on its claims'
--- connection whenever it opens one; other languages call it once on a connection made for
--- claiming, before its first claim. `shard`: the shard the connection's claims will name, so
--- that the shard's own statements are planned too.
+-- guard), and it uses up two ids. outboxpg-worker calls it on its claims' connection whenever
+-- it opens one; other languages call it once on a connection made for claiming, before its
+-- first claim. `shard`: the shard the connection's claims will name, so that the shard's own
+-- statements are planned too.
 CREATE OR REPLACE FUNCTION outbox_warm_up(shard text DEFAULT NULL) RETURNS void
 LANGUAGE plpgsql
 -- Runs as its owner: a worker may not write events.
