@@ -331,3 +331,9 @@ def heads_updates(conn: psycopg.Connection[Any]) -> tuple[int, int]:
                        "pg_stat_get_xact_tuples_hot_updated('outbox_heads'::regclass)").fetchone()
     assert row is not None
     return int(row[0]), int(row[1])
+
+
+# How many statements this session has planned and keeps (one CachedPlanSource memory context
+# each), but for the query that counts them: planning read without timing it.
+PLANS_KEPT = ("SELECT count(*) FROM pg_backend_memory_contexts "
+              "WHERE name = 'CachedPlanSource' AND ident NOT LIKE '%pg_backend_memory_contexts%'")

@@ -10,6 +10,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from helpers import PLANS_KEPT
 from jetstream import make_stream, read_stream
 from locks import WAKEUP_LOCK
 from workers import all_in, count_in, equals, fleet_idle, queued_for_wakeup_lock, start, wait_until
@@ -463,14 +464,12 @@ async def test_the_claims_connection_is_warmed_up_before_its_first_claim(dsn, co
         enqueue(conn, "order", str(i % 20), "created", {})
     gateway = Gateway(WorkerConfig(dsn=dsn, concurrency=1), "outboxpg-worker")
     await gateway.open()
-    count = ("SELECT count(*) FROM pg_backend_memory_contexts WHERE name = 'CachedPlanSource' "
-             "AND ident NOT LIKE '%pg_backend_memory_contexts%'")
     try:
         async with gateway.claims.connection() as c:
-            before = (await (await c.execute(count)).fetchone())[0]
+            before = (await (await c.execute(PLANS_KEPT)).fetchone())[0]
         rows = await gateway.claim(50, timedelta(seconds=30), "w")
         async with gateway.claims.connection() as c:
-            after = (await (await c.execute(count)).fetchone())[0]
+            after = (await (await c.execute(PLANS_KEPT)).fetchone())[0]
         assert len(rows) == 50 and before > 100 and after == before + 1, (len(rows), before, after)
     finally:
         await gateway.close()

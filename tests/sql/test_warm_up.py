@@ -7,15 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 import psycopg
-from helpers import claim, complete, insert_series
+from helpers import PLANS_KEPT, claim, complete, insert_series
 from roles import Login
 
 Conn = psycopg.Connection[Any]
-
-# The statements this session has planned, but for the query that counts them.
-PLANS = ("SELECT count(*) FROM pg_backend_memory_contexts "
-         "WHERE name = 'CachedPlanSource' AND ident NOT LIKE '%%pg_backend_memory_contexts%%'")
-
 
 def state(conn: Conn) -> dict[str, Any]:
     """Everything a claim or a report can change, and the id sequence."""
@@ -29,7 +24,7 @@ def state(conn: Conn) -> dict[str, Any]:
 
 
 def plans(conn: Conn) -> int:
-    (n,) = conn.execute(PLANS).fetchone()  # type: ignore[misc]
+    (n,) = conn.execute(PLANS_KEPT).fetchone()  # type: ignore[misc]
     return int(n)
 
 
