@@ -6,6 +6,7 @@ rate of 1, 2, 4 and 8 claimers, and of as many outboxpg-worker processes, with a
     .venv/bin/python bench/shards.py --only drain --quick  # smaller drains
     .venv/bin/python bench/shards.py --only workers        # the workers part alone
     .venv/bin/python bench/shards.py --only workers --workers 2,8 --split   # two fleet sizes, where the CPU goes
+    .venv/bin/python bench/shards.py --only workers --workers 1,8 --mixes 2  # 20,000 over 200 only
 
 It runs on a PostgreSQL server that is already running (--server, a libpq string without a
 database; default host=127.0.0.1 user=postgres): it creates a database of its own for each
@@ -249,8 +250,14 @@ def drain(server: str, events: int, aggregates: int, workers: int, sharded: bool
         return events / elapsed, 1000 * statistics.median(c for c in cost if c > 0)
 
 
-def part_drain(server: str, quick: bool, repeat: int, cold: bool = False) -> None:
+def mixes_of(quick: bool, chosen: Sequence[int] | None) -> list[tuple[int, int]]:
+    """(events, aggregates) of the mixes to drain: 1 the uniform one, 2 20,000 over 200 (--mixes)."""
     mixes = [(50_000, 12_500), (20_000, 200)] if quick else [(200_000, 50_000), (20_000, 200)]
+    return [m for i, m in enumerate(mixes, 1) if chosen is None or i in chosen]
+
+
+def part_drain(server: str, quick: bool, repeat: int, cold: bool = False, chosen: Sequence[int] | None = None) -> None:
+    mixes = mixes_of(quick, chosen)
     print(f"\ndrain: N claimers, each outbox_claim(500) -> outbox_complete; events/s (no broker), "
           f"median of {repeat} drains{'; cold connections (their first claim in the time)' if cold else ''}")
     for events, aggregates in mixes:
@@ -350,8 +357,8 @@ def worker_drain(server: str, events: int, aggregates: int, workers: int, sharde
 
 
 def part_workers(server: str, quick: bool, repeat: int, counts: Sequence[int] = (1, 2, 4, 8),
-                 split: bool = False) -> None:
-    mixes = [(50_000, 12_500), (20_000, 200)] if quick else [(200_000, 50_000), (20_000, 200)]
+                 split: bool = False, chosen: Sequence[int] | None = None) -> None:
+    mixes = mixes_of(quick, chosen)
     print(f"\nworkers: N outboxpg-worker processes, idle, then a burst, then another once they are idle again; "
           f"events/s from a burst's commit to its last published (a no-op publisher), median of {repeat}; "
           f"workers that took part; busy CPU s of the machine during the drain")
@@ -394,18 +401,23 @@ def main() -> int:
     ap.add_argument("--split", action="store_true",
                     help="workers: also where each burst's CPU goes (worker processes, their sessions, "
                          "sessions opened)")
+    ap.add_argument("--mixes", type=lambda t: sorted({int(x) for x in t.split(",")}), default=None, metavar="N,N",
+                    help="drain, workers: the mixes to run, 1 (200,000 over 50,000; --quick 50,000 over 12,500) "
+                         "and/or 2 (20,000 over 200); default both")
     a = ap.parse_args()
     if not a.workers or min(a.workers) < 1:
         ap.error("--workers: one or more counts of at least 1")
+    if a.mixes is not None and (not a.mixes or not set(a.mixes) <= {1, 2}):
+        ap.error("--mixes: 1, 2 or 1,2")
     # SIGTERM as Ctrl-C: the claimers are told to stop and joined, the databases dropped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     print(f"bench/shards.py on {os.uname().nodename}, {os.cpu_count()} CPUs, load {load()}")
     if a.only in (None, "cost"):
         part_cost(a.server)
     if a.only in (None, "drain"):
-        part_drain(a.server, a.quick, max(1, a.repeat), a.cold)
+        part_drain(a.server, a.quick, max(1, a.repeat), a.cold, a.mixes)
     if a.only in (None, "workers"):
-        part_workers(a.server, a.quick, max(1, a.repeat), a.workers, a.split)
+        part_workers(a.server, a.quick, max(1, a.repeat), a.workers, a.split, a.mixes)
     return 0
 
 
