@@ -26,7 +26,9 @@ Figures per phase (before / during the hold / after it):
               a second, so a phase's edges blur by up to a second), and as the worker saw it:
               p50 / p99 ms of the worker's own claim calls (pool wait and round trip included;
               the worker is run through a shim that times Gateway.claim and appends to a file)
-  latency     commit -> delivery p50 / p99 / max ms of the events committed in the phase
+  latency     commit -> delivery p50 / p99 / max ms of the events committed in the phase; and the
+              part of it until the event's claim (its claimed_at, by its Nats-Msg-Id), so that a slow
+              delivery shows as a wait for a claim or as the publish, JetStream and the consumer
   dead        n_dead_tup at the phase's end: the outbox partitions (summed) and outbox_heads
   backlog     outbox_health.backlog at the phase's end, and xmin_holders (0017) during the hold
 Then: delivery during/before (issue 13 asks >= 0.95) and the worker's xmin_held log lines.
@@ -126,6 +128,7 @@ class Phase:
     produced: int = 0
     delivered: int = 0
     latency: list[float] = field(default_factory=list)
+    until_claimed: list[float] = field(default_factory=list)   # commit -> claimed_at (its last claim)
     worker_claims: list[float] = field(default_factory=list)
     index_reads: dict[str, int] = field(default_factory=dict)
 
@@ -152,6 +155,8 @@ class Bench:
         self.worker_log = self.tmp / "worker.log"
         self.pgbench = args.pgbench or shutil.which("pgbench") or "/usr/lib/postgresql/15/bin/pgbench"
         self.received: list[tuple[float, float]] = []    # (receive time, commit time)
+        self.msg_ids: list[str] = []                      # Nats-Msg-Id of each, in the same order
+        self.claimed: dict[str, float] = {}               # msg_id -> claimed_at (epoch s), read at the end
 
     # -- set-up and clean-up ----------------------------------------------------------------
 
@@ -258,6 +263,7 @@ class Bench:
 
         async def on_msg(m: Any) -> None:
             self.received.append((time.time(), orjson.loads(m.data)["t"]))
+            self.msg_ids.append((m.headers or {}).get("Nats-Msg-Id", ""))
 
         sub = await js.subscribe(f"{self.prefix}.>", ordered_consumer=True, cb=on_msg, deliver_policy=DeliverPolicy.NEW)
         worker = self.start_worker()
@@ -295,6 +301,9 @@ class Bench:
             committed = mon.execute("SELECT count(*) FROM outbox").fetchone()[0]  # type: ignore[index]
             while len(self.received) < committed and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
+            self.claimed = {str(msg_id): float(at) for msg_id, at in mon.execute(
+                "SELECT msg_id, extract(epoch FROM claimed_at)::float8 FROM outbox "
+                "WHERE claimed_at IS NOT NULL").fetchall()}
             for phase in phases:
                 phase.produced = mon.execute(
                     "SELECT count(*) FROM outbox WHERE created_at >= to_timestamp(%s) AND created_at < to_timestamp(%s)",
@@ -313,6 +322,8 @@ class Bench:
         for phase in phases:
             phase.delivered = sum(1 for got, _ in self.received if phase.start <= got < phase.end)
             phase.latency = [(got - t) * 1000 for got, t in self.received if phase.start <= t < phase.end]
+            phase.until_claimed = [(self.claimed[i] - t) * 1000 for (_, t), i in zip(self.received, self.msg_ids)
+                                   if phase.start <= t < phase.end and i in self.claimed]
             phase.worker_claims = [ms for at, ms in claims if phase.start <= at < phase.end]
             (calls, phase.claim_calls), (ms, phase.claim_ms) = ((phase.claim_calls, phase.claim_calls - calls),
                                                                  (phase.claim_ms, phase.claim_ms - ms))
@@ -345,15 +356,24 @@ def report(b: Bench, phases: list[Phase]) -> None:
             f"{statistics.median(wc) if wc else float('nan'):>8.2f}ms {pct(wc, 0.99):>6.1f}ms "
             f"{pct(p.latency, 0.5):>7.1f}ms {pct(p.latency, 0.99):>7.1f}ms {max(p.latency, default=float('nan')):>7.0f}ms "
             f"{p.dead_outbox:>11,} {p.dead_heads:>8,} {p.backlog:>8,} {p.xmin_holders:>12}")
-    log("latency p50 / p99 / max ms per 20 s of commit time (where in the run the slow ones are):")
+    log("of which until claimed (commit -> the event's claimed_at): p50 / p99 ms; the rest is the publish, "
+        "JetStream and this process's consumer")
+    for p in phases:
+        log(f"  {p.name:<8} {pct(p.until_claimed, 0.5):>8.1f} {pct(p.until_claimed, 0.99):>8.1f}")
+    log("latency p50 / p99 / max ms per 20 s of commit time (where in the run the slow ones are), "
+        "and until claimed p50 / p99:")
     t0 = phases[0].start
     windows: dict[int, list[float]] = {}
-    for got, t in b.received:
+    waits: dict[int, list[float]] = {}
+    for (got, t), msg_id in zip(b.received, b.msg_ids):
         if phases[0].start <= t < phases[-1].end:
             windows.setdefault(int((t - t0) // 20), []).append((got - t) * 1000)
+            if msg_id in b.claimed:
+                waits.setdefault(int((t - t0) // 20), []).append((b.claimed[msg_id] - t) * 1000)
     for w in sorted(windows):
-        lat = windows[w]
-        log(f"  {w * 20:>4}-{w * 20 + 20:<4} s  {pct(lat, 0.5):>8.1f} {pct(lat, 0.99):>8.1f} {max(lat):>8.0f}")
+        lat, wait = windows[w], waits.get(w, [])
+        log(f"  {w * 20:>4}-{w * 20 + 20:<4} s  {pct(lat, 0.5):>8.1f} {pct(lat, 0.99):>8.1f} {max(lat):>8.0f}   "
+            f"{pct(wait, 0.5):>8.1f} {pct(wait, 0.99):>8.1f}")
     log("index entries read per claim call (all callers' reads, the most read first):")
     for p in phases:
         top = sorted(p.index_reads.items(), key=lambda kv: -kv[1])[:5]
