@@ -69,6 +69,9 @@ ALTER TABLE outbox_intake ADD COLUMN newest_id bigint NOT NULL DEFAULT 0;
 -- without a default: a change of the catalog alone, no table rewrite.
 ALTER TABLE outbox ADD COLUMN replay_of bigint;
 
+-- The intake reads its row where the last intake left it (outbox_take_in), not by a scan.
+CREATE SEQUENCE outbox_intake_tid AS bigint MINVALUE 0 START 0;
+
 COMMENT ON COLUMN outbox_settings.allowed_subject_prefixes IS
     'Prefixes (whole tokens) an explicit subject may have besides subject_prefix; any other subject is refused at INSERT.';
 
@@ -89,6 +92,9 @@ COMMENT ON COLUMN outbox.produced_by IS
 
 COMMENT ON COLUMN outbox.size_bytes IS
     'payload and headers in bytes (jsonb), measured at insert.';
+
+COMMENT ON SEQUENCE outbox_intake_tid IS
+    'outboxpg: where the intake row''s current version lies (block * 65536 + line), as the last intake found it; read by outbox_take_in instead of a scan.';
 
 COMMENT ON TABLE outbox_idempotency IS
     'outboxpg: which event holds each producer''s idempotency key. Written by the insert trigger only.';
@@ -523,6 +529,20 @@ $$;
 COMMENT ON FUNCTION outbox_heads_floor() IS
     'Called by outbox_claim: the time below which no head is due (the lower end of its index range), raised first when more than 20 ms old and the first head lets it rise by 20 ms or more.';
 
+-- Note where the intake row's version lies (outbox_intake_tid), for the next intake to read it
+-- there. setval is not undone by a rollback: the next intake then finds no version there and
+-- scans (outbox_take_in).
+CREATE OR REPLACE FUNCTION outbox_intake_remember(at_tid tid) RETURNS void
+LANGUAGE sql
+SET search_path FROM CURRENT
+AS $$
+    SELECT setval('outbox_intake_tid', (p[0])::bigint * 65536 + (p[1])::bigint)
+      FROM (SELECT at_tid::text::point AS p) t
+$$;
+
+COMMENT ON FUNCTION outbox_intake_remember(tid) IS
+    'Called by outbox_take_in: notes where the intake row''s current version lies (outbox_intake_tid).';
+
 -- Take newly committed events into outbox_heads: up to `chunk` in-flow events above the intake
 -- cursor, oldest first. Returns the cursor afterwards, or NULL when another claim is taking in
 -- right now (one at a time: the others skip it rather than wait).
@@ -578,11 +598,29 @@ DECLARE
     back_tids  tid[];                           -- their parked heads, to bring back
     newest     bigint;                          -- outbox_intake.newest_id
     new_top    bigint;
+    remembered bigint := pg_sequence_last_value('outbox_intake_tid');
+    known_tid  tid;                             -- where the last intake left the row
+    new_tid    tid;                             -- where this one leaves it
 BEGIN
-    SELECT i.intake_id, i.ctid, i.last_claim_at, i.newest_id INTO upto, row_tid, noted, newest
-      FROM outbox_intake i FOR UPDATE SKIP LOCKED;
-    IF NOT FOUND THEN
-        RETURN NULL;
+    -- The row where the last intake left it (outbox_intake_tid): a TID scan of one version,
+    -- where a scan of the table would look at every version a held snapshot keeps. Seen there
+    -- but not locked: another claim's intake holds it. Not seen (that claim rolled back after
+    -- writing it, the row was written by another hand, VACUUM FULL moved it): the scan.
+    IF remembered IS NOT NULL THEN
+        known_tid := format('(%s,%s)', remembered >> 16, remembered & 65535)::tid;
+        SELECT i.intake_id, i.ctid, i.last_claim_at, i.newest_id INTO upto, row_tid, noted, newest
+          FROM outbox_intake i WHERE i.ctid = known_tid FOR UPDATE SKIP LOCKED;
+        IF NOT FOUND AND EXISTS (SELECT FROM outbox_intake i WHERE i.ctid = known_tid) THEN
+            RETURN NULL;
+        END IF;
+    END IF;
+    IF row_tid IS NULL THEN
+        SELECT i.intake_id, i.ctid, i.last_claim_at, i.newest_id INTO upto, row_tid, noted, newest
+          FROM outbox_intake i FOR UPDATE SKIP LOCKED;
+        IF NOT FOUND THEN
+            RETURN NULL;
+        END IF;
+        PERFORM outbox_intake_remember(row_tid);
     END IF;
     -- The cursor as locked is committed: the mark may go up to it.
     IF upto > coalesce(pg_sequence_last_value('outbox_intake_mark'), 0) THEN
@@ -593,7 +631,8 @@ BEGIN
     noted := CASE WHEN noted IS NULL OR noted < at - interval '1 second' THEN at END;
     IF upto >= last_id THEN
         IF noted IS NOT NULL THEN
-            UPDATE outbox_intake i SET last_claim_at = noted WHERE i.ctid = row_tid;
+            UPDATE outbox_intake i SET last_claim_at = noted WHERE i.ctid = row_tid RETURNING i.ctid INTO new_tid;
+            PERFORM outbox_intake_remember(new_tid);
         END IF;
         RETURN upto;
     END IF;
@@ -870,7 +909,9 @@ BEGIN
            SET intake_id = greatest(top, upto),
                newest_id = greatest(new_top, newest),
                last_claim_at = coalesce(noted, i.last_claim_at)
-         WHERE i.ctid = row_tid;
+         WHERE i.ctid = row_tid
+        RETURNING i.ctid INTO new_tid;
+        PERFORM outbox_intake_remember(new_tid);
         upto := greatest(top, upto);
     END IF;
     RETURN upto;
@@ -2279,7 +2320,7 @@ REVOKE EXECUTE ON FUNCTION
     outbox_wake_workers(), outbox_worker_idle(), outbox_worker_busy(), outbox_next_wakeup(text),
     outbox_retry_delay(integer, interval, interval), outbox_commit_guard(), outbox_commit_horizon(),
     outbox_heads_writing(), outbox_heads_floor(), outbox_take_in(bigint, bigint, integer),
-    outbox_intake_wait(), outbox_intake_holders(),
+    outbox_intake_wait(), outbox_intake_remember(tid), outbox_intake_holders(),
     outbox_aggregate_bucket(text, text), outbox_shard_buckets(text), outbox_shards_enable(),
     outbox_shards_disable(), outbox_claim(integer, interval, text, bigint, text, boolean),
     outbox_refresh_heads(text[], text[]), outbox_complete(bigint[], uuid, timestamptz, timestamptz),

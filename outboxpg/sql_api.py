@@ -116,6 +116,8 @@ COMMIT_HORIZON = _f("outbox_commit_horizon")        # inside claim
 TAKE_IN = _f("outbox_take_in", "bigint", "bigint", "integer", settings=(*PLANNER, "enable_sort=off", *PATH))
 # a claim that found the intake row held and nothing due waits for its holder (1 s at most)
 INTAKE_WAIT = _f("outbox_intake_wait", settings=(*PATH, "lock_timeout=1s"))
+# where the intake row's version lies, for the next intake (inside outbox_take_in)
+INTAKE_REMEMBER = _f("outbox_intake_remember", "tid", settings=PATH)
 # who holds the intake row (inside outbox_next_wakeup and outbox_open_claims)
 INTAKE_HOLDERS = _f("outbox_intake_holders", settings=PATH)
 REFRESH_HEADS = _f("outbox_refresh_heads", "text[]", "text[]",   # inside the report and repair functions
@@ -137,8 +139,8 @@ FUNCTIONS: tuple[SqlFunction, ...] = (
     MAINTAIN, HEALTH_ROW, OPEN_PRODUCERS, OPEN_CLAIMS, XMIN_HOLDERS, UNTRUSTED_CREATORS, REQUEUE, DISCARD, REPLAY,
     REPLAY_CANDIDATES, CANCEL, IDEMPOTENCY_EVENT, IDEMPOTENCY_FORGET,
     AGGREGATE_KEY, RETRY_DELAY, AGGREGATE_BUCKET, SHARD_BUCKETS, SHARDS_ENABLE, SHARDS_DISABLE,
-    COMMIT_GUARD, REPLAY_CHECK, COMMIT_HORIZON, TAKE_IN, INTAKE_WAIT, INTAKE_HOLDERS, REFRESH_HEADS, HEADS_FLOOR,
-    HEADS_WRITING, WAKE_WORKERS, FORGET_DELETED, ASSIGN_ID, TAKE_IDEMPOTENCY_KEY,
+    COMMIT_GUARD, REPLAY_CHECK, COMMIT_HORIZON, TAKE_IN, INTAKE_WAIT, INTAKE_REMEMBER, INTAKE_HOLDERS, REFRESH_HEADS,
+    HEADS_FLOOR, HEADS_WRITING, WAKE_WORKERS, FORGET_DELETED, ASSIGN_ID, TAKE_IDEMPOTENCY_KEY,
 )
 
 # What outboxpg-worker checks at start (exists, and this login may execute it), in this order:

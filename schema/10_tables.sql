@@ -384,6 +384,14 @@ COMMENT ON SEQUENCE outbox_heads_floor_us IS
 CREATE SEQUENCE outbox_intake_mark AS bigint MINVALUE 0 START 0;
 COMMENT ON SEQUENCE outbox_intake_mark IS
     'outboxpg: a committed value of outbox_intake.intake_id, never above the current one; read by reports instead of the row.';
+-- Where the intake row's current version lies (its ctid, block * 65536 + line), as the last
+-- intake wrote or found it: outbox_take_in reads the row there rather than by a scan, which looks
+-- at every version a held snapshot keeps (a claim's intake writes one). Set outside the
+-- transaction: a claim that rolls back leaves it naming a version nobody sees, and the next
+-- claim scans once (40_claim.sql).
+CREATE SEQUENCE outbox_intake_tid AS bigint MINVALUE 0 START 0;
+COMMENT ON SEQUENCE outbox_intake_tid IS
+    'outboxpg: where the intake row''s current version lies (block * 65536 + line), as the last intake found it; read by outbox_take_in instead of a scan.';
 
 -- == Idempotency keys ============================================================================
 

@@ -277,6 +277,20 @@ $$;
 COMMENT ON FUNCTION outbox_heads_floor() IS
     'Called by outbox_claim: the time below which no head is due (the lower end of its index range), raised first when more than 20 ms old and the first head lets it rise by 20 ms or more.';
 
+-- Note where the intake row's version lies (outbox_intake_tid), for the next intake to read it
+-- there. setval is not undone by a rollback: the next intake then finds no version there and
+-- scans (outbox_take_in).
+CREATE OR REPLACE FUNCTION outbox_intake_remember(at_tid tid) RETURNS void
+LANGUAGE sql
+SET search_path FROM CURRENT
+AS $$
+    SELECT setval('outbox_intake_tid', (p[0])::bigint * 65536 + (p[1])::bigint)
+      FROM (SELECT at_tid::text::point AS p) t
+$$;
+
+COMMENT ON FUNCTION outbox_intake_remember(tid) IS
+    'Called by outbox_take_in: notes where the intake row''s current version lies (outbox_intake_tid).';
+
 -- Take newly committed events into outbox_heads: up to `chunk` in-flow events above the intake
 -- cursor, oldest first. Returns the cursor afterwards, or NULL when another claim is taking in
 -- right now (one at a time: the others skip it rather than wait).
@@ -332,11 +346,29 @@ DECLARE
     back_tids  tid[];                           -- their parked heads, to bring back
     newest     bigint;                          -- outbox_intake.newest_id
     new_top    bigint;
+    remembered bigint := pg_sequence_last_value('outbox_intake_tid');
+    known_tid  tid;                             -- where the last intake left the row
+    new_tid    tid;                             -- where this one leaves it
 BEGIN
-    SELECT i.intake_id, i.ctid, i.last_claim_at, i.newest_id INTO upto, row_tid, noted, newest
-      FROM outbox_intake i FOR UPDATE SKIP LOCKED;
-    IF NOT FOUND THEN
-        RETURN NULL;
+    -- The row where the last intake left it (outbox_intake_tid): a TID scan of one version,
+    -- where a scan of the table would look at every version a held snapshot keeps. Seen there
+    -- but not locked: another claim's intake holds it. Not seen (that claim rolled back after
+    -- writing it, the row was written by another hand, VACUUM FULL moved it): the scan.
+    IF remembered IS NOT NULL THEN
+        known_tid := format('(%s,%s)', remembered >> 16, remembered & 65535)::tid;
+        SELECT i.intake_id, i.ctid, i.last_claim_at, i.newest_id INTO upto, row_tid, noted, newest
+          FROM outbox_intake i WHERE i.ctid = known_tid FOR UPDATE SKIP LOCKED;
+        IF NOT FOUND AND EXISTS (SELECT FROM outbox_intake i WHERE i.ctid = known_tid) THEN
+            RETURN NULL;
+        END IF;
+    END IF;
+    IF row_tid IS NULL THEN
+        SELECT i.intake_id, i.ctid, i.last_claim_at, i.newest_id INTO upto, row_tid, noted, newest
+          FROM outbox_intake i FOR UPDATE SKIP LOCKED;
+        IF NOT FOUND THEN
+            RETURN NULL;
+        END IF;
+        PERFORM outbox_intake_remember(row_tid);
     END IF;
     -- The cursor as locked is committed: the mark may go up to it.
     IF upto > coalesce(pg_sequence_last_value('outbox_intake_mark'), 0) THEN
@@ -347,7 +379,8 @@ BEGIN
     noted := CASE WHEN noted IS NULL OR noted < at - interval '1 second' THEN at END;
     IF upto >= last_id THEN
         IF noted IS NOT NULL THEN
-            UPDATE outbox_intake i SET last_claim_at = noted WHERE i.ctid = row_tid;
+            UPDATE outbox_intake i SET last_claim_at = noted WHERE i.ctid = row_tid RETURNING i.ctid INTO new_tid;
+            PERFORM outbox_intake_remember(new_tid);
         END IF;
         RETURN upto;
     END IF;
@@ -624,7 +657,9 @@ BEGIN
            SET intake_id = greatest(top, upto),
                newest_id = greatest(new_top, newest),
                last_claim_at = coalesce(noted, i.last_claim_at)
-         WHERE i.ctid = row_tid;
+         WHERE i.ctid = row_tid
+        RETURNING i.ctid INTO new_tid;
+        PERFORM outbox_intake_remember(new_tid);
         upto := greatest(top, upto);
     END IF;
     RETURN upto;

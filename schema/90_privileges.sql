@@ -102,7 +102,7 @@ REVOKE EXECUTE ON FUNCTION
     outbox_wake_workers(), outbox_worker_idle(), outbox_worker_busy(), outbox_next_wakeup(text),
     outbox_retry_delay(integer, interval, interval), outbox_commit_guard(), outbox_commit_horizon(),
     outbox_heads_writing(), outbox_heads_floor(), outbox_take_in(bigint, bigint, integer),
-    outbox_intake_wait(), outbox_intake_holders(),
+    outbox_intake_wait(), outbox_intake_remember(tid), outbox_intake_holders(),
     outbox_aggregate_bucket(text, text), outbox_shard_buckets(text), outbox_shards_enable(),
     outbox_shards_disable(), outbox_claim(integer, interval, text, bigint, text, boolean),
     outbox_refresh_heads(text[], text[]), outbox_complete(bigint[], uuid, timestamptz, timestamptz),

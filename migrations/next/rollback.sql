@@ -11,6 +11,7 @@ DROP FUNCTION outbox_open_claims();
 DROP FUNCTION outbox_warm_up(text);
 DROP FUNCTION outbox_claim(integer, interval, text, bigint, text, boolean);
 DROP FUNCTION outbox_intake_wait();
+DROP FUNCTION outbox_intake_remember(tid);
 DROP FUNCTION outbox_intake_holders();
 DROP FUNCTION outbox_fail(bigint, uuid, text, boolean, interval);
 DROP FUNCTION outbox_next_wakeup(text);
@@ -25,6 +26,7 @@ DROP FUNCTION outbox_replay_candidates(bigint[], text, text, text, timestamptz, 
 DROP FUNCTION outbox_replay_check(bigint[], text, text, text, timestamptz, timestamptz, boolean);
 DROP VIEW outbox_stats;
 DROP FUNCTION outbox_health_row();
+DROP SEQUENCE outbox_intake_tid;
 
 -- Back to one namespace of keys: where two producers hold one key, the earlier event keeps it.
 DELETE FROM outbox_idempotency k

@@ -60,3 +60,6 @@ ALTER TABLE outbox_intake ADD COLUMN newest_id bigint NOT NULL DEFAULT 0;
 -- A replay's copy names the event it copies, so that a replay copies originals only. Nullable
 -- without a default: a change of the catalog alone, no table rewrite.
 ALTER TABLE outbox ADD COLUMN replay_of bigint;
+
+-- The intake reads its row where the last intake left it (outbox_take_in), not by a scan.
+CREATE SEQUENCE outbox_intake_tid AS bigint MINVALUE 0 START 0;
