@@ -77,15 +77,8 @@ from outboxpg.relay.config import shard_range
 from outboxpg.relay.fleet import DatabaseLabelFilter
 from outboxpg.relay.health import Health
 from outboxpg.relay.nats.readiness import not_nats
-from outboxpg.relay.nats.streams import (
-    MAX_SUBJECTS,
-    Subject,
-    explicit_to_add,
-    missing_text,
-    streams_for,
-    under_allowed,
-    under_prefix,
-)
+from outboxpg.relay.nats.streams import explicit_to_add, streams_for
+from outboxpg.relay.nats.subjects import MAX_SUBJECTS, Subject, missing_text, under_allowed, under_prefix
 from outboxpg.relay.pooler import POOLER_HINT, behind_transaction_pooler
 from outboxpg.relay.worker import WorkerConfig, application_name
 from outboxpg.sinks import scheme_of

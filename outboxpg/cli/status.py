@@ -30,7 +30,7 @@ from outboxpg.cli.common import (
 from outboxpg.cli.errors import EXIT_USAGE, CliError
 from outboxpg.cli.render import jsonable, pairs, table
 from outboxpg.relay.horizon import XminHolder
-from outboxpg.relay.nats.streams import MAX_SUBJECTS, Subject, missing_text
+from outboxpg.relay.nats.subjects import MAX_SUBJECTS, Subject, missing_text
 from outboxpg.text import age, clip_first_line, describe, printable
 
 STATES = ("pending", "processing", "published", "dead", "discarded")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from outboxpg.relay.horizon import XminHolder
-from outboxpg.relay.nats.streams import Subject, missing_text, under_prefix
+from outboxpg.relay.nats.subjects import Subject, missing_text, under_prefix
 
 
 def test_under_prefix_is_what_prefix_dot_gt_captures() -> None:

@@ -9,6 +9,8 @@
 - runs: the batches and runs in flight, their reply tokens, how a run ends
 - batches: long runs as JetStream atomic batches, chunk after chunk
 - streams: stream administration: which stream captures a subject, check_stream, ensure_stream
+- subjects: the Subject record, which prefix captures a subject, the text about uncaptured ones
+  (no nats-py: ``outboxpg status`` imports it without loading the client)
 
 Import each name from its module (``from outboxpg.relay.nats.publisher import NatsPublisher``).
 """

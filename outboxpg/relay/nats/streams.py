@@ -2,6 +2,8 @@
 stream captures each, the check of the stream the worker publishes into (check_stream), and
 creating or updating it (ensure_stream).
 
+The subjects themselves (the Subject record, which prefix captures which) are in subjects.py.
+
 An event without a subject of its own goes to ``<subject_prefix>.<aggregate_type>.<event_type>``,
 which a stream capturing ``<subject_prefix>.>`` takes. An event with an explicit subject
 (``billing.invoice.issued``) needs a stream capturing that one: otherwise every publish of it is
@@ -17,35 +19,15 @@ captures, and the streams it finds are the ones whose acks the publisher counts 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 
 import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import StreamConfig
 
-__all__ = ["MAX_SUBJECTS", "Subject", "check_stream", "ensure_stream", "explicit_to_add", "missing_text", "stream_for",
-           "streams_for", "uncaptured", "under_allowed", "under_prefix"]
+from outboxpg.relay.nats.subjects import Subject, under_allowed, under_prefix
 
-# The most used subjects first; an outbox with more distinct subjects than this is checked on these.
-MAX_SUBJECTS = 100
-
-
-@dataclass(frozen=True)
-class Subject:
-    subject: str
-    explicit: bool    # the event's own subject, not <subject_prefix>.<aggregate_type>.<event_type>
-    events: int       # unfinished events (pending, processing, dead) going there
-
-
-def under_prefix(subject: str, prefix: str) -> bool:
-    """Whether ``<prefix>.>`` captures ``subject``."""
-    return subject.startswith(prefix + ".")
-
-
-def under_allowed(subject: str, prefixes: Sequence[str]) -> bool:
-    """Whether ``subject`` is under one of ``prefixes`` (whole tokens), as the insert checks it."""
-    return any(subject == p or under_prefix(subject, p) for p in prefixes)
+__all__ = ["check_stream", "ensure_stream", "explicit_to_add", "stream_for", "streams_for", "uncaptured"]
 
 
 async def stream_for(js: JetStreamContext, subject: str) -> str | None:
@@ -76,15 +58,6 @@ async def explicit_to_add(js: JetStreamContext, prefix: str, subjects: Sequence[
     candidates = [s for s in subjects if s.explicit and not under_prefix(s.subject, prefix)
                   and under_allowed(s.subject, allowed)]
     return [s.subject for s in await uncaptured(js, candidates)]
-
-
-def missing_text(missing: Sequence[Subject], what: str = "subject") -> str:
-    """One line: 'billing.invoice.issued' (3 events), 'audit.x' (1 event), ... (at most 5 named)."""
-    named = ", ".join(f"{s.subject!r} ({s.events} event{'' if s.events == 1 else 's'})" for s in missing[:5])
-    more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-    events = sum(s.events for s in missing)
-    return (f"no JetStream stream captures the {what}{'' if len(missing) == 1 else 's'} of "
-            f"{events} unfinished event{'' if events == 1 else 's'}: {named}{more}")
 
 
 async def check_stream(js: JetStreamContext, subject: str, needed_window: timedelta) -> list[str]:
