@@ -102,35 +102,53 @@ class FunctionPublisher:
 
     async def publish_batch(self, events: Sequence[OutboxEvent]) -> Sequence[Outcome]:
         if self.is_async:
-            outcomes: list[Outcome] = [None] * len(events)
-            deadline = asyncio.get_running_loop().time() + self.timeout
-            await asyncio.gather(*(self._run_async(events, run, outcomes, deadline) for run in runs_of(events)))
-            return outcomes
+            return await self._publish_async(events)
         return await self._publish_sync(events)
 
-    async def _run_async(self, events: Sequence[OutboxEvent], run: list[int], outcomes: list[Outcome],
-                         deadline: float) -> None:
+    async def _publish_async(self, events: Sequence[OutboxEvent]) -> list[Outcome]:
+        # Every outcome starts as not sent and becomes None when its call returned. One timer for
+        # the batch, not one per call (an asyncio timeout per event cost as much of the worker's
+        # time as the rest of the adapter): at the deadline the calls still running are
+        # cancelled and fail with a TimeoutError, and the runs' events not started stay not sent.
         loop = asyncio.get_running_loop()
+        outcomes: list[Outcome] = [NotSent("not sent: the batch ran out of time first")] * len(events)
+        running: set[int] = set()
+        batch = asyncio.gather(*(self._run_async(events, run, outcomes, running) for run in runs_of(events)))
+        expired = False
+
+        def expire() -> None:
+            nonlocal expired
+            expired = True
+            for i in running:
+                outcomes[i] = TimeoutError(f"publish took longer than {self.timeout:g}s")
+            batch.cancel()
+
+        timer = loop.call_at(loop.time() + self.timeout, expire)
+        try:
+            await batch
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not expired or (task is not None and task.cancelling()):
+                raise                   # cancelled from outside (a shutdown): so are the calls
+        finally:
+            timer.cancel()
+        return outcomes
+
+    async def _run_async(self, events: Sequence[OutboxEvent], run: list[int], outcomes: list[Outcome],
+                         running: set[int]) -> None:
         for n, i in enumerate(run):
-            if loop.time() >= deadline:
-                # Out of time before this call started: not tried, handed back without an attempt.
-                outcomes[i] = NotSent("not sent: the batch ran out of time first")
-                not_sent_after(events, run[n + 1:], events[i].id, outcomes)
-                return
-            outcome: Outcome = None
+            running.add(i)
             try:
-                async with asyncio.timeout_at(deadline):
-                    await self.fn(events[i])
+                await self.fn(events[i])
             except asyncio.CancelledError:
-                raise
-            except TimeoutError as exc:
-                outcome = exc if str(exc) else TimeoutError(f"publish took longer than {self.timeout:g}s")
+                raise                   # the batch's deadline (expire), or a shutdown
             except BaseException as exc:  # noqa: BLE001 - any failure of user code is an outcome
-                outcome = exc if isinstance(exc, Exception) else RuntimeError(repr(exc))
-            if outcome is not None:
-                outcomes[i] = outcome
+                running.discard(i)
+                outcomes[i] = exc if isinstance(exc, Exception) else RuntimeError(repr(exc))
                 not_sent_after(events, run[n + 1:], events[i].id, outcomes)
                 return
+            running.discard(i)
+            outcomes[i] = None
 
     async def _publish_sync(self, events: Sequence[OutboxEvent]) -> list[Outcome]:
         loop = asyncio.get_running_loop()

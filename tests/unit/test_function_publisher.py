@@ -71,6 +71,48 @@ async def test_an_async_call_over_the_timeout_fails_and_the_rest_of_its_run_is_n
     assert [outcomes[i] for i in (1, 3)] == [None, None]
 
 
+async def test_the_deadline_fails_the_call_running_keeps_what_was_published_and_stops_the_run() -> None:
+    async def publish(e: OutboxEvent) -> None:
+        if e.id == 3:
+            await asyncio.sleep(10)     # a1 returns, a3 hangs, a5 never starts; b2, b4 return
+
+    outcomes = await FunctionPublisher(publish, timeout=0.05).publish_batch(interleaved())
+    assert [outcomes[i] for i in (0, 1, 3)] == [None, None, None]
+    assert isinstance(outcomes[2], TimeoutError) and "longer than 0.05s" in str(outcomes[2])
+    assert isinstance(outcomes[4], NotSent)
+
+
+async def test_a_timeout_error_of_the_function_itself_is_its_outcome_before_the_deadline() -> None:
+    async def publish(e: OutboxEvent) -> None:
+        if e.id == 1:
+            raise TimeoutError("the broker did not answer")
+
+    started = asyncio.get_running_loop().time()
+    outcomes = await FunctionPublisher(publish, timeout=5).publish_batch(interleaved())
+    assert asyncio.get_running_loop().time() - started < 1
+    assert str(outcomes[0]) == "the broker did not answer"
+    assert [type(outcomes[i]).__name__ for i in (2, 4)] == ["NotSent", "NotSent"]
+    assert [outcomes[i] for i in (1, 3)] == [None, None]
+
+
+async def test_a_batch_cancelled_from_outside_cancels_its_calls_and_says_so() -> None:
+    cancelled: list[int] = []
+
+    async def publish(e: OutboxEvent) -> None:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            cancelled.append(e.id)
+            raise
+
+    batch = asyncio.ensure_future(FunctionPublisher(publish, timeout=5).publish_batch(interleaved()))
+    await asyncio.sleep(0.05)
+    batch.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await batch
+    assert sorted(cancelled) == [1, 2]     # the first call of each run, in flight
+
+
 def test_as_publisher_wraps_callables_and_refuses_the_rest() -> None:
     class Batches:
         async def publish_batch(self, events: list[OutboxEvent]) -> list[None]:
