@@ -52,6 +52,10 @@ class WorkerConfig:
                               "second, its runs in flight once their leases end; not with --shard or --poll-only",
                               "", metavar="NAME")
     concurrency: int = option("batches in flight at once (per database)", 4)
+    report_connections: int = option("connections the reports keep open while the worker is idle (per database), "
+                                     "each planned as it opens (outbox_warm_up): a burst's first reports need no "
+                                     "new server session; 0: opened when reports come, closed after 10 idle minutes "
+                                     "(fewer idle connections for a process serving many databases)", 2)
     lease: float = option("seconds a claimed batch is leased; at least twice --publish-timeout", 30.0)
     poll_interval: float = option("fallback poll when no notification comes, seconds", 30.0)
     poll_only: bool = option("no LISTEN and no session locks: poll every --poll-interval (for PgBouncer in "
@@ -83,6 +87,8 @@ class WorkerConfig:
                              "session lock)")
         if self.concurrency < 1:
             raise ValueError("concurrency must be at least 1")
+        if not 0 <= self.report_connections <= 100:
+            raise ValueError(f"report connections must be 0 to 100, got {self.report_connections}")
         if self.claim_bytes is not None and self.claim_bytes < 1:
             raise ValueError(f"claim bytes must be at least 1, got {self.claim_bytes}")
         if self.poll_interval <= 0:

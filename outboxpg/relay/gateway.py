@@ -9,9 +9,12 @@ CPU), which every connection of a shared pool would pay once, and again whenever
 replaces it. That connection calls outbox_warm_up() as it opens, before its first claim: the
 planning is paid when the worker starts (or reconnects), not in the middle of the first burst of
 events, where a fleet of workers would pay it all at once. The reports and the rest share the
-other pool, which keeps no connection of its own while the worker is idle (min_size 0: it closes
-one unused for max_idle, 10 minutes), so that an idle worker holds the connections it held
-before the claims had theirs: the claims', the LISTEN, the wakeup lock.
+other pool, which keeps --report-connections (2) open while the worker is idle, each warmed up
+the same way as it opens: a burst's first reports then open no server session and plan nothing
+(eight workers' first burst opened 13-16 sessions without them, and drained 8-29 % slower).
+The pool grows up to --concurrency + 2 for a burst and closes what it grew by after max_idle,
+10 minutes; with --report-connections 0 an idle worker holds only the claims', the LISTEN and
+the wakeup lock's connections.
 
 The start-up checks of ``outboxpg-worker`` (outboxpg.cli.outboxpg_worker), the wakeup lock and
 the LISTEN connection (wakeup.py) send their own few statements on connections of their own;
@@ -133,6 +136,10 @@ class Gateway:
         self.cfg = cfg
         self.application_name = application_name
         self._pool: AsyncConnectionPool | None = None
+        self._warm_up_failed = False
+        # Set once the claims' connection has warmed up: the reports' warm-ups wait for it, since
+        # warm-ups side by side take the intake row from one another and plan less.
+        self._claims_warmed = asyncio.Event()
         self._claims: AsyncConnectionPool | None = None
 
     @property
@@ -152,8 +159,9 @@ class Gateway:
                   **_poll_only_options(cfg)}
         self._claims = _Pool(cfg.dsn, min_size=1, max_size=1, open=False, timeout=10, kwargs=kwargs,
                              configure=self._configure_claims, name="outboxpg-worker-claims")
-        self._pool = _Pool(cfg.dsn, min_size=0, max_size=cfg.concurrency + 2, open=False, timeout=10, kwargs=kwargs,
-                           configure=self._configure, name="outboxpg-worker")
+        kept = cfg.report_connections
+        self._pool = _Pool(cfg.dsn, min_size=kept, max_size=max(kept, cfg.concurrency + 2), open=False, timeout=10,
+                           kwargs=kwargs, configure=self._configure_pooled, name="outboxpg-worker")
         await self._claims.open(wait=False)
         await self._pool.open(wait=False)
 
@@ -179,10 +187,30 @@ class Gateway:
     async def _configure_claims(self, conn: psycopg.AsyncConnection[Any]) -> None:
         await self._configure(conn)
         try:
+            await self._warm_up(conn)
+        finally:
+            self._claims_warmed.set()
+
+    async def _configure_pooled(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        await self._configure(conn)
+        pool = self._pool
+        if pool is not None and pool.get_stats().get("pool_size", 0) <= pool.min_size:
+            # One of the connections kept while idle (--report-connections), opened with the pool
+            # or in place of one it closed: planned now, off any burst's path. One the pool adds
+            # because reports are waiting serves as it opens (a warm-up would cost them more).
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._claims_warmed.wait(), 10)
+            await self._warm_up(conn)
+
+    async def _warm_up(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        try:
             await conn.execute(_WARM_UP, (self.cfg.shard or None,))
         except psycopg.Error as exc:
-            # Only the first claim's speed depends on it: the connection serves as it is.
-            log.warning("event=warm_up_failed worker=%s error=%r", self.cfg.name, first_line(exc))
+            # Only the first claim's (or report's) speed depends on it: the connection serves as it
+            # is. Said once: the other connections would fail for the same reason.
+            if not self._warm_up_failed:
+                self._warm_up_failed = True
+                log.warning("event=warm_up_failed worker=%s error=%r", self.cfg.name, first_line(exc))
 
     async def claim(self, batch_size: int, lease: timedelta, name: str, shard: str | None = None,
                     quiet_only: bool = False) -> list[tuple[Any, ...]]:

@@ -465,6 +465,9 @@ async def test_the_claims_connection_is_warmed_up_before_its_first_claim(dsn, co
     gateway = Gateway(WorkerConfig(dsn=dsn, concurrency=1), "outboxpg-worker")
     await gateway.open()
     try:
+        # The reports' connections warm up too, after the claims' one: a claim beside their
+        # warm-ups may find the intake row held by one and plan the statements of that case.
+        await gateway.pool.wait(10)
         async with gateway.claims.connection() as c:
             before = (await (await c.execute(PLANS_KEPT)).fetchone())[0]
         rows = await gateway.claim(50, timedelta(seconds=30), "w")
@@ -474,6 +477,31 @@ async def test_the_claims_connection_is_warmed_up_before_its_first_claim(dsn, co
     finally:
         await gateway.close()
     assert conn.execute("SELECT count(*) FROM outbox WHERE aggregate_id = 'warm-up'").fetchone()[0] == 0
+
+
+async def test_the_reports_keep_warmed_up_connections_while_idle(dsn, conn):
+    """--report-connections (2): the reports' pool opens that many with the gateway, each warmed up
+    as it opens, so that a burst's first reports open no server session and plan nothing of
+    outbox_complete; 0: none while idle, as before."""
+    gateway = Gateway(WorkerConfig(dsn=dsn, concurrency=1), "outboxpg-worker")
+    await gateway.open()
+    try:
+        await gateway.pool.wait(10)
+        async with gateway.pool.connection() as a, gateway.pool.connection() as b:
+            plans = [(await (await c.execute(PLANS_KEPT)).fetchone())[0] for c in (a, b)]
+        assert all(p > 100 for p in plans), plans
+        assert gateway.pool.get_stats()["pool_size"] == 2
+    finally:
+        await gateway.close()
+    assert conn.execute("SELECT count(*) FROM outbox WHERE aggregate_id = 'warm-up'").fetchone()[0] == 0
+
+    none_kept = Gateway(WorkerConfig(dsn=dsn, concurrency=1, report_connections=0), "outboxpg-worker")
+    await none_kept.open()
+    try:
+        await asyncio.sleep(0.5)
+        assert none_kept.pool.get_stats()["pool_size"] == 0
+    finally:
+        await none_kept.close()
 
 
 async def test_a_failed_warm_up_is_a_warning_and_the_connection_serves(dsn, conn, caplog):
