@@ -11,7 +11,8 @@ planning is paid when the worker starts (or reconnects), not in the middle of th
 events, where a fleet of workers would pay it all at once. The reports and the rest share the
 other pool, which keeps --report-connections (2) open while the worker is idle, each warmed up
 the same way as it opens: a burst's first reports then open no server session and plan nothing
-(eight workers' first burst opened 13-16 sessions without them, and drained 8-29 % slower).
+(eight workers' first burst of 20,000 events opened 11-16 sessions without them: BENCHMARKS.md,
+Shards).
 The pool grows up to --concurrency + 2 for a burst and closes what it grew by after max_idle,
 10 minutes; with --report-connections 0 an idle worker holds only the claims', the LISTEN and
 the wakeup lock's connections.

@@ -111,9 +111,11 @@ class FunctionPublisher:
         # time as the rest of the adapter): at the deadline the calls still running are
         # cancelled and fail with a TimeoutError, and the runs' events not started stay not sent.
         loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
         outcomes: list[Outcome] = [NotSent("not sent: the batch ran out of time first")] * len(events)
         running: set[int] = set()
-        batch = asyncio.gather(*(self._run_async(events, run, outcomes, running) for run in runs_of(events)))
+        batch = asyncio.gather(*(self._run_async(events, run, outcomes, running, deadline)
+                                 for run in runs_of(events)))
         expired = False
 
         def expire() -> None:
@@ -123,7 +125,7 @@ class FunctionPublisher:
                 outcomes[i] = TimeoutError(f"publish took longer than {self.timeout:g}s")
             batch.cancel()
 
-        timer = loop.call_at(loop.time() + self.timeout, expire)
+        timer = loop.call_at(deadline, expire)
         try:
             await batch
         except asyncio.CancelledError:
@@ -135,8 +137,11 @@ class FunctionPublisher:
         return outcomes
 
     async def _run_async(self, events: Sequence[OutboxEvent], run: list[int], outcomes: list[Outcome],
-                         running: set[int]) -> None:
+                         running: set[int], deadline: float) -> None:
+        loop = asyncio.get_running_loop()
         for n, i in enumerate(run):
+            if loop.time() >= deadline:
+                return                  # a function that swallowed the batch's cancel: not sent
             running.add(i)
             try:
                 await self.fn(events[i])

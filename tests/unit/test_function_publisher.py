@@ -4,6 +4,7 @@ per aggregate, stop at a run's first failure), and loading ``--publisher module:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import textwrap
 from pathlib import Path
@@ -93,6 +94,20 @@ async def test_a_timeout_error_of_the_function_itself_is_its_outcome_before_the_
     assert str(outcomes[0]) == "the broker did not answer"
     assert [type(outcomes[i]).__name__ for i in (2, 4)] == ["NotSent", "NotSent"]
     assert [outcomes[i] for i in (1, 3)] == [None, None]
+
+
+async def test_a_function_that_swallows_the_deadline_starts_nothing_after_it() -> None:
+    calls: list[int] = []
+
+    async def publish(e: OutboxEvent) -> None:
+        calls.append(e.id)
+        if e.id == 1:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(10)     # returns normally once cancelled: delivered, by contract
+
+    outcomes = await FunctionPublisher(publish, timeout=0.05).publish_batch(interleaved())
+    assert 3 not in calls and 5 not in calls, calls
+    assert outcomes[0] is None and [type(outcomes[i]).__name__ for i in (2, 4)] == ["NotSent", "NotSent"]
 
 
 async def test_a_batch_cancelled_from_outside_cancels_its_calls_and_says_so() -> None:
