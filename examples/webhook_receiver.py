@@ -51,6 +51,8 @@ class Receiver:
         except WebhookVerificationError as exc:
             return 401, f"signature not verified: {exc}".encode()
         msg_id = headers["webhook-id"]
+        # Requests come on threads of their own: the line is printed under the lock too, since
+        # print() writes the text and its newline apart, and two requests' lines would interleave.
         with self.lock:
             duplicate = msg_id in self.seen
             self.seen.add(msg_id)
@@ -58,13 +60,13 @@ class Receiver:
                 self.record.write(json.dumps({"headers": headers, "body": base64.b64encode(body).decode(),
                                               "duplicate": duplicate}).encode() + b"\n")
                 self.record.flush()
-        if not self.quiet:
-            event = {k: unquote(v) for k, v in headers.items() if k.startswith("outbox-")}
-            print(f"{'duplicate' if duplicate else 'event'} {shown(unquote(msg_id))} "
-                  f"{shown(event.get('outbox-subject', ''))} "
-                  f"{shown(event.get('outbox-aggregate-type', ''))}/{shown(event.get('outbox-aggregate-id', ''))} "
-                  f"id={event.get('outbox-id')} attempt={event.get('outbox-attempt')} "
-                  f"{shown(body[:200].decode('utf-8', 'replace'))}", flush=True)
+            if not self.quiet:
+                event = {k: unquote(v) for k, v in headers.items() if k.startswith("outbox-")}
+                print(f"{'duplicate' if duplicate else 'event'} {shown(unquote(msg_id))} "
+                      f"{shown(event.get('outbox-subject', ''))} "
+                      f"{shown(event.get('outbox-aggregate-type', ''))}/{shown(event.get('outbox-aggregate-id', ''))} "
+                      f"id={event.get('outbox-id')} attempt={event.get('outbox-attempt')} "
+                      f"{shown(body[:200].decode('utf-8', 'replace'))}", flush=True)
         return 204, b""
 
 
