@@ -148,12 +148,13 @@ class FunctionPublisher:
             except asyncio.CancelledError:
                 raise                   # the batch's deadline (expire), or a shutdown
             except BaseException as exc:  # noqa: BLE001 - any failure of user code is an outcome
-                running.discard(i)
                 outcomes[i] = exc if isinstance(exc, Exception) else RuntimeError(repr(exc))
+            else:
+                outcomes[i] = None
+            running.discard(i)
+            if outcomes[i] is not None:
                 not_sent_after(events, run[n + 1:], events[i].id, outcomes)
                 return
-            running.discard(i)
-            outcomes[i] = None
 
     async def _publish_sync(self, events: Sequence[OutboxEvent]) -> list[Outcome]:
         loop = asyncio.get_running_loop()
