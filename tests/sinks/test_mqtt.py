@@ -8,6 +8,7 @@ import asyncio
 import os
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -207,6 +208,12 @@ async def test_puback_reason_codes_not_authorized_is_permanent_no_subscribers_is
             # and a PUBLISH it has not read yet makes that close a reset, which can lose the PUBACK
             # (then the event fails as a lost connection, and is retried).
             (denied,) = await s.publish_batch([ev(1, "x", subject="outbox.secret.paid")])
+            # The next batch goes on the connection that replaces the closed one: on a loaded
+            # machine the close can be seen after this batch's PUBACK, and a batch sent between
+            # the two fails as a lost connection (the worker would retry it; this test would not).
+            deadline = time.monotonic() + 10
+            while s.connections < 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
             events = [ev(2, "y"), ev(3, "z", subject="outbox.unheard.paid"), ev(4, "z", subject="outbox.unheard.paid")]
             outcomes = await s.publish_batch(events)
         finally:
