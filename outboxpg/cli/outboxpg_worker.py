@@ -76,8 +76,6 @@ from outboxpg.relay.backoff import next_delay
 from outboxpg.relay.config import shard_range
 from outboxpg.relay.fleet import DatabaseLabelFilter
 from outboxpg.relay.health import Health
-from outboxpg.relay.nats.readiness import not_nats
-from outboxpg.relay.nats.streams import explicit_to_add, streams_for
 from outboxpg.relay.nats.subjects import MAX_SUBJECTS, Subject, missing_text, under_allowed, under_prefix
 from outboxpg.relay.pooler import POOLER_HINT, behind_transaction_pooler
 from outboxpg.relay.worker import WorkerConfig, application_name
@@ -163,7 +161,7 @@ async def _stream_setup(args: argparse.Namespace, publisher: Any, cfg: WorkerCon
     ones whose acks the publisher counts at once."""
     from outboxpg.relay.nats.connection import supports_atomic_batch
     from outboxpg.relay.nats.readiness import NOT_CAPTURED_HINT, covers_under, jetstream_off, uncaptured_prefixes
-    from outboxpg.relay.nats.streams import check_stream, ensure_stream
+    from outboxpg.relay.nats.streams import check_stream, ensure_stream, explicit_to_add, streams_for
 
     off = await jetstream_off(publisher.js, publisher.url)
     if off:
@@ -414,6 +412,8 @@ async def _wait_for_nats(servers: list[str], stopping: asyncio.Event) -> bool:
     (every 0.5 s, logged at DEBUG only); this probe connection makes no retries of its own.
     False: stopped (SIGTERM) while waiting."""
     import nats
+
+    from outboxpg.relay.nats.readiness import not_nats
 
     delay = 0.2
     while not stopping.is_set():
