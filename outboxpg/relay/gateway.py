@@ -12,7 +12,8 @@ events, where a fleet of workers would pay it all at once. The reports and the r
 other pool, which keeps --report-connections (2) open while the worker is idle, each warmed up
 the same way as it opens: a burst's first reports then open no server session and plan nothing
 (eight workers' first burst of 20,000 events opened 11-16 sessions without them: BENCHMARKS.md,
-Shards).
+Shards). At the start the claims' connection is handed out once those have warmed up too: a
+warm-up holds the heads its claim took, which the worker's own claims would skip.
 The pool grows up to --concurrency + 2 for a burst and closes what it grew by after max_idle,
 10 minutes; with --report-connections 0 an idle worker holds only the claims', the LISTEN and
 the wakeup lock's connections.
@@ -141,6 +142,12 @@ class Gateway:
         # Set once the claims' connection has warmed up: the reports' warm-ups wait for it, since
         # warm-ups side by side take the intake row from one another and plan less.
         self._claims_warmed = asyncio.Event()
+        # Set at the start once the reports' pool has configured as many connections as it keeps
+        # and none is warming up: the claims' connection is handed out then (_configure_claims).
+        self._reports_to_open = cfg.report_connections
+        self._reports_warming = 0
+        self._reports_warmed = asyncio.Event()
+        self._note_reports()
         self._claims: AsyncConnectionPool | None = None
 
     @property
@@ -187,21 +194,42 @@ class Gateway:
 
     async def _configure_claims(self, conn: psycopg.AsyncConnection[Any]) -> None:
         await self._configure(conn)
+        starting = not self._claims_warmed.is_set()
         try:
             await self._warm_up(conn)
         finally:
             self._claims_warmed.set()
+        if starting:
+            # The reports' kept connections warm up now, after this one. A warm-up claims as a
+            # worker does, and other claims skip the heads it holds until it undoes its work: the
+            # worker's first claim waits for them, so that it never meets its own warm-ups (a
+            # claim that came back short beside one made run_until_idle stop with events left).
+            # Only at the start, and 5 s at most: a connection replaced later serves at once.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._reports_warmed.wait(), 5)
 
     async def _configure_pooled(self, conn: psycopg.AsyncConnection[Any]) -> None:
-        await self._configure(conn)
-        pool = self._pool
-        if pool is not None and pool.get_stats().get("pool_size", 0) <= pool.min_size:
-            # One of the connections kept while idle (--report-connections), opened with the pool
-            # or in place of one it closed: planned now, off any burst's path. One the pool adds
-            # because reports are waiting serves as it opens (a warm-up would cost them more).
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._claims_warmed.wait(), 10)
-            await self._warm_up(conn)
+        try:
+            await self._configure(conn)
+            pool = self._pool
+            if pool is not None and pool.get_stats().get("pool_size", 0) <= pool.min_size:
+                # One of the connections kept while idle (--report-connections), opened with the
+                # pool or in place of one it closed: planned now, off any burst's path. One the pool
+                # adds because reports are waiting serves as it opens (a warm-up would cost them more).
+                self._reports_warming += 1
+                try:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._claims_warmed.wait(), 10)
+                    await self._warm_up(conn)
+                finally:
+                    self._reports_warming -= 1
+        finally:
+            self._reports_to_open -= 1
+            self._note_reports()
+
+    def _note_reports(self) -> None:
+        if self._reports_to_open <= 0 and self._reports_warming == 0:
+            self._reports_warmed.set()
 
     async def _warm_up(self, conn: psycopg.AsyncConnection[Any]) -> None:
         try:

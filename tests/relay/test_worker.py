@@ -465,9 +465,6 @@ async def test_the_claims_connection_is_warmed_up_before_its_first_claim(dsn, co
     gateway = Gateway(WorkerConfig(dsn=dsn, concurrency=1), "outboxpg-worker")
     await gateway.open()
     try:
-        # The reports' connections warm up too, after the claims' one: a claim beside their
-        # warm-ups may find the intake row held by one and plan the statements of that case.
-        await gateway.pool.wait(10)
         async with gateway.claims.connection() as c:
             before = (await (await c.execute(PLANS_KEPT)).fetchone())[0]
         rows = await gateway.claim(50, timedelta(seconds=30), "w")
@@ -502,6 +499,39 @@ async def test_the_reports_keep_warmed_up_connections_while_idle(dsn, conn):
         assert none_kept.pool.get_stats()["pool_size"] == 0
     finally:
         await none_kept.close()
+
+
+SLOW_WARM_UPS = """
+    CREATE FUNCTION slow_warm_up() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        IF NEW.aggregate_id = 'warm-up' AND NEW.state = 'processing' THEN
+            PERFORM pg_sleep(0.5);
+        END IF;
+        RETURN NEW;
+    END $$;
+    CREATE TRIGGER slow_warm_up AFTER UPDATE ON outbox FOR EACH ROW EXECUTE FUNCTION slow_warm_up()"""
+WARM_UPS_RUNNING = ("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND state = 'active' "
+                    "AND query LIKE 'SELECT outbox_warm_up(%%' AND pid <> pg_backend_pid()")
+
+
+async def test_the_claims_connection_is_handed_out_once_every_warm_up_is_done(dsn, conn):
+    """A warm-up claims as a worker does: the heads its claim takes are skipped by other claims
+    until it undoes its work. The claims' connection is handed out once the reports' kept
+    connections have warmed up as well, so that the worker's first claims never meet its own
+    warm-ups holding heads (run_until_idle, what outboxpg.testing.drain runs, took a claim that
+    came back empty beside one for "nothing claimable" and returned with events left). The
+    warm-ups are made slow here: a trigger sleeps 0.5 s when one's own event is claimed."""
+    conn.execute(SLOW_WARM_UPS)
+    gateway = Gateway(WorkerConfig(dsn=dsn, concurrency=1), "outboxpg-worker")
+    await gateway.open()
+    try:
+        async with gateway.claims.connection():
+            await asyncio.sleep(0.2)    # what would start beside the first claim has started
+            running = conn.execute(WARM_UPS_RUNNING).fetchone()[0]
+            kept = gateway.pool.get_stats()["pool_size"]
+        assert (running, kept) == (0, 2)
+    finally:
+        await gateway.close()
 
 
 async def test_a_failed_warm_up_is_a_warning_and_the_connection_serves(dsn, conn, caplog):
