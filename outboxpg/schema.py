@@ -11,7 +11,6 @@ from urllib.parse import quote, urlencode
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
-from yoyo import get_backend, read_migrations
 
 from outboxpg import statements
 from outboxpg.adopt import check_install
@@ -47,6 +46,8 @@ def yoyo_uri(dsn: str) -> str:
 
 
 def _steps(dsn: str, on_notice: OnNotice | None = None, inbox: bool = False):  # type: ignore[no-untyped-def]
+    from yoyo import get_backend, read_migrations  # yoyo: only where steps are applied or rolled back
+
     backend = get_backend(yoyo_uri(dsn))
     if on_notice is not None:
         # yoyo runs each step on a copy of the backend, with a connection of its own.
@@ -270,6 +271,8 @@ def migrate_in(connection: Any, through: str | None = None) -> list[str]:
     open transaction: nothing is committed here. Recorded in yoyo's bookkeeping as `outboxpg
     migrate` records them, so either can take over. Returns the ids applied. Refuses a hand
     install (HandInstalled) and unknown steps (UnknownSteps), as migrate() does."""
+    from yoyo import read_migrations
+
     _known_step(through)
     backend = _in_transaction_backend(connection)
     rec = _recorded_on(backend)
@@ -288,6 +291,8 @@ def migrate_in(connection: Any, through: str | None = None) -> list[str]:
 def rollback_in(connection: Any, to: str | None = None) -> list[str]:
     """Roll back, on ``connection`` in its open transaction, every applied step after ``to``
     (None: every step); returns their ids, newest first."""
+    from yoyo import read_migrations
+
     _known_step(to)
     backend = _in_transaction_backend(connection)
     keep = set(step_ids()[:step_ids().index(to) + 1] if to else [])

@@ -101,9 +101,10 @@ def test_the_command_lines_start_without_the_nats_client(cli: str) -> None:
     it loads) is imported only when `status --nats-url` looks at the streams. At module level
     they took about a third of every command's start (0.64 against 0.40 s for `outboxpg status`).
     `outboxpg-worker` imports them on its way to a NATS server: a refused flag, --help, a
-    --publisher or another --sink start without them."""
+    --publisher or another --sink start without them. Neither loads yoyo until it applies or
+    rolls back migration steps."""
     loaded = subprocess.run(
         [sys.executable, "-c", f"import sys, {cli}; "
-                               "print(sorted(m for m in ('nats', 'aiohttp') if m in sys.modules))"],
+                               "print(sorted(m for m in ('nats', 'aiohttp', 'yoyo') if m in sys.modules))"],
         capture_output=True, text=True, check=True, cwd=PACKAGE.parent).stdout.strip()
     assert loaded == "[]"
