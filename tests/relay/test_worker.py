@@ -505,7 +505,7 @@ SLOW_WARM_UPS = """
     CREATE FUNCTION slow_warm_up() RETURNS trigger LANGUAGE plpgsql AS $$
     BEGIN
         IF NEW.aggregate_id = 'warm-up' AND NEW.state = 'processing' THEN
-            PERFORM pg_sleep(0.5);
+            PERFORM pg_sleep(0.3);
         END IF;
         RETURN NEW;
     END $$;
@@ -520,13 +520,13 @@ async def test_the_claims_connection_is_handed_out_once_every_warm_up_is_done(ds
     connections have warmed up as well, so that the worker's first claims never meet its own
     warm-ups holding heads (run_until_idle, what outboxpg.testing.drain runs, took a claim that
     came back empty beside one for "nothing claimable" and returned with events left). The
-    warm-ups are made slow here: a trigger sleeps 0.5 s when one's own event is claimed."""
+    warm-ups are made slow here: a trigger sleeps 0.3 s when one's own event is claimed."""
     conn.execute(SLOW_WARM_UPS)
     gateway = Gateway(WorkerConfig(dsn=dsn, concurrency=1), "outboxpg-worker")
     await gateway.open()
     try:
         async with gateway.claims.connection():
-            await asyncio.sleep(0.2)    # what would start beside the first claim has started
+            await asyncio.sleep(0.1)    # what would start beside the first claim has started
             running = conn.execute(WARM_UPS_RUNNING).fetchone()[0]
             kept = gateway.pool.get_stats()["pool_size"]
         assert (running, kept) == (0, 2)
