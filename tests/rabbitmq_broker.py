@@ -44,6 +44,17 @@ def listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+def children_of(pid: int) -> list[int]:
+    """The PIDs of ``pid``'s child processes (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            # pid (comm) state ppid ...: comm may hold spaces and parentheses; ppid follows the last ')'
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+    return found
+
+
 def private_broker_missing() -> str | None:
     """Why a private broker cannot be started here, or None."""
     if not Path(RABBITMQ_SERVER).exists():
@@ -86,6 +97,8 @@ class PrivateRabbitMQ:
 
     def start(self, timeout: float = 60.0) -> None:
         assert self.process is None, "started already"
+        if listening(self.port):   # not ours to take for a broker that started
+            raise RuntimeError(f"port {self.port} of the private rabbitmq-server is taken before it starts")
         with open(self.dir / "server.out", "ab") as out:
             self.process = subprocess.Popen([RABBITMQ_SERVER], env=self._env(), stdout=out, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, start_new_session=True)
@@ -98,22 +111,32 @@ class PrivateRabbitMQ:
             time.sleep(0.1)
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Stop the broker (SIGTERM to the Erlang VM by its PID file, then to the script we started)."""
+        """Stop the broker: SIGTERM to the Erlang VM (by its PID file, and as the child of the
+        script we started, should the file not be written yet), then wait for the script to end
+        and the port to close; SIGKILL to the whole session after ``timeout``. A port still
+        open after that is an error, not a broker taken for stopped."""
         process, self.process = self.process, None
         if process is None:
             return
         pid_file = self.dir / "pid"
-        with contextlib.suppress(FileNotFoundError, ValueError, ProcessLookupError):
-            os.kill(int(pid_file.read_text().strip()), signal.SIGTERM)
+        vms = set(children_of(process.pid))
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            vms.add(int(pid_file.read_text().strip()))
+        for pid in vms:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
         try:
             process.wait(timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)   # its own session: the script and the VM it started
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)   # its own session: the script and the VM it started
             process.wait(10)
         with contextlib.suppress(FileNotFoundError):
             pid_file.unlink()
         deadline = time.monotonic() + 10
-        while listening(self.port) and time.monotonic() < deadline:
+        while listening(self.port):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"private rabbitmq-server still listening on port {self.port} after it stopped")
             time.sleep(0.05)
 
     def close(self) -> None:
