@@ -33,6 +33,7 @@ from typing import Any
 
 import psycopg
 from debian_packages import apt_install
+from processes import children_of
 
 from outboxpg.embedded import find_pg_bindir, free_port
 
@@ -118,17 +119,6 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _children(pid: int) -> list[int]:
-    """The PIDs of a process's direct children (from /proc)."""
-    out: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*/children"):
-        try:
-            out += [int(p) for p in task.read_text().split()]
-        except OSError:
-            pass
-    return out
-
-
 class PatroniNode:
     def __init__(self, cluster: PatroniCluster, name: str) -> None:
         self.cluster, self.name = cluster, name
@@ -203,7 +193,7 @@ class PatroniNode:
         if self.proc is not None and self.proc.poll() is None:
             pids.append(self.proc.pid)
         if (pm := self.postmaster_pid()) is not None:
-            pids += [pm, *_children(pm)]
+            pids += [pm, *children_of(pm)]
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)

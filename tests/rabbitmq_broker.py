@@ -23,6 +23,8 @@ import time
 import uuid
 from pathlib import Path
 
+from processes import children_of
+
 AMQP_URL = os.environ.get("OUTBOXPG_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
 RABBITMQ_SERVER = "/usr/lib/rabbitmq/bin/rabbitmq-server"
 
@@ -42,17 +44,6 @@ def listening(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.5)
         return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def children_of(pid: int) -> list[int]:
-    """The PIDs of ``pid``'s child processes (from /proc)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            # pid (comm) state ppid ...: comm may hold spaces and parentheses; ppid follows the last ')'
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(stat.parent.name))
-    return found
 
 
 def private_broker_missing() -> str | None:
